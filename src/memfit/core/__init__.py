@@ -1,0 +1,1 @@
+"""Units, precisions, memory categories and the user-error type shared by all of memfit."""

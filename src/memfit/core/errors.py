@@ -1,0 +1,23 @@
+"""The one error type for user mistakes; the CLI prints it on one line and exits 2."""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class MemfitError(Exception):
+    """A user error: the message names the user's value, the rule, and a way out."""
+
+
+def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
+    """A 'did you mean' fragment for an unknown `name`, or '' when nothing is close."""
+    matches = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.5)
+    return f" Did you mean: {', '.join(matches)}?" if matches else ""
+
+
+def require_positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MemfitError(f"{what} must be a positive integer, got {value!r}.")
+    if value <= 0:
+        raise MemfitError(f"{what} must be a positive integer, got {value}.")
+    return value

@@ -1,0 +1,41 @@
+"""Training/inference precisions and what each one means for dtypes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memfit.core.errors import MemfitError, closest
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_dtype: torch.dtype          # dtype the weights are stored in
+    autocast_dtype: torch.dtype | None  # dtype of autocast regions, None without autocast
+    loss_scaling: bool                # dynamic loss scaling (fp16 mixed precision)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.autocast_dtype or self.param_dtype
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", torch.float32, None, False),
+    "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, True),
+    "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False),
+    "bf16": Precision("bf16", torch.bfloat16, None, False),
+}
+
+
+def get_precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise MemfitError(
+            f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}.{closest(name, PRECISIONS)}"
+        ) from None
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()

@@ -1,0 +1,24 @@
+"""Estimators: traced (the real step on fake tensors) and analytic (closed forms)."""
+from __future__ import annotations
+
+from memfit.core.errors import MemfitError
+from memfit.estimate.breakdown import MemoryEstimate
+from memfit.specs.hardware import GPU
+from memfit.specs.workload import Workload
+
+METHODS = ("auto", "traced", "analytic")
+
+
+def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None, **options) -> MemoryEstimate:
+    """`auto`: traced where it can run (PyTorch engine), analytic otherwise."""
+    if method not in METHODS:
+        raise MemfitError(f"unknown --method {method!r}; choose auto, traced or analytic.")
+    if method == "auto":
+        method = "traced" if workload.engine == "pytorch" else "analytic"
+    if method == "traced":
+        from memfit.estimate.traced import traced_estimate
+
+        return traced_estimate(workload, gpu, **options)
+    from memfit.estimate.analytic import analytic_estimate
+
+    return analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})

@@ -1,0 +1,167 @@
+"""What CUDA would run, emulated on fake CPU tensors for a GPU target.
+
+A CPU trace runs CPU kernels and CPU autocast; a GPU runs different ones, with different memory:
+
+- Dropout: CUDA's fused `native_dropout` keeps a 1-byte mask; the CPU path keeps a full-size
+  float mask. Emulated with `native_dropout`.
+- Attention: CUDA's SDPA picks flash or memory-efficient kernels that save q, k, v, the output
+  and a float32 log-sum-exp, where CPU falls back to the math path (the full attention matrix)
+  whenever dropout is on. Emulated with an autograd function that allocates what those kernels
+  allocate, including flash-attention's float32 dq accumulator in backward.
+- Autocast: CUDA's op lists differ from CPU's (layer_norm, softmax, pow, exp, log_softmax run in
+  float32 on CUDA). Emulated at the torch-function level, above autograd like real autocast, with
+  its weight-cast cache. Regions nested inside the model (e.g. `autocast(enabled=False)` around
+  rotary embeddings) turn the emulation off, as they would turn CUDA autocast off.
+
+These are models of CUDA behaviour written from PyTorch's autocast lists and kernel sources;
+`benchmarks/gpu_validate` checks them against a real GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+          torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm,
+          torch.baddbmm, torch.Tensor.baddbmm, torch.addbmm, torch.mv, torch.addmv, torch.einsum,
+          F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.prelu}
+_FP32 = {F.layer_norm, F.group_norm, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.Tensor.__rpow__,
+         torch.exp, torch.Tensor.exp, torch.expm1, torch.log, torch.Tensor.log, torch.log10, torch.log2,
+         torch.log1p, torch.reciprocal, torch.Tensor.reciprocal, torch.rsqrt, torch.Tensor.rsqrt, torch.acos,
+         torch.asin, torch.cosh, torch.erfinv, torch.sinh, torch.tan, F.softplus, F.cosine_similarity,
+         F.nll_loss, F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.mse_loss, F.margin_ranking_loss,
+         F.binary_cross_entropy_with_logits, torch.dist, torch.cdist, torch.logsumexp, torch.Tensor.logsumexp,
+         F.poisson_nll_loss, F.cosine_embedding_loss, F.hinge_embedding_loss, F.soft_margin_loss,
+         F.triplet_margin_loss, F.multi_margin_loss, F.multilabel_margin_loss, F.interpolate}
+_FP32_OUTPUT = {F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,
+                torch.Tensor.log_softmax, torch.sum, torch.Tensor.sum, torch.prod, torch.Tensor.prod,
+                torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _nesting() -> int:
+    level = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return level - 1
+
+
+class CudaAutocast:
+    """`torch.autocast("cuda", dtype)` for fake CPU tensors (see module docstring)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+        self.level = -1
+
+    def __enter__(self):
+        self._region = torch.autocast("cpu", enabled=False)   # a region other autocasts nest inside
+        self._region.__enter__()
+        self.level = _nesting()
+        self._mode = _AutocastMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._region.__exit__(*exc)
+        self.cache.clear()
+        return False
+
+    @property
+    def active(self) -> bool:
+        return _nesting() == self.level
+
+    def cast(self, value, dtype: torch.dtype):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()) or value.dtype in (dtype, torch.float64):
+            return value
+        if value.is_leaf and value.requires_grad:   # weights: cast once per region, as autocast caches
+            cached = self.cache.get(id(value))
+            if cached is None or cached.dtype != dtype:
+                cached = self.cache[id(value)] = value.to(dtype)
+            return cached
+        return value.to(dtype)
+
+
+def _map(values, fn):
+    if isinstance(values, (list, tuple)):
+        return type(values)(_map(v, fn) for v in values)
+    return fn(values)
+
+
+class _AutocastMode(TorchFunctionMode):
+    def __init__(self, owner: CudaAutocast) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = self.owner
+        if not owner.active:
+            return func(*args, **kwargs)
+        if func in _LOWER or func is F.scaled_dot_product_attention:
+            cast = lambda v: owner.cast(v, owner.dtype)  # noqa: E731
+            return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
+        if func in _FP32:
+            cast = lambda v: owner.cast(v, torch.float32) if isinstance(v, torch.Tensor) and v.dtype in _HALF else v  # noqa: E731
+            return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
+        if func in _FP32_OUTPUT and kwargs.get("dtype") is None and args and \
+                isinstance(args[0], torch.Tensor) and args[0].dtype in _HALF:
+            return func(*args, **kwargs, dtype=torch.float32)
+        if func is F.cross_entropy and args[0].dtype in _HALF and not kwargs.get("label_smoothing"):
+            return _cross_entropy_fp32(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _cross_entropy_fp32(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0):
+    # CUDA autocast reaches cross_entropy's parts: log_softmax(dtype=float32), then nll_loss.
+    log_probs = F.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
+    return F.nll_loss(log_probs, target, weight, None, ignore_index, None, reduction)
+
+
+class CudaKernels(TorchFunctionMode):
+    """Dropout and attention as CUDA's fused kernels allocate them (active for the whole GPU trace)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return _sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Flash / memory-efficient attention's memory: saves q, k, v, out and a float32 logsumexp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        b, a, s, d = q.shape
+        out = torch.empty(b, s, a, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # kernels write (b, s, a, d)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # flash-attention v2 backward
+        delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del dq_accum, delta
+        return (*grads, None)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    flash_or_efficient = query.shape[-1] <= 256 and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if not flash_or_efficient:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _FusedAttention.apply(query, key, value, attn_mask)

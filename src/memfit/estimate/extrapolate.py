@@ -1,0 +1,130 @@
+"""Trace a few layers, predict many: the peak of a stack of identical layers is linear in depth.
+
+A step's timeline is cut into regions per phase: the stretch before the first repeated layer,
+the first `period` layers, the last `period` layers, the stretch after (and the same for every
+further run of the stack, e.g. each decode step). Layers in the middle are never the maximum:
+layer j's memory is c + s*j, so its maximum over j sits at the first or last layer. Every region's
+maximum (the total and each category) is then a linear function of the number of layers n, and
+three traces at n = p, 2p, 3p both fit the line and check it exactly before it is used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.core.categories import CATEGORIES, zero_categories
+from memfit.estimate.tracker import Trace
+
+
+@dataclass
+class RegionPeak:
+    phase: str
+    at_max: dict[str, int]       # categories at the region's highest total
+    category_max: dict[str, int]  # each category's own maximum in the region
+
+    @property
+    def total(self) -> int:
+        return sum(self.at_max.values())
+
+
+class NotLinear(Exception):
+    """The three short traces do not lie on a line; a full trace is needed."""
+
+
+def _phase_spans(trace: Trace) -> list[tuple[str, int, int]]:
+    marks = [m for m in trace.phase_marks if m[0] >= trace.start]
+    spans = []
+    for i, (begin, name) in enumerate(marks):
+        end = marks[i + 1][0] if i + 1 < len(marks) else len(trace.events)
+        spans.append((name, begin, end))
+    return spans
+
+
+def _runs(starts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Group (event, stack, layer) starts into runs: same stack, layers stepping by one."""
+    runs: list[list[tuple[int, int, int]]] = []
+    for item in starts:
+        if runs:
+            last = runs[-1][-1]
+            same = item[1] == last[1] and abs(item[2] - last[2]) == 1
+            direction_ok = len(runs[-1]) < 2 or (item[2] - last[2]) == (last[2] - runs[-1][-2][2])
+            if same and direction_ok:
+                runs[-1].append(item)
+                continue
+        runs.append([item])
+    return runs
+
+
+def region_bounds(trace: Trace, period: int) -> list[tuple[tuple[str, int], int, int]]:
+    """[(key, first event, end event)], key = (phase, ordinal), in time order."""
+    regions = []
+    for phase, begin, end in _phase_spans(trace):
+        starts = sorted((e, s, layer) for e, p, s, layer, kind in trace.block_marks
+                        if kind == "start" and begin <= e < end and p == phase)
+        ends = {(s, layer): e for e, p, s, layer, kind in trace.block_marks
+                if kind == "end" and begin <= e <= end and p == phase}
+        cursor, ordinal = begin, 0
+        for run in _runs(starts):
+            run_end = max(ends.get((run[-1][1], run[-1][2]), run[-1][0]), run[-1][0])
+            first_end = run[period][0] if len(run) > period else run_end
+            regions.append(((phase, ordinal), cursor, run[0][0]))
+            regions.append(((phase, ordinal + 1), run[0][0], first_end))
+            regions.append(((phase, ordinal + 2), run[max(len(run) - period, 0)][0], run_end))
+            ordinal += 3
+            cursor = run_end
+        regions.append(((phase, ordinal), cursor, end))
+    return regions
+
+
+def region_peaks(trace: Trace, period: int, weights: dict[str, int] | None = None) -> dict[tuple[str, int], RegionPeak]:
+    bounds = region_bounds(trace, period)
+    peaks = {key: RegionPeak(key[0], zero_categories(), zero_categories()) for key, _, _ in bounds}
+    best = {key: -1 for key in peaks}
+    for index, totals in trace.walk(weights):
+        point = max(index, trace.start)   # the baseline belongs to the first region
+        total = None
+        for key, first, last in bounds:
+            if not first <= point < last:
+                continue
+            total = sum(totals.values()) if total is None else total
+            peak = peaks[key]
+            if total > best[key]:
+                best[key] = total
+                peak.at_max = dict(totals)
+            for name, value in totals.items():
+                if value > peak.category_max[name]:
+                    peak.category_max[name] = value
+    return {key: peak for key, peak in peaks.items() if best[key] >= 0}
+
+
+def extrapolate(samples: dict[int, dict[tuple[str, int], RegionPeak]], layers: int) -> dict[tuple[str, int], RegionPeak]:
+    """From region peaks at three equally spaced depths, the region peaks at `layers` depth."""
+    (n1, a), (n2, b), (n3, c) = sorted(samples.items())
+    if n2 - n1 != n3 - n2 or (layers - n1) % (n2 - n1):
+        raise NotLinear(f"depths {n1}, {n2}, {n3} -> {layers} are not on one grid")
+    if set(a) != set(b) or set(b) != set(c):
+        raise NotLinear("the step's structure changes with depth")
+    steps = (layers - n1) // (n2 - n1)
+    result = {}
+    for key in a:
+        vectors = []
+        for attr in ("at_max", "category_max"):
+            x1, x2, x3 = getattr(a[key], attr), getattr(b[key], attr), getattr(c[key], attr)
+            predicted = {}
+            for name in CATEGORIES:
+                slope = x2[name] - x1[name]
+                if x2[name] + slope != x3[name]:
+                    raise NotLinear(f"{attr}[{name}] in {key}: {x1[name]}, {x2[name]}, {x3[name]}")
+                predicted[name] = x1[name] + slope * steps
+            vectors.append(predicted)
+        result[key] = RegionPeak(a[key].phase, vectors[0], vectors[1])
+    return result
+
+
+def peak_of(regions: dict[tuple[str, int], RegionPeak]) -> tuple[RegionPeak, dict[str, int], dict[str, int]]:
+    """(the peak region, component peaks, peak total per phase)."""
+    top = max(regions.values(), key=lambda r: r.total)
+    components = {name: max(r.category_max[name] for r in regions.values()) for name in CATEGORIES}
+    phases: dict[str, int] = {}
+    for region in regions.values():
+        phases[region.phase] = max(phases.get(region.phase, 0), region.total)
+    return top, components, phases

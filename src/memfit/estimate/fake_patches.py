@@ -1,0 +1,51 @@
+"""Decisions that libraries take by reading tensor data, taken under fake tensors as the real run takes them.
+
+Fake tensors have no values, so code that inspects values either fails or (transformers'
+`is_tracing`) assumes the worst. Each patch below answers what the real run answers for the batches
+memfit builds (no padding, one sequence per row), and is checked by the traced-vs-measured tests.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+
+@contextlib.contextmanager
+def real_data_decisions():
+    patches = []
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # no transformers: nothing to patch
+        masking = None
+    if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
+        # Training without a cache: HF checks position ids for packed sequences; memfit's are one
+        # arange per row, so the real run finds none and keeps SDPA's is_causal fast path.
+        patches.append((masking, "find_packed_sequence_indices", lambda position_ids: None))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+class FakeKernelFixes(TorchDispatchMode):
+    """A dispatch mode for fake runs only: shape rules that PyTorch's meta kernels get wrong on CPU.
+
+    `aten._grouped_mm` (MoE experts): the meta kernel insists on bf16, as CUDA does, but the CPU
+    kernel also takes fp32; the output shape does not depend on the dtype.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            with _disable_current_modes():
+                metas = [torch.empty(a.shape, device="meta", dtype=torch.bfloat16 if a.is_floating_point() else a.dtype)
+                         if isinstance(a, torch.Tensor) else a for a in args]
+                shape = func(*metas, **{k: v for k, v in kwargs.items() if k != "out_dtype"}).shape
+            return torch.empty(shape, dtype=kwargs.get("out_dtype") or args[0].dtype, device=args[0].device)
+        return func(*args, **kwargs)

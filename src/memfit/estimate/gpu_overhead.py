@@ -1,0 +1,24 @@
+"""What a CUDA device holds beyond the tensors PyTorch allocates (all ASSUMED until measured).
+
+- CUDA context and kernel images: per-GPU figure from the catalog (gpus.json, context_mib).
+- cuBLAS/cuDNN workspaces: PyTorch keeps one cuBLAS workspace per handle and stream.
+- The caching allocator's reserve: reserved bytes exceed allocated bytes (block splitting,
+  2 MiB / 20 MiB segments, fragmentation). A fraction of the tensor peak, typical of training
+  loops without expandable segments; `benchmarks/gpu_validate` measures the real ratio.
+"""
+from __future__ import annotations
+
+from memfit.core.units import MiB
+from memfit.specs.hardware import GPU
+
+CUDA_ALLOCATION_ROUND_BYTES = 512          # every caching-allocator block is a multiple of this
+CUBLAS_WORKSPACE_BYTES_ASSUMED = 32 * MiB
+ALLOCATOR_RESERVE_FRACTION_ASSUMED = 0.10
+
+
+def gpu_overheads(gpu: GPU, peak_bytes: int) -> dict[str, int]:
+    return {
+        "cuda_context": gpu.context_bytes,
+        "cublas_workspace": CUBLAS_WORKSPACE_BYTES_ASSUMED,
+        "allocator_reserve": int(peak_bytes * ALLOCATOR_RESERVE_FRACTION_ASSUMED),
+    }

@@ -1,0 +1,37 @@
+"""Per-rank model states under data parallelism and ZeRO (Rajbhandari et al., 2020).
+
+Bytes on one rank = sum over categories of weight[c] * bytes[c] / divisor, in integers, so that a
+sharded timeline can be re-peaked exactly. Stage 1 shards optimizer states, stage 2 also gradients,
+stage 3 also parameters, each over `world_size` ranks.
+"""
+from __future__ import annotations
+
+from memfit.core.categories import CATEGORIES
+from memfit.specs.workload import Workload
+
+DDP_BUCKET_NOTE = ("DDP keeps a flat copy of the gradients in its reduction buckets "
+                   "(gradient_as_bucket_view=False, PyTorch's default): gradients counted twice (analytic)")
+
+
+def state_weights(workload: Workload) -> tuple[dict[str, int], int, list[str]]:
+    n = workload.world_size
+    weights = {name: n for name in CATEGORIES}
+    notes: list[str] = []
+    if n == 1 or workload.task != "train":
+        return {name: 1 for name in CATEGORIES}, 1, notes
+    stage = workload.zero_stage
+    if workload.engine == "pytorch" and stage <= 1:
+        weights["gradients"] = 2 * n
+        notes.append(DDP_BUCKET_NOTE)
+    if stage >= 1:
+        weights["optimizer_states"] = 1
+    if stage >= 2:
+        weights["gradients"] = 1
+    if stage >= 3:
+        weights["parameters"] = 1
+        notes.append("ZeRO-3/FSDP all-gather buffers of the layer being computed are not included yet")
+    return weights, n, notes
+
+
+def apply_weights(vector: dict[str, int], weights: dict[str, int], divisor: int) -> dict[str, int]:
+    return {name: -(-vector[name] * weights[name] // divisor) for name in vector}

@@ -1,0 +1,150 @@
+"""The traced estimator: run the real step of the real model on fake tensors and track every storage.
+
+The model is built on the meta device and materialised as fake CPU tensors, so nothing real is
+allocated at any size. Deep stacks of identical layers are traced at three small depths and
+extrapolated (see extrapolate.py), with an exact check; `full_trace=True` traces every layer.
+For a GPU target the trace models what CUDA runs: the caching allocator's 512-byte rounding,
+foreach optimizer kernels (CUDA's default), CUDA's autocast lists, fused dropout and attention
+kernels (cuda_emulation.py), plus the overheads in gpu_overhead.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memfit.core.categories import CATEGORIES
+from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
+from memfit.estimate.breakdown import MemoryEstimate
+from memfit.estimate.fake_patches import FakeKernelFixes, real_data_decisions
+from memfit.estimate.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of, region_peaks
+from memfit.estimate.cuda_emulation import CudaAutocast, CudaKernels
+from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
+from memfit.estimate.modules import module_rows
+from memfit.estimate.sharding import apply_weights, state_weights
+from memfit.estimate.timeline import timeline_of
+from memfit.estimate.tracker import MemoryTracker, Trace
+from memfit.specs.hardware import GPU
+from memfit.specs.workload import Workload
+from memfit.steps.hooks import tensors_in
+from memfit.steps.runner import run_workload
+
+WHOLE_RUN = 10**9   # a "period" longer than any stack: regions cover every layer (no extrapolation)
+
+
+@dataclass
+class _Run:
+    trace: Trace
+    model: nn.Module
+    stacks: list[nn.ModuleList]
+
+
+def repeated_stacks(model: nn.Module, num_layers: int | None) -> list[nn.ModuleList]:
+    """ModuleLists of same-type layers, as many as the model's layer count (HF models)."""
+    if not num_layers:
+        return []
+    stacks = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            if len({type(child) for child in module}) == 1:
+                stacks.append(module)
+    return stacks
+
+
+def build_fake(workload: Workload, num_layers: int | None, fake_mode: FakeTensorMode) -> nn.Module:
+    source = workload.source
+    precision = get_precision(workload.precision)
+    model = source.build(device="meta", dtype=precision.param_dtype, num_layers=num_layers)
+    with fake_mode:
+        model = model.to_empty(device="cpu")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None) -> _Run:
+    source = workload.source
+    precision = get_precision(workload.precision)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake(workload, num_layers, fake_mode)
+    with fake_mode:
+        batch = source.make_batch(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
+                                  task=workload.task, dtype=precision.param_dtype)
+        tracker = MemoryTracker(round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1)
+        tracker.watch_model(model)
+        tracker.watch(tensors_in(batch), "inputs")
+        stacks = repeated_stacks(model, num_layers or source.num_layers)
+        tracker.watch_stacks(stacks)
+        cuda = CudaKernels() if gpu else contextlib.nullcontext()
+        with FakeKernelFixes(), tracker, real_data_decisions(), cuda:
+            run_workload(model, batch, workload, device_type="cpu", hooks=tracker,
+                         before_measured_step=tracker.begin_measured_step, trace_safe=True,
+                         foreach=True if gpu else None, autocast=CudaAutocast if gpu else None)
+    return _Run(tracker.trace(), model, stacks)
+
+
+def _depths(workload: Workload, full_trace: bool) -> list[int] | None:
+    source = workload.source
+    layers, period = source.num_layers, source.layer_period
+    if full_trace or not layers or layers <= 3 * period or layers % period:
+        return None
+    return [period, 2 * period, 3 * period]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: bool = False,
+                    modules: bool = False, timeline: bool = False) -> MemoryEstimate:
+    if workload.engine != "pytorch":
+        raise MemfitError("--method traced runs PyTorch's own step; --engine deepspeed is modelled by "
+                          "--method analytic.")
+    started = time.perf_counter()
+    source = workload.source
+    weights, divisor, notes = state_weights(workload)
+    depths = None if timeline else _depths(workload, full_trace)
+    regions: dict[tuple[str, int], RegionPeak] | None = None
+    run: _Run | None = None
+    if depths:
+        runs = {n: _trace_once(workload, gpu, n) for n in depths}
+        try:
+            samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
+            regions = extrapolate(samples, source.num_layers)
+            notes.append(f"traced {', '.join(map(str, depths))} of {source.num_layers} layers and "
+                         "extrapolated (linear in depth, checked exactly on the third trace)")
+            run = runs[depths[-1]]
+        except NotLinear as exc:
+            notes.append(f"extrapolation check failed ({exc}); traced every layer instead")
+    if regions is None:
+        run = _trace_once(workload, gpu, None)
+        regions = region_peaks(run.trace, WHOLE_RUN, weights)
+    top, components, _ = peak_of(regions)
+    at_peak = apply_weights(top.at_max, weights, divisor)
+    component_peaks = apply_weights(components, weights, divisor)
+    full_model = source.build(device="meta", dtype=get_precision(workload.precision).param_dtype)
+    estimate = MemoryEstimate(
+        model=source.name, num_parameters=count_parameters(full_model), workload=workload.to_json(),
+        method="traced", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
+        peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
+        model_state_bytes={k: component_peaks[k] for k in ("parameters", "gradients", "optimizer_states")},
+        sources={name: "traced" for name in CATEGORIES}, notes=notes,
+    )
+    if any(note.startswith("DDP") for note in notes):
+        estimate.sources["gradients"] = "traced+analytic"
+    if gpu:
+        estimate.overhead_detail = gpu_overheads(gpu, estimate.peak_bytes)
+        estimate.overhead_bytes = sum(estimate.overhead_detail.values())
+        estimate.sources.update({name: "assumed" for name in estimate.overhead_detail})
+        estimate.apply_device(gpu.memory_bytes)
+    if modules:
+        estimate.modules = module_rows(run.trace, run.model, run.stacks, source.num_layers)
+    if timeline:
+        estimate.timeline = timeline_of(run.trace)
+    estimate.elapsed_s = time.perf_counter() - started
+    return estimate

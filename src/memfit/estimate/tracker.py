@@ -1,0 +1,251 @@
+"""A dispatch-level memory tracker: every tensor storage, when it is born and dies, and what it is.
+
+It works the same on fake tensors (tracing) and real ones (measuring). A storage is counted once,
+however many tensors view it. Categories are decided after the run, from what the step marked
+(gradients, optimizer states, KV cache) and when a storage was born:
+
+  marked by the step          -> that category
+  parameter / buffer / input  -> parameters / buffers / inputs
+  born in forward/prefill/decode -> activations
+  born in backward/optimizer  -> temporaries
+
+`round_to` rounds every storage up as an allocator would (CUDA's caching allocator: 512 bytes).
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.core.categories import CATEGORIES, zero_categories
+
+_FORWARD_PHASES = {"forward", "prefill", "decode", "setup"}
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    phase: str
+    module: str | None
+    born: int                     # event index; -1 for storages alive before tracking began
+    died: int | None = None
+    category: str | None = None   # explicit category, when one was marked
+    op: str = ""                  # the operator that created it ("" for watched tensors)
+    shape: tuple = ()
+    dtype: str = ""
+
+
+@dataclass
+class PeakPoint:
+    total: int
+    at: dict[str, int]
+    phase: str
+    event: int
+
+
+@dataclass
+class Trace:
+    """What a tracked run leaves behind: storages, an event log and the phase marks."""
+
+    storages: list[_Storage]
+    events: list[tuple[int, int]]           # (storage index, +nbytes | -nbytes)
+    phase_marks: list[tuple[int, str]]      # (first event index of the phase, phase)
+    start: int = 0                          # events before this index are the warm-up step
+    block_marks: list[tuple[int, str, int, int, str]] = field(default_factory=list)
+    # (event index, phase, stack, layer, "start" | "end"): where each repeated layer ran
+
+    def category_of(self, storage: _Storage) -> str:
+        if storage.category:
+            return storage.category
+        return "activations" if storage.phase in _FORWARD_PHASES else "temporaries"
+
+    def phase_at(self, event: int) -> str:
+        current = "setup"
+        for index, name in self.phase_marks:
+            if index > event:
+                break
+            current = name
+        return current
+
+    def walk(self, weights: dict[str, int] | None = None):
+        """Yield (event index, category totals) after every event of the measured step.
+        `weights` multiplies each category (per-rank sharding, see sharding.py)."""
+        weight = weights or {name: 1 for name in CATEGORIES}
+        category = [self.category_of(s) for s in self.storages]
+        totals = zero_categories()
+        for index, storage in enumerate(self.storages):
+            if storage.born < self.start and (storage.died is None or storage.died >= self.start):
+                totals[category[index]] += storage.nbytes * weight[category[index]]
+        yield self.start - 1, totals
+        for index in range(self.start, len(self.events)):
+            sid, delta = self.events[index]
+            totals[category[sid]] += delta * weight[category[sid]]
+            yield index, totals
+
+    def summary(self) -> tuple[PeakPoint, dict[str, int], dict[str, PeakPoint]]:
+        """(global peak, each category's own peak, each phase's peak) over the measured step."""
+        marks = [m for m in self.phase_marks if m[0] >= self.start]
+        phase = marks[0][1] if marks else "setup"
+        best: PeakPoint | None = None
+        component_peaks = zero_categories()
+        phase_peaks: dict[str, PeakPoint] = {}
+        next_mark = 0
+        for index, totals in self.walk():
+            while next_mark < len(marks) and marks[next_mark][0] <= index:
+                phase = marks[next_mark][1]
+                next_mark += 1
+            total = sum(totals.values())
+            for name, value in totals.items():
+                component_peaks[name] = max(component_peaks[name], value)
+            if best is None or total > best.total:
+                best = PeakPoint(total, dict(totals), phase, index)
+            if phase not in phase_peaks or total > phase_peaks[phase].total:
+                phase_peaks[phase] = PeakPoint(total, dict(totals), phase, index)
+        return best, component_peaks, phase_peaks
+
+    def alive_at(self, event: int) -> list[_Storage]:
+        return [s for s in self.storages if s.born <= event and (s.died is None or s.died > event)]
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Use as a context manager around a step; `hooks` methods let the step mark phases and tensors."""
+
+    def __init__(self, *, round_to: int = 1, module_names: dict[int, str] | None = None) -> None:
+        super().__init__()
+        self.round_to = round_to
+        self._by_storage = WeakIdKeyDictionary()
+        self._refs: list[weakref.ref] = []
+        self.storages: list[_Storage] = []
+        self.events: list[tuple[int, int]] = []
+        self.phase_marks: list[tuple[int, str]] = []
+        self._phase = "setup"
+        self._module_stack: list[str | None] = []
+        self._module_names = module_names or {}
+        self._hook_handles: list = []
+        self._stack_handles: list = []
+        self.block_marks: list[tuple[int, str, int, int, str]] = []
+        self.start = 0
+        self._recording = False
+
+    # ---- the step's hooks -----------------------------------------------------------------
+    def phase(self, name: str) -> None:
+        self._phase = name
+        self.phase_marks.append((len(self.events), name))
+
+    def mark(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self.storages[self._register(tensor)].category = category
+
+    def begin_measured_step(self) -> None:
+        """Everything before this point was warm-up; the measured step starts here."""
+        self.start = len(self.events)
+
+    # ---- registration ---------------------------------------------------------------------
+    def watch(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Tensors that exist before tracking starts (parameters, buffers, inputs)."""
+        for tensor in tensors:
+            index = self._register(tensor, born=-1)
+            self.storages[index].category = self.storages[index].category or category
+
+    def watch_model(self, model: nn.Module) -> None:
+        self.watch(model.parameters(), "parameters")
+        self.watch(model.buffers(), "buffers")
+        self._module_names = {id(m): name for name, m in model.named_modules()}
+
+    def watch_stacks(self, stacks: list[nn.ModuleList]) -> None:
+        """Mark where each layer of these repeated stacks starts and ends, in forward and backward."""
+        for stack_id, stack in enumerate(stacks):
+            for layer_id, layer in enumerate(stack):
+                key = (stack_id, layer_id)
+                self._stack_handles.append(layer.register_forward_pre_hook(self._layer_enter(key)))
+                self._stack_handles.append(layer.register_forward_hook(self._layer_exit(key)))
+
+    def _block_mark(self, key: tuple[int, int], kind: str, phase: str | None = None) -> None:
+        self.block_marks.append((len(self.events), phase or self._phase, key[0], key[1], kind))
+
+    def _layer_enter(self, key):
+        def hook(module, args):
+            self._block_mark(key, "start")
+            first = _first_grad_tensor(args)
+            if first is not None:  # its gradient arrives when this layer's backward ends
+                first.register_hook(lambda grad: self._block_mark(key, "end", "backward"))
+        return hook
+
+    def _layer_exit(self, key):
+        def hook(module, args, output):
+            self._block_mark(key, "end")
+            first = _first_grad_tensor(output)
+            if first is not None:  # its gradient arrives when this layer's backward starts
+                first.register_hook(lambda grad: self._block_mark(key, "start", "backward"))
+        return hook
+
+    def _register(self, tensor: torch.Tensor, born: int | None = None, op: str = "") -> int:
+        storage = tensor.untyped_storage()
+        index = self._by_storage.get(storage)
+        if index is not None:
+            return index
+        nbytes = storage.nbytes()
+        if self.round_to > 1:
+            nbytes = -(-nbytes // self.round_to) * self.round_to if nbytes else 0
+        index = len(self.storages)
+        module = next((m for m in reversed(self._module_stack) if m is not None), None)
+        self.storages.append(_Storage(nbytes, self._phase, module, -1 if born == -1 else len(self.events),
+                                      op=op, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", "")))
+        self._by_storage[storage] = index
+        if born != -1:
+            self.events.append((index, nbytes))
+        self._refs.append(weakref.ref(storage, lambda _ref, i=index: self._free(i)))
+        return index
+
+    def _free(self, index: int) -> None:
+        if not self._recording:
+            return
+        storage = self.storages[index]
+        storage.died = len(self.events)
+        self.events.append((index, -storage.nbytes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._register(tensor, op=func.__name__)
+        return out
+
+    # ---- module context -------------------------------------------------------------------
+    def __enter__(self):
+        from torch.nn.modules import module as module_mod
+
+        def pre(mod, args):
+            self._module_stack.append(self._module_names.get(id(mod)))
+
+        def post(mod, args, out):
+            if self._module_stack:
+                self._module_stack.pop()
+
+        self._hook_handles = [module_mod.register_module_forward_pre_hook(pre),
+                              module_mod.register_module_forward_hook(post)]
+        self._recording = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._recording = False
+        for handle in self._hook_handles + self._stack_handles:
+            handle.remove()
+        self._hook_handles, self._stack_handles = [], []
+        return super().__exit__(*exc)
+
+    def trace(self) -> Trace:
+        return Trace(self.storages, list(self.events), list(self.phase_marks), self.start, list(self.block_marks))
+
+
+def _first_grad_tensor(value) -> torch.Tensor | None:
+    for tensor in tree_leaves(value):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+            return tensor
+    return None

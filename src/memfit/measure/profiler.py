@@ -1,0 +1,52 @@
+"""PyTorch's profiler as the independent witness of a CPU run: allocator events and its own categories.
+
+The CPU allocator reports every allocation and free made while the profiler records memory; the
+running sum of those events over the step, on top of what was alive before it, is the measured
+peak. PyTorch's memory timeline (torch.profiler._memory_profiler, private API pinned to torch 2.13)
+also assigns its own categories; memfit reports them beside its own so that the two can be compared.
+"""
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# PyTorch's memory-timeline categories, in memfit's vocabulary.
+PROFILER_CATEGORY = {
+    "PARAMETER": "parameters", "OPTIMIZER_STATE": "optimizer_states", "INPUT": "inputs",
+    "TEMPORARY": "temporaries", "ACTIVATION": "activations", "GRADIENT": "gradients",
+    "AUTOGRAD_DETAIL": "temporaries", None: "unknown",
+}
+
+
+def start_profiler() -> profile:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+    prof.start()
+    return prof
+
+
+def allocation_peak_delta(prof: profile) -> tuple[int, int]:
+    """(highest running sum of allocator events, number of events) over the profiled window."""
+    from torch.profiler._memory_profiler import _EventType
+
+    events = sorted((e.start_time_ns, e.typed[1].alloc_size) for e in prof._memory_profile()._op_tree.dfs()
+                    if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu")
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak, len(events)
+
+
+def timeline_categories_at_peak(prof: profile) -> tuple[int, dict[str, int]]:
+    """The profiler's memory timeline at its own peak: (total, bytes per memfit category)."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    if not sizes:
+        return 0, {}
+    row = max(sizes, key=lambda r: sum(r[1:]))
+    by_category: dict[str, int] = {}
+    for category, index in _CATEGORY_TO_INDEX.items():
+        name = PROFILER_CATEGORY[category.name if category is not None else None]
+        by_category[name] = by_category.get(name, 0) + int(row[index + 1])
+    return sum(by_category.values()), by_category

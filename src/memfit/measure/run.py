@@ -1,0 +1,138 @@
+"""`measure`: run the workload for real and report its peak beside memfit's estimates.
+
+On CPU the peak is the CPU allocator's own account (via the profiler); on CUDA it is
+`max_memory_allocated`, with `max_memory_reserved` and an optional memory snapshot for
+PyTorch's memory_viz. Categories come from tracking the same real run's tensor storages; bytes
+the allocator saw but no tensor accounts for (kernel scratch) are reported as temporaries.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from memfit.core.categories import CATEGORIES
+from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
+from memfit.core.units import format_bytes
+from memfit.estimate.breakdown import MemoryEstimate
+from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
+from memfit.estimate.tracker import MemoryTracker
+from memfit.measure import profiler
+from memfit.specs.workload import Workload
+from memfit.steps.hooks import tensors_in
+from memfit.steps.runner import run_workload
+
+
+def available_ram_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def best_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _check_room(workload: Workload, expected_bytes: int, device: str) -> None:
+    room = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else available_ram_bytes()
+    if room is not None and expected_bytes > 0.8 * room:
+        raise MemfitError(
+            f"measuring {workload.model} would need about {format_bytes(expected_bytes)} on {device}, but only "
+            f"{format_bytes(room)} is free; use `memfit estimate` for a model this size.")
+
+
+def measure_run(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
+                expected_bytes: int = 0) -> MemoryEstimate:
+    """One real run of the workload; no estimates (see `measure`)."""
+    device = device or best_device()
+    _check_room(workload, expected_bytes, device)
+    started = time.perf_counter()
+    source = workload.source
+    precision = get_precision(workload.precision)
+    torch.manual_seed(0)
+    model = source.build(device=device, dtype=precision.param_dtype)
+    batch = source.make_batch(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
+                              task=workload.task, dtype=precision.param_dtype, device=device)
+    on_cuda = device.startswith("cuda")
+    tracker = MemoryTracker(round_to=CUDA_ALLOCATION_ROUND_BYTES if on_cuda else 1)
+    tracker.watch_model(model)
+    tracker.watch(tensors_in(batch), "inputs")
+    state: dict = {}
+
+    def before_measured_step() -> None:
+        tracker.begin_measured_step()
+        state["baseline"] = sum(s.nbytes for s in tracker.storages if s.died is None)
+        if on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            state["baseline_allocated"] = torch.cuda.memory_allocated()
+            if snapshot_path:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+        else:
+            state["profiler"] = profiler.start_profiler()
+
+    with tracker:
+        run_workload(model, batch, workload, device_type=device.split(":")[0], hooks=tracker,
+                     before_measured_step=before_measured_step)
+    extra: dict = {}
+    if on_cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        extra["max_memory_allocated"] = peak
+        extra["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+        if snapshot_path:
+            torch.cuda.memory._dump_snapshot(snapshot_path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            extra["snapshot"] = snapshot_path
+    else:
+        prof = state["profiler"]
+        prof.stop()
+        delta, num_events = profiler.allocation_peak_delta(prof)
+        peak = state["baseline"] + delta
+        total, by_category = profiler.timeline_categories_at_peak(prof)
+        extra["profiler_timeline_peak_bytes"] = total
+        extra["profiler_categories_at_peak"] = by_category
+        extra["allocator_events"] = num_events
+
+    trace = tracker.trace()
+    top, components, _ = trace.summary()
+    at_peak = dict(top.at)
+    untracked = max(peak - top.total, 0)
+    at_peak["temporaries"] += untracked
+    extra["untracked_bytes"] = untracked
+    extra["tracked_peak_bytes"] = top.total
+    estimate = MemoryEstimate(
+        model=source.name, num_parameters=sum(p.numel() for p in model.parameters()),
+        workload=workload.to_json(), method="measured", device=device, peak_bytes=sum(at_peak.values()),
+        peak_phase=top.phase, at_peak=at_peak, component_peaks=dict(components),
+        model_state_bytes={k: components[k] for k in ("parameters", "gradients", "optimizer_states")},
+        sources={name: "measured" for name in CATEGORIES},
+        notes=["peak from the " + ("CUDA caching allocator" if on_cuda else "CPU allocator (profiler events)")
+               + "; categories from tracking the same run's tensors"],
+        extra=extra,
+    )
+    estimate.elapsed_s = time.perf_counter() - started
+    return estimate
+
+
+def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
+            estimates: tuple[str, ...] = ("traced", "analytic")) -> MemoryEstimate:
+    """Measure the workload for real and put memfit's estimates of the same run beside it."""
+    from memfit.estimate import estimate as run_estimate
+    from memfit.specs.hardware import gpu_of_device
+
+    device = device or best_device()
+    gpu = gpu_of_device(device) if device.startswith("cuda") else None
+    predicted = {method: run_estimate(workload, method=method, gpu=gpu) for method in estimates}
+    expected = max((e.peak_bytes for e in predicted.values()), default=0)
+    measured = measure_run(workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected)
+    measured.extra["estimates"] = {method: e.to_json() for method, e in predicted.items()}
+    measured.extra["ratios"] = {f"measured/{method}": measured.peak_bytes / e.peak_bytes
+                                for method, e in predicted.items() if e.peak_bytes}
+    return measured

@@ -1,0 +1,1 @@
+"""What is being run: workloads, bundled model configs, and the GPU catalog."""

@@ -1,0 +1,87 @@
+"""The GPU catalog (bundled JSON): memory, throughput and bandwidth of the GPUs users rent."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from memfit.core.errors import MemfitError, closest
+from memfit.core.units import MiB
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    vendor: str
+    memory_bytes: int
+    bf16_tflops: float | None
+    fp16_tflops: float
+    memory_bandwidth_gbps: float
+    interconnect: str
+    interconnect_gbps: float
+    host_link_gbps: float
+    context_bytes: int          # outside PyTorch's allocator; an assumed figure (see gpus.json notes)
+    aliases: tuple[str, ...] = ()
+
+    def tflops(self, dtype_name: str) -> float | None:
+        return self.bf16_tflops if dtype_name == "bf16" else self.fp16_tflops
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name, "vendor": self.vendor, "memory_bytes": self.memory_bytes,
+            "bf16_tflops": self.bf16_tflops, "fp16_tflops": self.fp16_tflops,
+            "memory_bandwidth_gbps": self.memory_bandwidth_gbps, "interconnect": self.interconnect,
+            "interconnect_gbps": self.interconnect_gbps, "host_link_gbps": self.host_link_gbps,
+            "context_bytes": self.context_bytes, "context_source": "assumed",
+        }
+
+
+@lru_cache(maxsize=1)
+def gpu_catalog() -> dict[str, GPU]:
+    raw = json.loads(resources.files("memfit.specs").joinpath("gpus.json").read_text())
+    catalog = {}
+    for entry in raw["gpus"]:
+        catalog[entry["name"]] = GPU(
+            name=entry["name"], vendor=entry["vendor"], memory_bytes=entry["memory_mib"] * MiB,
+            bf16_tflops=entry["bf16_tflops"], fp16_tflops=entry["fp16_tflops"],
+            memory_bandwidth_gbps=entry["memory_bandwidth_gbps"], interconnect=entry["interconnect"],
+            interconnect_gbps=entry["interconnect_gbps"], host_link_gbps=entry["host_link_gbps"],
+            context_bytes=entry["context_mib"] * MiB, aliases=tuple(entry.get("aliases", ())),
+        )
+    return catalog
+
+
+def get_gpu(name: str) -> GPU:
+    key = name.strip().lower()
+    catalog = gpu_catalog()
+    if key in catalog:
+        return catalog[key]
+    for gpu in catalog.values():
+        if key in gpu.aliases:
+            return gpu
+    names = list(catalog) + [a for g in catalog.values() for a in g.aliases]
+    raise MemfitError(f"unknown GPU {name!r}; `memfit gpus` lists the catalog.{closest(key, names)}")
+
+
+# Substrings of torch.cuda device names -> catalog entries, most specific first.
+_DEVICE_NAME_MATCHES = (
+    ("H200", "h200-141gb"), ("H100 PCIe", "h100-pcie-80gb"), ("H100", "h100-sxm-80gb"),
+    ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
+    ("L40S", "l40s"), ("L4", "l4"), ("A10G", "a10g"), ("4090", "rtx-4090"), ("3090", "rtx-3090"),
+    ("T4", "t4"), ("V100-SXM2-32GB", "v100-32gb"), ("V100", "v100-16gb"), ("MI300X", "mi300x"),
+)
+
+
+def gpu_of_device(device: str = "cuda:0") -> GPU:
+    """The catalog entry for a local CUDA device, with the memory the driver reports."""
+    import dataclasses
+
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    for fragment, name in _DEVICE_NAME_MATCHES:
+        if fragment in props.name:
+            return dataclasses.replace(gpu_catalog()[name], memory_bytes=props.total_memory)
+    generic = gpu_catalog()["a100-80gb"]
+    return dataclasses.replace(generic, name=props.name, memory_bytes=props.total_memory)

@@ -1,0 +1,264 @@
+"""Where a model comes from, how to build it (meta, fake or real) and how to feed it.
+
+Three sources: a bundled catalog name, a Hugging Face `config.json` (or a folder holding one), or a
+`package.module:function` factory that returns an `nn.Module` (then an inputs factory is needed).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.core.errors import MemfitError, closest
+
+# The head a Hugging Face class carries decides the inputs and the loss.
+HEADS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "base")
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+@lru_cache(maxsize=1)
+def catalog() -> dict[str, dict]:
+    """name -> bundled model document (schema memfit.model/1)."""
+    docs = {}
+    for entry in resources.files("memfit.specs").joinpath("configs").iterdir():
+        if entry.name.endswith(".json"):
+            doc = json.loads(entry.read_text())
+            docs[doc["name"]] = doc
+    return dict(sorted(docs.items()))
+
+
+def _head_of(class_name: str, config: Any) -> str:
+    if class_name.endswith("ForCausalLM") or class_name.endswith("LMHeadModel"):
+        return "causal-lm"
+    if class_name.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if class_name.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
+    if class_name.endswith("ForImageClassification"):
+        return "image-classification"
+    return "base"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model source. `hf_config` is a plain dict (model_type + fields) for HF sources."""
+
+    name: str
+    kind: str                                   # "catalog" | "hf-config" | "factory"
+    hf_config: dict | None = None
+    factory: str | None = None
+    inputs_factory: str | None = None
+    reference: str | None = None
+    published_num_parameters: int | None = None
+    overrides: dict = field(default_factory=dict)   # config fields changed by memfit (e.g. longer positions)
+
+    # ---- what kind of model -------------------------------------------------------------
+    @property
+    def is_hf(self) -> bool:
+        return self.hf_config is not None
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_config["model_type"] if self.is_hf else "custom"
+
+    def config(self, num_layers: int | None = None):
+        """The transformers config object, optionally with fewer layers (for extrapolation)."""
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in self.hf_config.items() if k not in ("model_type", "architectures")}
+        fields.update(self.overrides)
+        if num_layers is not None:
+            fields[_layer_key(self.hf_config)] = num_layers
+            if "num_decoder_layers" in fields:
+                fields["num_decoder_layers"] = num_layers
+            fields.pop("layer_types", None)
+        try:
+            config = AutoConfig.for_model(self.model_type, **fields)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MemfitError(f"model config {self.name!r} is not a valid {self.model_type!r} config: {exc}") from None
+        config.use_cache = False
+        return config
+
+    @property
+    def hf_class_name(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        if archs:
+            return archs[0]
+        return _default_class_name(self.config())
+
+    @property
+    def head(self) -> str:
+        return _head_of(self.hf_class_name, self.config()) if self.is_hf else "base"
+
+    @property
+    def num_layers(self) -> int | None:
+        if not self.is_hf:
+            return None
+        key = _layer_key(self.hf_config)
+        return self.hf_config.get(key) if key else None
+
+    @property
+    def layer_period(self) -> int:
+        """Layers repeat with this period (2 for models alternating local and global attention)."""
+        if not self.is_hf:
+            return 1
+        types = getattr(self.config(), "layer_types", None)
+        if not types:
+            return 1
+        for period in range(1, len(types) + 1):
+            if all(types[i] == types[i % period] for i in range(len(types))):
+                return period
+        return len(types)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        if not self.is_hf:
+            return None
+        if self.head == "image-classification":
+            return None
+        cfg = self.hf_config
+        for key in ("max_position_embeddings", "n_positions"):
+            if cfg.get(key):
+                return int(cfg[key])
+        return None
+
+    @property
+    def image_size(self) -> int | None:
+        return self.hf_config.get("image_size") if self.is_hf else None
+
+    # ---- building -----------------------------------------------------------------------
+    def build(self, *, device: str | torch.device, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
+        """Build the model on `device` ('meta' costs nothing) with parameters in `dtype`."""
+        if self.is_hf:
+            import transformers
+
+            cls = getattr(transformers, self.hf_class_name, None)
+            if cls is None:
+                raise MemfitError(f"transformers has no class {self.hf_class_name!r} (from {self.name!r}).")
+            config = self.config(num_layers)
+            with torch.device(device):
+                model = cls._from_config(config, dtype=dtype)
+            return model
+        fn = _import_callable(self.factory, "model factory")
+        with torch.device(device):
+            model = fn()
+        if not isinstance(model, nn.Module):
+            raise MemfitError(f"model factory {self.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
+        return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
+
+    # ---- inputs -------------------------------------------------------------------------
+    def make_batch(self, *, batch_size: int, seq_len: int, task: str, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> dict[str, Any] | tuple:
+        """Model inputs for one step: keyword tensors for HF models, the user's inputs otherwise."""
+        if not self.is_hf:
+            fn = _import_callable(self.inputs_factory, "inputs factory")
+            with torch.device(device):
+                batch = fn(batch_size, seq_len)
+            if isinstance(batch, torch.Tensor):
+                return (batch,)
+            if isinstance(batch, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in batch):
+                return tuple(batch)
+            if isinstance(batch, dict) and all(isinstance(k, str) for k in batch):
+                return dict(batch)
+            raise MemfitError(
+                f"inputs factory {self.inputs_factory!r} must return a tensor, a tuple of tensors or a dict of "
+                f"keyword tensors; it returned {type(batch).__name__}."
+            )
+        gen = dict(device=device)
+        head = self.head
+        if head == "image-classification":
+            size = seq_len
+            channels = self.hf_config.get("num_channels", 3)
+            batch = {"pixel_values": torch.randn(batch_size, channels, size, size, dtype=dtype, **gen)}
+            if size != self.image_size:
+                batch["interpolate_pos_encoding"] = True
+            if task == "train":
+                batch["labels"] = torch.randint(0, self.config().num_labels, (batch_size,), **gen)
+            return batch
+        vocab = self.hf_config["vocab_size"]
+        ids = torch.randint(0, vocab, (batch_size, seq_len), **gen)
+        batch = {"input_ids": ids}
+        if task == "train" and head in ("causal-lm", "masked-lm", "seq2seq-lm"):
+            batch["labels"] = ids.clone()
+        return batch
+
+
+def _layer_key(hf_config: dict) -> str | None:
+    for key in _LAYER_COUNT_KEYS:
+        if key in hf_config:
+            return key
+    return None
+
+
+def _default_class_name(config) -> str:
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                    auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+                    auto.MODEL_MAPPING_NAMES):
+        name = mapping.get(config.model_type)
+        if isinstance(name, (tuple, list)):
+            name = name[0]
+        if name and hasattr(transformers, name):
+            return name
+    raise MemfitError(f"no transformers model class is known for model_type {config.model_type!r}.")
+
+
+def _import_callable(spec: str | None, what: str) -> Callable:
+    if not spec or ":" not in spec:
+        raise MemfitError(f"{what} {spec!r} must look like package.module:function.")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's module failing
+        raise MemfitError(f"cannot import {module_name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise MemfitError(f"{module_name!r} has no callable {attr!r} ({what} {spec!r}).")
+    return fn
+
+
+def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
+    """Turn what the user typed into a ModelSource, or raise a one-line MemfitError."""
+    spec = spec.strip()
+    docs = catalog()
+    if spec in docs:
+        doc = docs[spec]
+        return ModelSource(name=spec, kind="catalog", hf_config=copy.deepcopy(doc["hf_config"]),
+                           reference=doc.get("reference"),
+                           published_num_parameters=doc.get("published_num_parameters"))
+    if spec.endswith(".json") or os.path.isdir(spec) or os.sep in spec:
+        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+        try:
+            with open(path) as fh:
+                hf_config = json.load(fh)
+        except FileNotFoundError:
+            raise MemfitError(f"no model config at {path!r}; give a catalog name, a config.json path or module:function.") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MemfitError(f"cannot read model config {path!r}: {exc}") from None
+        if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+            raise MemfitError(f"{path!r} is not a Hugging Face config.json: it has no 'model_type'.")
+        source = ModelSource(name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+                             kind="hf-config", hf_config=hf_config)
+        source.config()  # validate now, not mid-run
+        return source
+    if ":" in spec:
+        if not inputs:
+            raise MemfitError(
+                f"memfit cannot guess the inputs of custom module {spec!r}; pass --inputs package.module:function "
+                "returning the batch for (batch_size, seq_len)."
+            )
+        _import_callable(spec, "model factory")
+        _import_callable(inputs, "inputs factory")
+        return ModelSource(name=spec, kind="factory", factory=spec, inputs_factory=inputs)
+    raise MemfitError(f"unknown model {spec!r}; `memfit models` lists the catalog.{closest(spec, docs)}")

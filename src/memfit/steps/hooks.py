@@ -1,0 +1,50 @@
+"""How a step tells an observer (tracker, profiler) which phase it is in and what a tensor is."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+
+class StepHooks(Protocol):
+    def phase(self, name: str) -> None:
+        """A new phase starts now (forward, backward, optimizer, prefill, decode)."""
+
+    def mark(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
+        """These tensors belong to `category` (gradients, optimizer_states, kv_cache, ...)."""
+
+
+class NullHooks:
+    def phase(self, name: str) -> None:
+        pass
+
+    def mark(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+
+def tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
+    """Every tensor reachable from `obj` through containers and object attributes (a KV cache)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(value, level: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+            return
+        if level > depth or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            items = value.values()
+        elif isinstance(value, (list, tuple, set)):
+            items = value
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            items = vars(value).values()
+        else:
+            return
+        for item in items:
+            walk(item, level + 1)
+
+    walk(obj, 0)
+    return found

@@ -1,0 +1,93 @@
+"""One training step: forward and loss, backward, optimizer step, zero_grad(set_to_none=True).
+
+The model's outputs are dropped before backward (only the loss is kept), as HF Trainer and
+torchtitan do; holding them would keep the logits alive through backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.core.precision import Precision
+from memfit.steps.hooks import NullHooks, StepHooks
+from memfit.steps.optim import optimizer_state_tensors
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """`.loss` when the output has one (HF models given labels); else the mean of the first tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = _first_tensor(output)
+    if first is None:
+        raise TypeError("the model returned no tensor to take a loss from")
+    return first.mean()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def call_model(model: nn.Module, batch: dict | tuple) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+class TrainLoop:
+    """A user's training loop, step by step. `trace_safe=True` avoids the one data-dependent branch
+    (GradScaler's skip-on-inf check reads a value), which fake tensors cannot take; memory is the same."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
+                 device_type: str, hooks: StepHooks | None = None, trace_safe: bool = False,
+                 autocast: Callable[[torch.dtype], Any] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.device_type = device_type
+        self.hooks = hooks or NullHooks()
+        self.trace_safe = trace_safe
+        self._autocast = autocast or (lambda dtype: torch.autocast(device_type, dtype=dtype))
+        self.scaler = torch.amp.GradScaler(device_type) if precision.loss_scaling else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def autocast(self):
+        if self.precision.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return self._autocast(self.precision.autocast_dtype)
+
+    def step(self, batch: dict | tuple) -> torch.Tensor:
+        hooks = self.hooks
+        hooks.phase("forward")
+        with self.autocast():
+            loss = loss_of(call_model(self.model, batch))
+        hooks.phase("backward")
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        hooks.mark("gradients", [p.grad for p in self.params if p.grad is not None])
+        hooks.phase("optimizer")
+        if self.scaler is None:
+            self.optimizer.step()
+        elif self.trace_safe:
+            self.scaler.unscale_(self.optimizer)
+            self.optimizer.step()
+            self.scaler.update()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        hooks.mark("optimizer_states", optimizer_state_tensors(self.optimizer) + self.scaler_state())
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def scaler_state(self) -> list[torch.Tensor]:
+        if self.scaler is None:
+            return []
+        return [t for t in (self.scaler._scale, self.scaler._growth_tracker) if t is not None]
