@@ -146,12 +146,12 @@ class _FusedAttention(torch.autograd.Function):
         b, a, s, d = q.shape
         out = torch.empty(b, s, a, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # kernels write (b, s, a, d)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors[:3]
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # flash-attention v2 backward
         delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -164,4 +164,6 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if not flash_or_efficient:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:   # SDPA converts boolean masks for every backend
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
     return _FusedAttention.apply(query, key, value, attn_mask)

@@ -1,0 +1,158 @@
+"""The analytic estimator: closed forms, evaluated by running each family's symbolic program.
+
+Instant at any size (no tensors, real or fake): the program is run at three small depths and
+extrapolated exactly to the model's depth, like the traced estimator. Model states follow the
+optimizer's implementation (optimizer.py) and the ZeRO stages (sharding.py); `--engine deepspeed`
+uses the ZeRO paper's accounting (half parameters and gradients, K = 12 bytes of fp32 master
+weights and Adam moments per parameter).
+"""
+from __future__ import annotations
+
+import time
+
+from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES, zero_categories
+from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
+from memfit.estimate.analytic.engine import Engine, Policy
+from memfit.estimate.analytic.families import registry
+from memfit.estimate.analytic.optimizer import create_states, step_temporaries
+from memfit.estimate.breakdown import MemoryEstimate
+from memfit.estimate.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of
+from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
+from memfit.estimate.sharding import apply_weights, state_weights
+from memfit.specs.hardware import GPU
+from memfit.specs.workload import Workload
+
+_DTYPE = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
+
+
+def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
+    precision = get_precision(workload.precision)
+    return Policy(
+        param_dtype=_DTYPE[str(precision.param_dtype)],
+        autocast_dtype=_DTYPE[str(precision.autocast_dtype)] if precision.autocast_dtype else None,
+        backend="cuda" if gpu else "cpu", train=workload.task == "train",
+        round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
+    )
+
+
+def simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
+    """Run the family's program for one step at `num_layers` depth."""
+    family, spec = registry.family_of(workload.source)
+    e = Engine(policy_of(workload, gpu))
+    e.set_phase("setup")
+    family.declare_params(e, spec, num_layers)
+    e.keep += family.declare_buffers(e, spec)
+    batch, seq = workload.batch_size, workload.effective_seq_len
+    if workload.task == "train":
+        e.keep += create_states(e, workload.optimizer)
+        if get_precision(workload.precision).loss_scaling:
+            e.keep += [e.new(1, "f32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
+        e.set_phase("forward")
+        loss = family.train(e, spec, num_layers, batch, seq)
+        e.cast_cache.clear()                    # the autocast region ends with the forward
+        e.set_phase("backward")
+        e.backward(loss)
+        del loss
+        e.set_phase("optimizer")
+        step_temporaries(e, workload.optimizer, foreach=gpu is not None)
+    else:
+        family.inference(e, spec, num_layers, batch, seq, workload.new_tokens)
+    return e
+
+
+def _regions(e: Engine, num_layers: int, period: int, weights: dict[str, int]) -> dict[tuple[str, str], RegionPeak]:
+    """Peaks per (phase, region): pre, first `period` layers, last `period` layers, post."""
+    regions: dict[tuple[str, str], RegionPeak] = {}
+    for (phase, segment), (point, cmax) in e.peak_table().items():
+        if phase == "setup":
+            continue
+        if isinstance(segment, int):
+            if segment < period:
+                name = "first"
+            elif segment >= num_layers - period:
+                name = "last"
+            else:
+                continue
+        else:
+            name = segment
+        at = {c: point.at[c] * weights[c] for c in CATEGORIES}
+        cm = {c: cmax[c] * weights[c] for c in CATEGORIES}
+        key = (phase, name)
+        if key in regions:   # first and last coincide for a one-period stack
+            old = regions[key]
+            if sum(at.values()) > old.total:
+                old.at_max = at
+            old.category_max = {c: max(old.category_max[c], cm[c]) for c in CATEGORIES}
+        else:
+            regions[key] = RegionPeak(phase, at, cm)
+    if num_layers <= period:   # one run of layers: it is both the first and the last
+        for (phase, name), region in list(regions.items()):
+            if name == "first":
+                regions[(phase, "last")] = RegionPeak(phase, dict(region.at_max), dict(region.category_max))
+    return regions
+
+
+def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bool = False) -> MemoryEstimate:
+    started = time.perf_counter()
+    source = workload.source
+    if not source.is_hf:
+        raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
+                          "module: use --method traced.")
+    family, spec = registry.family_of(source)
+    period = getattr(spec, "period", 1)
+    layers = source.num_layers
+    weights, divisor, notes = state_weights(workload)
+    if layers > 3 * period and layers % period == 0:
+        depths = [period, 2 * period, 3 * period]
+        samples = {n: _regions(simulate(workload, gpu, n), n, period, weights) for n in depths}
+        try:
+            regions = extrapolate(samples, layers)
+        except NotLinear as exc:   # not expected for these programs; fall back to the full depth
+            notes.append(f"depth extrapolation failed ({exc}); simulated every layer")
+            regions = _regions(simulate(workload, gpu, layers), layers, period, weights)
+    else:
+        regions = _regions(simulate(workload, gpu, layers), layers, period, weights)
+    top, components, _ = peak_of(regions)
+    at_peak = apply_weights(top.at_max, weights, divisor)
+    component_peaks = apply_weights(components, weights, divisor)
+    if workload.engine == "deepspeed":
+        at_peak, component_peaks = _deepspeed_states(workload, at_peak, component_peaks, family, spec)
+        notes.append("engine deepspeed: half parameters and gradients, fp32 master weights + Adam moments "
+                     "(K = 12 bytes per parameter, the ZeRO paper's accounting)")
+    estimate = MemoryEstimate(
+        model=source.name, num_parameters=count_parameters(workload), workload=workload.to_json(),
+        method="analytic", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
+        peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
+        model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES},
+        sources={name: "analytic" for name in CATEGORIES}, notes=notes,
+    )
+    if gpu:
+        estimate.overhead_detail = gpu_overheads(gpu, estimate.peak_bytes)
+        estimate.overhead_bytes = sum(estimate.overhead_detail.values())
+        estimate.sources.update({name: "assumed" for name in estimate.overhead_detail})
+        estimate.apply_device(gpu.memory_bytes)
+    estimate.elapsed_s = time.perf_counter() - started
+    return estimate
+
+
+def count_parameters(workload: Workload) -> int:
+    family, spec = registry.family_of(workload.source)
+    e = Engine(Policy("f32", None, "cpu", False))
+    family.declare_params(e, spec, workload.source.num_layers)
+    return sum(p.numel for p in e.params.values())
+
+
+def _deepspeed_states(workload, at_peak, component_peaks, family, spec):
+    """Replace PyTorch's model states by DeepSpeed's: 2 + 2 + 12 bytes per parameter, sharded by stage."""
+    psi = count_parameters(workload)
+    weights, divisor, _ = state_weights(workload.__class__(**{**workload.to_json(), "engine": "deepspeed",
+                                                              "seq_len": workload.seq_len}))
+    states = {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer_states": 12 * psi}
+    states = apply_weights({**zero_categories(), **states}, weights, divisor)
+    at, comp = dict(at_peak), dict(component_peaks)
+    for name in MODEL_STATE_CATEGORIES:
+        at[name] = states[name] if at[name] else 0
+        comp[name] = states[name]
+    at["gradients"] = states["gradients"] if at_peak["gradients"] else 0
+    return at, comp

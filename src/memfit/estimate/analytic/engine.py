@@ -1,0 +1,212 @@
+"""A symbolic autograd: tensors are (numel, dtype), ops follow PyTorch's save rules, and CPython's
+reference counting frees them when the program lets go, as PyTorch's does.
+
+The analytic estimator writes each model family as a short program over these symbols, mirroring
+the Hugging Face forward code. Running it gives every allocation in closed form: what autograd saves
+(activations), what backward allocates (temporaries, gradients), and when each is freed. Nothing is
+a tensor; a 405B model costs the same microseconds as a tiny one.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from memfit.core.categories import CATEGORIES, zero_categories
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the run executes: which dtypes, which device's kernels and autocast lists."""
+
+    param_dtype: str            # "f32" | "bf16"
+    autocast_dtype: str | None  # "bf16" | "f16" | None
+    backend: str                # "cpu" | "cuda"
+    train: bool
+    round_to: int = 1           # allocator granularity (CUDA caching allocator: 512 bytes)
+
+
+_serial = itertools.count()
+
+
+class Sym:
+    __slots__ = ("eng", "numel", "dtype", "grad", "category", "counted", "uid", "__weakref__")
+
+    def __init__(self, eng: Engine, numel: int, dtype: str, grad: bool, category: str, counted: bool = True):
+        self.eng, self.numel, self.dtype, self.grad, self.category, self.counted = eng, int(numel), dtype, grad, category, counted
+        self.uid = next(_serial)
+        if counted:
+            eng._account(self, +1)
+
+    @property
+    def nbytes(self) -> int:
+        size = self.numel * DTYPE_BYTES[self.dtype]
+        step = self.eng.policy.round_to
+        return -(-size // step) * step if step > 1 else size
+
+    def __del__(self):
+        if self.counted:
+            try:
+                self.eng._account(self, -1)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class Param(Sym):
+    """A parameter: lives for the whole run, its gradient is accumulated into `.grad`."""
+
+    __slots__ = ("name", "grad_sym", "shape")
+
+    def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True):
+        super().__init__(eng, numel, dtype, trainable, "parameters")
+        self.name = name
+        self.grad_sym: Sym | None = None
+
+
+class View(Sym):
+    """A view of another tensor: allocates nothing, keeps its base alive; its gradient flows back into a
+    gradient the size of the base (as slice/expand backward allocate)."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: Sym, numel: int) -> None:
+        super().__init__(base.eng, numel, base.dtype, base.grad, base.category, counted=False)
+        self.base = base
+        base.eng.record(self, [base], [])
+
+
+def constant(eng: Engine, numel: int, dtype: str) -> Sym:
+    """A tensor that exists elsewhere and needs no gradient (counted where it was made)."""
+    return Sym(eng, numel, dtype, False, "activations", counted=False)
+
+
+@dataclass
+class Node:
+    """A backward function. Like autograd's, it refers to its output and inputs by identity and
+    shape only; the tensors it keeps alive are exactly the ones it saved."""
+
+    output: int                       # uid of the output
+    inputs: list                      # (uid, numel, dtype, Param | None) of inputs needing a gradient
+    saved: list = field(default_factory=list)     # Syms kept for backward
+    segment: object = None
+    scratch: list = field(default_factory=list)   # (numel, dtype) allocated and freed inside backward
+
+
+@dataclass
+class PeakPoint:
+    total: int
+    at: dict[str, int]
+
+
+class Engine:
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.live = zero_categories()
+        self.phase = "setup"
+        self.segment: object = "pre"
+        self.peaks: dict[tuple[str, object], PeakPoint] = {}
+        self.category_max: dict[tuple[str, object], dict[str, int]] = {}
+        self.tape: list[Node] = []
+        self.params: dict[str, Param] = {}
+        self.cast_cache: dict[str, Sym] = {}
+        self.autocast_on = policy.autocast_dtype is not None
+        self.keep: list = []          # tensors the program holds across calls (inputs, caches)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def _account(self, sym: Sym, sign: int) -> None:
+        self.live[sym.category] += sign * sym.nbytes
+        if sign > 0:
+            self._observe()
+
+    def _observe(self) -> None:
+        key = (self.phase, self.segment)
+        total = sum(self.live.values())
+        point = self.peaks.get(key)
+        if point is None or total > point.total:
+            self.peaks[key] = PeakPoint(total, dict(self.live))
+        cmax = self.category_max.setdefault(key, zero_categories())
+        for name, value in self.live.items():
+            if value > cmax[name]:
+                cmax[name] = value
+
+    def set_phase(self, phase: str, segment: object = "pre") -> None:
+        self.phase, self.segment = phase, segment
+        self._observe()
+
+    # ---- creating symbols ------------------------------------------------------------------
+    def param(self, name: str, shape: tuple[int, ...], trainable: bool = True) -> Param:
+        if name not in self.params:
+            numel = 1
+            for size in shape:
+                numel *= size
+            param = Param(self, name, numel, self.policy.param_dtype, trainable and self.policy.train)
+            param.shape = tuple(shape)
+            self.params[name] = param
+        return self.params[name]
+
+    def new(self, numel: int, dtype: str, grad: bool = False, category: str | None = None) -> Sym:
+        if category is None:
+            category = "activations" if self.phase in ("forward", "prefill", "decode") else "temporaries"
+        return Sym(self, numel, dtype, grad and self.policy.train, category)
+
+    def record(self, output: Sym, inputs: list, saved: list, scratch: list | None = None,
+               grad_dtypes: list | None = None) -> Sym:
+        """Register an op for backward when any input needs a gradient."""
+        needs = [x for x in inputs if isinstance(x, Sym) and x.grad]
+        if self.policy.train and needs:
+            output.grad = True
+            dtypes = grad_dtypes or [x.dtype for x in needs]
+            edges = [(x.uid, x.numel, dtype, x if isinstance(x, Param) else None) for x, dtype in zip(needs, dtypes)]
+            self.tape.append(Node(output.uid, edges, [s for s in saved if isinstance(s, Sym)], self.segment,
+                                  scratch or []))
+        return output
+
+    # ---- backward --------------------------------------------------------------------------
+    def backward(self, loss: Sym) -> None:
+        """Run the tape in reverse: each node turns its output's gradient into its inputs' gradients,
+        accumulates parameter gradients, and frees what it saved."""
+        pending: dict[int, Sym] = {loss.uid: self.new(1, loss.dtype)}
+        tape, self.tape = self.tape, []
+        while tape:
+            node = tape.pop()
+            self.segment = node.segment
+            grad_out = pending.pop(node.output, None)
+            if grad_out is not None:
+                scratch = [self.new(n, dt) for n, dt in node.scratch]
+                produced = [(edge, self.new(edge[1], edge[2])) for edge in node.inputs]
+                del scratch, grad_out
+                for edge, grad in produced:
+                    self._accumulate(edge, grad, pending)
+                del produced
+            node.saved.clear()
+            del node
+        self.segment = "post"
+
+    def _accumulate(self, edge, grad: Sym, pending: dict[int, Sym]) -> None:
+        uid, numel, dtype, param = edge
+        if param is not None:
+            if param.grad_sym is None:   # the first gradient becomes .grad; later ones add in place
+                if grad.dtype != param.dtype:
+                    grad = self.new(param.numel, param.dtype)
+                self.live[grad.category] -= grad.nbytes
+                grad.category = "gradients"
+                self.live["gradients"] += grad.nbytes
+                param.grad_sym = grad
+            return
+        if uid not in pending:
+            pending[uid] = grad           # a second gradient for the same tensor is added in place
+
+    def param_grads(self) -> list[Sym]:
+        return [p.grad_sym for p in self.params.values() if p.grad_sym is not None]
+
+    # ---- results ---------------------------------------------------------------------------
+    def peak_table(self) -> dict[tuple[str, object], tuple[PeakPoint, dict[str, int]]]:
+        return {key: (point, self.category_max[key]) for key, point in self.peaks.items()}
+
+
+def total_bytes(syms) -> int:
+    return sum(s.nbytes for s in syms)
+
+
+__all__ = ["CATEGORIES", "DTYPE_BYTES", "Engine", "Node", "Param", "Policy", "Sym", "View", "constant", "total_bytes"]

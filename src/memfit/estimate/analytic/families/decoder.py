@@ -1,0 +1,358 @@
+"""Decoder-only LLMs with rotary attention: LLaMA, Mistral, Qwen2, Mixtral (MoE), Phi-3, Gemma-2.
+
+Mirrors transformers 5.x: RMSNorm computed in float32, q/k/v projections (fused for Phi-3), rotary
+embeddings, SDPA with grouped-query attention (eager attention with logit soft-capping for
+Gemma-2), SwiGLU/GeGLU MLP or top-k routed experts (grouped_mm path), a final norm, the LM head
+and Hugging Face's causal-LM loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.estimate.analytic import ops
+from memfit.estimate.analytic.engine import Engine, Sym, View
+
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma2")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    experts: int = 0
+    top_k: int = 0
+    sliding_window: int | None = None
+    sliding_pattern: tuple[bool, ...] = (False,)   # per layer in a period: uses the sliding window
+    attn_dropout: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg) -> DecoderSpec:
+        mt = cfg.model_type
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        window = getattr(cfg, "sliding_window", None)
+        if mt == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        pattern = (False,)
+        if mt == "gemma2":
+            pattern = (True, False)
+        elif window:
+            pattern = (True,)
+        bias = getattr(cfg, "attention_bias", False)
+        return cls(
+            model_type=mt, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, tied=bool(cfg.tie_word_embeddings),
+            qkv_bias=bias or mt == "qwen2", o_bias=bias and mt != "qwen2", mlp_bias=getattr(cfg, "mlp_bias", False),
+            experts=getattr(cfg, "num_local_experts", 0) or 0, top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
+            sliding_window=window, sliding_pattern=pattern,
+            attn_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
+        )
+
+    @property
+    def period(self) -> int:
+        return len(self.sliding_pattern)
+
+
+# ---- parameters -------------------------------------------------------------------------------
+def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
+    """Every parameter in the model's own order (the optimizer walks them in this order)."""
+    h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    e.param("embed", (d.vocab, h))
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        if d.model_type == "phi3":
+            e.param(p + "qkv", (q + 2 * kv, h))
+        else:
+            e.param(p + "q", (q, h))
+            if d.qkv_bias:
+                e.param(p + "q.bias", (q,))
+            e.param(p + "k", (kv, h))
+            if d.qkv_bias:
+                e.param(p + "k.bias", (kv,))
+            e.param(p + "v", (kv, h))
+            if d.qkv_bias:
+                e.param(p + "v.bias", (kv,))
+        e.param(p + "o", (h, q))
+        if d.o_bias:
+            e.param(p + "o.bias", (h,))
+        if d.experts:
+            e.param(p + "router", (d.experts, h))
+            e.param(p + "experts.gate_up", (d.experts, 2 * d.intermediate, h))
+            e.param(p + "experts.down", (d.experts, h, d.intermediate))
+        elif d.model_type == "phi3":
+            e.param(p + "gate_up", (2 * d.intermediate, h))
+            e.param(p + "down", (h, d.intermediate))
+        else:
+            e.param(p + "gate", (d.intermediate, h))
+            e.param(p + "up", (d.intermediate, h))
+            e.param(p + "down", (h, d.intermediate))
+            if d.mlp_bias:
+                for name, size in (("gate.bias", d.intermediate), ("up.bias", d.intermediate), ("down.bias", h)):
+                    e.param(p + name, (size,))
+        for norm in _norm_names(d):
+            e.param(p + norm, (h,))
+    e.param("norm", (h,))
+    if not d.tied:
+        e.param("lm_head", (d.vocab, h))
+
+
+def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
+    if d.model_type == "gemma2":
+        return ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")
+    return ("input_norm", "post_attn_norm")
+
+
+# ---- building blocks ----------------------------------------------------------------------------
+def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
+    if d.model_type == "gemma2":   # x.float() normalised, times (1 + weight.float()), cast back
+        x32 = ops.cast(e, x, "f32")
+        r = ops.unary_saving_output(e, ops.scalar_op(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
+        normed = ops.mul(e, x32, r)
+        del r, x32
+        scale = ops.scalar_op(e, ops.cast(e, w, "f32"))
+        return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
+    x32 = ops.cast(e, x, "f32")
+    r = ops.unary_saving_output(e, ops.scalar_op(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
+    normed = ops.mul(e, x32, r)
+    del r, x32
+    return ops.mul(e, w, ops.cast(e, normed, x.dtype))
+
+
+def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, phi3: bool) -> Sym:
+    """q * cos + rotate_half(q) * sin; rotate_half is cat(-x[..., d/2:], x[..., :d/2])."""
+    rotated = ops.cat(e, [ops.scalar_op(e, View(x, x.numel // 2)), View(x, x.numel // 2)])
+    out = ops.add(e, ops.mul(e, x, cos), ops.mul(e, rotated, sin))
+    if phi3:   # cat([rotated, pass-through]) copies even when nothing passes through
+        out = ops.cat(e, [out])
+    return out
+
+
+def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int, batch: int, q_len: int,
+              cache: dict | None, kv_len: int, masks: dict) -> Sym:
+    p = f"layers.{layer}."
+    q_size, kv_size = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    if d.model_type == "phi3":
+        qkv = ops.linear(e, x, e.params[p + "qkv"], q_size + 2 * kv_size)
+        tokens = qkv.numel // (q_size + 2 * kv_size)
+        q, k, v = View(qkv, tokens * q_size), View(qkv, tokens * kv_size), View(qkv, tokens * kv_size)
+        del x, qkv
+    else:
+        q = ops.linear(e, x, e.params[p + "q"], q_size, e.params.get(p + "q.bias"))
+        k = ops.linear(e, x, e.params[p + "k"], kv_size, e.params.get(p + "k.bias"))
+        v = ops.linear(e, x, e.params[p + "v"], kv_size, e.params.get(p + "v.bias"))
+        del x
+    q = rotary(e, q, cos, sin, d.model_type == "phi3")
+    k = rotary(e, k, cos, sin, d.model_type == "phi3")
+    if cache is not None:
+        k, v = _cache_update(e, cache, layer, k, v, d, batch, kv_len)
+    sliding = d.sliding_pattern[layer % d.period] and d.sliding_window is not None
+    mask = masks.get("sliding" if sliding else "full")
+    masked = mask is not None
+    if d.model_type == "gemma2":
+        out = _eager_softcap_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
+    else:
+        if d.kv_heads != d.heads and (masked or d.head_dim > 256) and q_len > 1:
+            k = ops.copy(e, View(k, k.numel * (d.heads // d.kv_heads)))   # repeat_kv
+            v = ops.copy(e, View(v, v.numel * (d.heads // d.kv_heads)))
+        out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.head_dim,
+                       dropout_p=d.attn_dropout if e.policy.train else 0.0, mask=mask)
+    del q, k, v
+    return ops.linear(e, out, e.params[p + "o"], d.hidden, e.params.get(p + "o.bias"))
+
+
+def _cache_update(e: Engine, cache: dict, layer: int, k: Sym, v: Sym, d: DecoderSpec, batch: int, kv_len: int):
+    """DynamicCache: keys = cat([keys, new]) allocates the grown cache; the old one is then freed."""
+    old_k, old_v = cache.get(layer, (None, None))
+    full = batch * d.kv_heads * d.head_dim * kv_len
+    new_k = e.new(full, k.dtype, category="kv_cache")
+    new_v = e.new(full, v.dtype, category="kv_cache")
+    cache[layer] = (new_k, new_v)
+    del old_k, old_v
+    return new_k, new_v
+
+
+def _eager_softcap_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
+                             mask: Sym) -> Sym:
+    """Gemma-2's eager attention: repeat_kv, scores, tanh soft-capping, float32 softmax, weights @ v."""
+    groups = d.heads // d.kv_heads
+    k_r = ops.copy(e, View(k, k.numel * groups)) if groups > 1 else k
+    v_r = ops.copy(e, View(v, v.numel * groups)) if groups > 1 else v
+    rows = batch * d.heads * q_len
+    if groups > 1:
+        k_c = k_r
+    else:
+        k_c = ops.copy(e, k_r)                 # k^T made contiguous for the batched matmul
+    q_c = ops.copy(e, q) if q_len > 1 else q    # q made contiguous for the batched matmul
+    scores = ops.scalar_op(e, ops.matmul(e, q_c, k_c, rows * kv_len))
+    del q_c, k_c
+    scores = ops.scalar_op(e, ops.unary_saving_output(e, ops.scalar_op(e, scores), "tanh"))
+    scores = ops.add(e, scores, mask)
+    probs = ops.cast(e, ops.softmax(e, _as_f32_input(e, scores), "softmax"), q.dtype)
+    del scores
+    out = ops.matmul(e, probs, v_r, rows * d.head_dim)
+    del probs, v_r, k_r
+    return ops.copy(e, out)   # transpose(1, 2).contiguous()
+
+
+def _as_f32_input(e: Engine, x: Sym) -> Sym:
+    """softmax(..., dtype=float32) converts the input first, except CUDA reading float16 directly."""
+    if (e.policy.backend == "cuda" and x.dtype == "f16") or x.dtype == "f32":
+        return x
+    return e.record(e.new(x.numel, "f32"), [x], [])
+
+
+def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
+    p = f"layers.{layer}."
+    if d.experts:
+        return _experts(e, x, d, layer, tokens)
+    if d.model_type == "phi3":
+        gate_up = ops.linear(e, x, e.params[p + "gate_up"], 2 * d.intermediate)
+        del x
+        act = ops.unary_saving_input(e, View(gate_up, gate_up.numel // 2))
+        hidden = ops.mul(e, View(gate_up, gate_up.numel // 2), act)
+        del act, gate_up
+    else:
+        gate = ops.linear(e, x, e.params[p + "gate"], d.intermediate, e.params.get(p + "gate.bias"))
+        act = ops.unary_saving_input(e, gate)
+        del gate
+        up = ops.linear(e, x, e.params[p + "up"], d.intermediate, e.params.get(p + "up.bias"))
+        del x
+        hidden = ops.mul(e, act, up)
+        del act, up
+    return ops.linear(e, hidden, e.params[p + "down"], d.hidden, e.params.get(p + "down.bias"))
+
+
+def _experts(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
+    """Mixtral: router softmax and top-k, then the grouped_mm experts (transformers' default)."""
+    p = f"layers.{layer}."
+    k, h, inter = d.top_k, d.hidden, d.intermediate
+    router_logits = ops.linear(e, x, e.params[p + "router"], d.experts)
+    probs = ops.softmax(e, ops.cast(e, router_logits, "f32"), "softmax")
+    top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "i64")
+    top_values = e.record(top_values, [probs], [top_index])          # topk saves the indices
+    denom = ops.reduce_last(e, top_values, k)
+    weights = ops.mul(e, top_values, denom)                          # /= sum (in place on a clone)
+    del probs, router_logits, denom, top_values
+    perm, perm_tok = e.new(tokens * k, "i64"), e.new(tokens * k, "i64")   # sort, perm // k
+    gathered = e.record(e.new(tokens * k * h, x.dtype), [x], [perm_tok])   # hidden_states[perm // k]
+    sample_w = e.record(e.new(tokens * k, weights.dtype), [weights], [perm])
+    offsets = e.new(d.experts, "i32")
+    w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
+    gate_up = e.record(e.new(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up], [gathered, w_gate_up])
+    del gathered
+    act = ops.unary_saving_input(e, View(gate_up, gate_up.numel // 2))
+    hidden = ops.mul(e, act, View(gate_up, gate_up.numel // 2))
+    del act, gate_up
+    down = e.record(e.new(tokens * k * h, w_down.dtype), [hidden, w_down], [hidden, w_down])
+    del hidden
+    weighted = ops.mul(e, down, sample_w)
+    del down, sample_w
+    inv_perm = e.new(tokens * k, "i64")
+    reordered = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
+    del weighted, offsets
+    summed = e.record(e.new(tokens * h, reordered.dtype), [reordered], [])
+    return ops.cast(e, summed, x.dtype)
+
+
+def decoder_layer(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int, batch: int, q_len: int,
+                  cache: dict | None, kv_len: int, masks: dict) -> Sym:
+    p = f"layers.{layer}."
+    residual = x
+    h = rms_norm(e, x, e.params[p + "input_norm"], d)
+    del x
+    h = attention(e, h, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)
+    if d.model_type == "gemma2":
+        h = rms_norm(e, h, e.params[p + "post_attn_norm"], d)
+    h = ops.add(e, residual, h)
+    residual = h
+    h = rms_norm(e, h, e.params[p + ("pre_ff_norm" if d.model_type == "gemma2" else "post_attn_norm")], d)
+    h = mlp(e, h, d, layer, batch * q_len)
+    if d.model_type == "gemma2":
+        h = rms_norm(e, h, e.params[p + "post_ff_norm"], d)
+    return ops.add(e, residual, h)
+
+
+def attention_masks(e: Engine, d: DecoderSpec, batch: int, q_len: int, kv_len: int, dtype: str) -> dict:
+    """Masks built once per forward. SDPA models rely on is_causal and need none, except a sliding
+    window shorter than the keys (a boolean mask); Gemma-2's eager attention adds float masks."""
+    masks = {}
+    if d.model_type == "gemma2":
+        if q_len > 1:
+            masks["full"] = e.new(batch * q_len * kv_len, dtype)
+            masks["sliding"] = e.new(batch * q_len * kv_len, dtype)
+        return masks
+    if d.sliding_window and kv_len >= d.sliding_window and q_len > 1:
+        masks["sliding"] = e.new(batch * q_len * kv_len, "bool")
+    return masks
+
+
+def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: int, labels: bool,
+            cache: dict | None = None, kv_len: int | None = None, logits_to_keep: int = 0) -> Sym:
+    """The model's forward; returns the loss (training) or the logits (inference)."""
+    kv_len = kv_len or q_len
+    ids = e.new(batch * q_len, "i64", category="inputs")
+    e.keep.append(ids)
+    e.segment = "pre"
+    x = ops.embedding(e, ids, e.params["embed"], d.hidden)
+    if d.model_type == "gemma2":
+        x = ops.scalar_op(e, x)   # embeddings * sqrt(hidden)
+    compute = x.dtype
+    cos, sin = e.new(q_len * d.head_dim, compute), e.new(q_len * d.head_dim, compute)
+    masks = attention_masks(e, d, batch, q_len, kv_len, compute)
+    for layer in range(num_layers):
+        e.segment = layer
+        x = decoder_layer(e, x, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)
+    e.segment = "post"
+    hidden = rms_norm(e, x, e.params["norm"], d)
+    del x, cos, sin, masks
+    tokens = batch * (logits_to_keep or q_len)
+    rows = hidden if tokens == batch * q_len else View(hidden, tokens * d.hidden)
+    logits = ops.linear(e, rows, e.params["embed" if d.tied else "lm_head"], d.vocab)
+    del rows
+    if d.model_type == "gemma2":   # final logit soft-capping
+        logits = ops.scalar_op(e, ops.unary_saving_output(e, ops.scalar_op(e, logits), "tanh"))
+    if not labels:
+        return logits
+    label_ids = e.new(batch * q_len, "i64", category="inputs")
+    e.keep.append(label_ids)
+    loss = ops.cross_entropy(e, logits, batch=batch, seq=q_len, shift=True)
+    del logits, hidden
+    return loss
+
+
+def declare_buffers(e: Engine, d: DecoderSpec) -> list[Sym]:
+    # rotary inv_freq and original_inv_freq: head_dim / 2 floats each
+    return [e.new(d.head_dim // 2, "f32", category="buffers") for _ in range(2)]
+
+
+def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int) -> Sym:
+    return forward(e, d, num_layers, batch=batch, q_len=seq, labels=True)
+
+
+def inference(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:
+    """Prefill with a cache and logits of the last position, then the last (largest) decode step."""
+    cache: dict = {}
+    e.set_phase("prefill")
+    logits = forward(e, d, num_layers, batch=batch, q_len=seq, labels=False, cache=cache, logits_to_keep=1)
+    token = e.new(batch, "i64")
+    del logits
+    if not new_tokens:
+        return
+    e.set_phase("decode")
+    per_layer = batch * d.kv_heads * d.head_dim * (seq + new_tokens - 1)
+    for layer in range(num_layers):   # the cache just before the last step
+        cache[layer] = (e.new(per_layer, cache[layer][0].dtype, category="kv_cache"),
+                        e.new(per_layer, cache[layer][1].dtype, category="kv_cache"))
+    logits = forward(e, d, num_layers, batch=batch, q_len=1, labels=False, cache=cache, kv_len=seq + new_tokens)
+    del logits, token, cache

@@ -1,0 +1,40 @@
+"""model_type -> the symbolic program that models it."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from memfit.core.errors import MemfitError
+from memfit.estimate.analytic.families import decoder
+
+_FAMILIES: dict[str, tuple[ModuleType, type]] = {name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(_FAMILIES))
+
+
+def family_of(source):
+    """(family module, spec) for a model source; specs are cached per config."""
+    import json
+
+    return _family_cached(source.model_type, json.dumps({**source.hf_config, **source.overrides}, sort_keys=True),
+                          source)
+
+
+def _family_cached(model_type: str, _config_key: str, source):
+    entry = _FAMILIES.get(model_type)
+    if entry is None:
+        raise MemfitError(
+            f"no analytic model for model_type {source.model_type!r} (supported: {', '.join(supported_model_types())}); "
+            "use --method traced.")
+    module, spec_type = entry
+    return module, _spec(spec_type, model_type, _config_key, source)
+
+
+_SPECS: dict[str, object] = {}
+
+
+def _spec(spec_type, model_type: str, key: str, source):
+    if key not in _SPECS:
+        _SPECS[key] = spec_type.from_config(source.config())
+    return _SPECS[key]

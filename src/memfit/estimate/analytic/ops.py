@@ -1,0 +1,197 @@
+"""Symbolic PyTorch ops: what each allocates, what autograd saves, and what autocast casts.
+
+Save rules follow PyTorch's derivatives (tools/autograd/derivatives.yaml); autocast lists follow
+aten/src/ATen/autocast_mode.cpp for CPU and CUDA; attention and dropout follow the kernels each
+backend runs (see also estimate/cuda_emulation.py, which makes the traced estimator do the same).
+"""
+from __future__ import annotations
+
+from memfit.estimate.analytic.engine import Engine, Param, Sym, View
+
+HALF = ("bf16", "f16")
+_LOWER = {"linear", "matmul", "sdpa", "conv"}
+_FP32_INPUT = {"cpu": {"cross_entropy", "nll_loss", "mse_loss"},
+               "cuda": {"layer_norm", "pow", "exp", "log", "rsqrt", "softplus", "nll_loss", "mse_loss"}}
+_FP32_OUTPUT = {"cpu": set(), "cuda": {"softmax", "log_softmax", "sum"}}
+
+
+def promote(a: str, b: str) -> str:
+    if a == b:
+        return a
+    if "f32" in (a, b):
+        return "f32"
+    return a if a in HALF else b
+
+
+def cast(e: Engine, x: Sym, dtype: str) -> Sym:
+    """`x.to(dtype)`: a new tensor when the dtype changes; its backward casts the gradient back."""
+    if x.dtype == dtype:
+        return x
+    return e.record(e.new(x.numel, dtype), [x], [], grad_dtypes=[x.dtype])
+
+
+def autocast_input(e: Engine, x: Sym, op: str) -> Sym:
+    if not e.autocast_on or x.dtype not in ("f32",) + HALF:
+        return x
+    if op in _LOWER:
+        return weight(e, x) if isinstance(x, Param) else cast(e, x, e.policy.autocast_dtype)
+    if op in _FP32_INPUT[e.policy.backend] and x.dtype in HALF:
+        return cast(e, x, "f32")
+    return x
+
+
+def weight(e: Engine, p: Param) -> Sym:
+    """A parameter as an autocast region sees it: cast once per region and cached (autocast's cache)."""
+    target = e.policy.autocast_dtype
+    if not e.autocast_on or p.dtype == target:
+        return p
+    cached = e.cast_cache.get(p.name)
+    if cached is None:
+        cached = e.cast_cache[p.name] = cast(e, p, target)
+    return cached
+
+
+def _saves(a: Sym, b: Sym) -> list[Sym]:
+    """Binary ops like mul/matmul: each operand is saved when the *other* one needs a gradient."""
+    return ([b] if a.grad else []) + ([a] if b.grad else [])
+
+
+def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
+    x_in = autocast_input(e, x, "linear")
+    w_in = weight(e, w)
+    tokens = x.numel // (w.numel // out_features)
+    out = e.new(tokens * out_features, x_in.dtype)
+    inputs = [x_in, w_in] + ([weight(e, bias)] if bias is not None else [])
+    return e.record(out, inputs, _saves(x_in, w_in))
+
+
+def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:
+    a, b = autocast_input(e, a, "matmul"), autocast_input(e, b, "matmul")
+    return e.record(e.new(out_numel, promote(a.dtype, b.dtype)), [a, b], _saves(a, b))
+
+
+def add(e: Engine, a: Sym, b: Sym) -> Sym:
+    return e.record(e.new(max(a.numel, b.numel), promote(a.dtype, b.dtype)), [a, b], [])
+
+
+def mul(e: Engine, a: Sym, b: Sym) -> Sym:
+    return e.record(e.new(max(a.numel, b.numel), promote(a.dtype, b.dtype)), [a, b], _saves(a, b))
+
+
+def scalar_op(e: Engine, x: Sym) -> Sym:
+    """x * c, x + c, -x: a new tensor, nothing saved."""
+    return e.record(e.new(x.numel, x.dtype), [x], [])
+
+
+def copy(e: Engine, x: Sym) -> Sym:
+    """`.contiguous()` / `.clone()` on a tensor whose layout forces a copy."""
+    return e.record(e.new(x.numel, x.dtype), [x], [])
+
+
+def pow_scalar(e: Engine, x: Sym) -> Sym:
+    x = autocast_input(e, x, "pow")
+    return e.record(e.new(x.numel, x.dtype), [x], [x])
+
+
+def reduce_last(e: Engine, x: Sym, dim_size: int) -> Sym:
+    """mean/sum over the last dimension (keepdim)."""
+    return e.record(e.new(x.numel // dim_size, x.dtype), [x], [])
+
+
+def unary_saving_output(e: Engine, x: Sym, op: str = "") -> Sym:
+    """rsqrt, tanh, sigmoid, relu, exp: backward needs the result."""
+    x = autocast_input(e, x, op)
+    out = e.new(x.numel, x.dtype)
+    return e.record(out, [x], [out])
+
+
+def unary_saving_input(e: Engine, x: Sym) -> Sym:
+    """silu, gelu: backward needs the input."""
+    return e.record(e.new(x.numel, x.dtype), [x], [x])
+
+
+def softmax(e: Engine, x: Sym, op: str = "softmax") -> Sym:
+    dtype = "f32" if (e.autocast_on and x.dtype in HALF and op in _FP32_OUTPUT[e.policy.backend]) else x.dtype
+    out = e.new(x.numel, dtype)
+    return e.record(out, [x], [out])
+
+
+def embedding(e: Engine, ids: Sym, table: Param, dim: int) -> Sym:
+    return e.record(e.new(ids.numel * dim, table.dtype), [table], [])
+
+
+def cat(e: Engine, parts: list[Sym]) -> Sym:
+    dtype = parts[0].dtype
+    for p in parts[1:]:
+        dtype = promote(dtype, p.dtype)
+    return e.record(e.new(sum(p.numel for p in parts), dtype), list(parts), [])
+
+
+def layer_norm(e: Engine, x: Sym, w: Param, b: Param | None, dim: int) -> Sym:
+    x = autocast_input(e, x, "layer_norm")
+    tokens = x.numel // dim
+    out = e.new(x.numel, x.dtype)
+    mean, rstd = e.new(tokens, "f32"), e.new(tokens, "f32")
+    return e.record(out, [x, w] + ([b] if b is not None else []), [x, mean, rstd])
+
+
+def dropout(e: Engine, x: Sym, p: float) -> Sym:
+    if not e.policy.train or p == 0:
+        return x
+    if e.policy.backend == "cuda":   # fused native_dropout: a 1-byte mask
+        mask = e.new(x.numel, "bool")
+        return e.record(e.new(x.numel, x.dtype), [x], [mask])
+    mask = e.new(x.numel, x.dtype)   # CPU: empty_like(x).bernoulli_(), then x * mask
+    return e.record(e.new(x.numel, x.dtype), [x], [mask])
+
+
+def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: int, kv_len: int,
+         head_dim: int, dropout_p: float = 0.0, mask: Sym | None = None) -> Sym:
+    """F.scaled_dot_product_attention as the backend runs it; returns the output in (b, s, heads*d) layout.
+    A boolean mask is first turned into a float one in q's dtype, by every backend."""
+    q, k, v = (autocast_input(e, t, "sdpa") for t in (q, k, v))
+    if mask is not None and mask.dtype == "bool":
+        mask = e.new(mask.numel, q.dtype)
+    extra = []
+    if mask is not None and e.policy.backend == "cpu" and isinstance(v, View):
+        extra.append(copy(e, v))   # with a mask the CPU kernel also keeps a contiguous copy of v
+    rows = batch * heads * q_len
+    fused = e.policy.backend == "cuda" or (dropout_p == 0 or not e.policy.train)
+    if fused and head_dim <= 256:
+        out = e.new(rows * head_dim, q.dtype)
+        lse = e.new(rows, "f32")
+        scratch = [(q.numel, "f32"), (rows, "f32")] if e.policy.backend == "cuda" else []
+        saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
+        return e.record(out, [q, k, v], saved, scratch=scratch)
+    return _sdpa_math(e, q, k, v, rows=rows, kv_len=kv_len, head_dim=head_dim, dropout_p=dropout_p)
+
+
+def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, kv_len: int, head_dim: int, dropout_p: float) -> Sym:
+    """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout.
+    On CPU half inputs are computed in float32."""
+    acc = "f32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
+    q_s = copy(e, scalar_op(e, cast(e, q, acc)))       # q * sqrt(scale), made contiguous for bmm
+    k_s = copy(e, scalar_op(e, cast(e, k, acc)))       # k^T * sqrt(scale), made contiguous for bmm
+    scores = matmul(e, q_s, k_s, rows * kv_len)
+    del q_s, k_s
+    probs = softmax(e, scores, "softmax")
+    del scores
+    probs = dropout(e, probs, dropout_p)
+    v_c = copy(e, cast(e, v, acc))
+    out = matmul(e, probs, v_c, rows * head_dim)
+    return cast(e, out, q.dtype)
+
+
+def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool) -> Sym:
+    """Hugging Face's loss: logits.float(), labels padded and shifted (causal LM), F.cross_entropy."""
+    logits32 = cast(e, logits, "f32")
+    target = None
+    if shift:
+        padded = e.new(batch * (seq + 1), "i64")   # F.pad(labels, (0, 1), value=-100)
+        target = e.new(batch * seq, "i64")          # labels[..., 1:].contiguous()
+        del padded
+    x = autocast_input(e, logits32, "cross_entropy")
+    log_probs = softmax(e, x, "log_softmax")
+    del logits32, x
+    loss, total_weight = e.new(1, "f32"), e.new(1, "f32")
+    return e.record(loss, [log_probs], [log_probs, total_weight] + ([target] if target is not None else []))
