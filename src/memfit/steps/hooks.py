@@ -24,16 +24,19 @@ class NullHooks:
 
 
 def tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
-    """Every tensor reachable from `obj` through containers and object attributes (a KV cache)."""
+    """Every tensor reachable from `obj` through containers and object attributes (a KV cache).
+    Iterative on purpose: a recursive closure would form a reference cycle that keeps the tensors
+    alive until the garbage collector runs, which is a memory leak in exactly what memfit measures."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-
-    def walk(value, level: int) -> None:
+    stack = [(obj, 0)]
+    while stack:
+        value, level = stack.pop()
         if isinstance(value, torch.Tensor):
             found.append(value)
-            return
+            continue
         if level > depth or id(value) in seen:
-            return
+            continue
         seen.add(id(value))
         if isinstance(value, dict):
             items = value.values()
@@ -42,9 +45,6 @@ def tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
         elif hasattr(value, "__dict__") and not isinstance(value, type):
             items = vars(value).values()
         else:
-            return
-        for item in items:
-            walk(item, level + 1)
-
-    walk(obj, 0)
+            continue
+        stack.extend((item, level + 1) for item in items)
     return found

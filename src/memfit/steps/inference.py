@@ -7,6 +7,7 @@ models and custom modules: one forward.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -17,9 +18,10 @@ from memfit.steps.train import call_model
 
 
 def run_inference(model: nn.Module, batch: dict | tuple, *, head: str, new_tokens: int,
-                  hooks: StepHooks | None = None) -> None:
+                  hooks: StepHooks | None = None, autocast=None) -> None:
+    """`autocast`: a context manager for mixed precision (None: run in the weights' dtype)."""
     hooks = hooks or NullHooks()
-    with torch.no_grad():
+    with torch.no_grad(), (autocast or contextlib.nullcontext()):
         if head == "causal-lm":
             _decoder(model, batch, new_tokens, hooks)
         elif head == "seq2seq-lm":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from memfit.core.precision import get_precision
@@ -33,5 +34,10 @@ def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: st
         return
     model.eval()
     gc.collect()
+    precision = get_precision(workload.precision)
+    region = None
+    if precision.autocast_dtype is not None:
+        region = (autocast or (lambda dtype: torch.autocast(device_type, dtype=dtype)))(precision.autocast_dtype)
     before_measured_step()
-    run_inference(model, batch, head=workload.source.head, new_tokens=workload.new_tokens, hooks=hooks)
+    run_inference(model, batch, head=workload.source.head, new_tokens=workload.new_tokens, hooks=hooks,
+                  autocast=region)

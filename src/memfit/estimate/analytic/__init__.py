@@ -110,9 +110,9 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
             regions = extrapolate(samples, layers)
         except NotLinear as exc:   # not expected for these programs; fall back to the full depth
             notes.append(f"depth extrapolation failed ({exc}); simulated every layer")
-            regions = _regions(simulate(workload, gpu, layers), layers, period, weights)
+            regions = _regions(simulate(workload, gpu, layers), layers, layers, weights)
     else:
-        regions = _regions(simulate(workload, gpu, layers), layers, period, weights)
+        regions = _regions(simulate(workload, gpu, layers), layers, layers, weights)
     top, components, _ = peak_of(regions)
     at_peak = apply_weights(top.at_max, weights, divisor)
     component_peaks = apply_weights(components, weights, divisor)

@@ -112,10 +112,13 @@ class Engine:
         self.cast_cache: dict[str, Sym] = {}
         self.autocast_on = policy.autocast_dtype is not None
         self.keep: list = []          # tensors the program holds across calls (inputs, caches)
+        self.log: list | None = None  # set to [] to record (phase, segment, category, +/-bytes, dtype, numel)
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
         self.live[sym.category] += sign * sym.nbytes
+        if self.log is not None:
+            self.log.append((self.phase, self.segment, sym.category, sign * sym.nbytes, sym.dtype, sym.numel))
         if sign > 0:
             self._observe()
 

@@ -131,8 +131,11 @@ def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
 
 def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, phi3: bool) -> Sym:
     """q * cos + rotate_half(q) * sin; rotate_half is cat(-x[..., d/2:], x[..., :d/2])."""
+    with_cos = ops.mul(e, x, cos)
     rotated = ops.cat(e, [ops.scalar_op(e, View(x, x.numel // 2)), View(x, x.numel // 2)])
-    out = ops.add(e, ops.mul(e, x, cos), ops.mul(e, rotated, sin))
+    with_sin = ops.mul(e, rotated, sin)
+    del rotated
+    out = ops.add(e, with_cos, with_sin)
     if phi3:   # cat([rotated, pass-through]) copies even when nothing passes through
         out = ops.cat(e, [out])
     return out
@@ -159,8 +162,9 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
     sliding = d.sliding_pattern[layer % d.period] and d.sliding_window is not None
     mask = masks.get("sliding" if sliding else "full")
     masked = mask is not None
+    weights = None
     if d.model_type == "gemma2":
-        out = _eager_softcap_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
+        out, weights = _eager_softcap_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
     else:
         if d.kv_heads != d.heads and (masked or d.head_dim > 256) and q_len > 1:
             k = ops.copy(e, View(k, k.numel * (d.heads // d.kv_heads)))   # repeat_kv
@@ -168,41 +172,60 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
         out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.head_dim,
                        dropout_p=d.attn_dropout if e.policy.train else 0.0, mask=mask)
     del q, k, v
-    return ops.linear(e, out, e.params[p + "o"], d.hidden, e.params.get(p + "o.bias"))
+    return ops.linear(e, out, e.params[p + "o"], d.hidden, e.params.get(p + "o.bias")), weights
 
 
 def _cache_update(e: Engine, cache: dict, layer: int, k: Sym, v: Sym, d: DecoderSpec, batch: int, kv_len: int):
-    """DynamicCache: keys = cat([keys, new]) allocates the grown cache; the old one is then freed."""
-    old_k, old_v = cache.get(layer, (None, None))
-    full = batch * d.kv_heads * d.head_dim * kv_len
-    new_k = e.new(full, k.dtype, category="kv_cache")
-    new_v = e.new(full, v.dtype, category="kv_cache")
+    """DynamicCache: keys = cat([keys, new]) allocates the grown cache; the old one is then freed.
+    A sliding-window layer keeps a view of its last window - 1 tokens, so after the prefill its
+    cache stops growing: each step allocates window tokens."""
+    old_k, old_v = cache.pop(layer, (None, None))
+    if _is_sliding(d, layer):   # both cats first, then the views replace the old tensors
+        tokens = k.numel // (batch * d.kv_heads * d.head_dim)
+        if old_k is not None:
+            tokens += min(_tokens(old_k, d, batch), d.sliding_window - 1)
+        full = batch * d.kv_heads * d.head_dim * tokens
+        new_k, new_v = e.new(full, k.dtype, category="kv_cache"), e.new(full, v.dtype, category="kv_cache")
+        del old_k, old_v
+    else:                        # self.keys = cat([self.keys, k]): the old keys go before the values grow
+        full = batch * d.kv_heads * d.head_dim * kv_len
+        new_k = e.new(full, k.dtype, category="kv_cache")
+        del old_k
+        new_v = e.new(full, v.dtype, category="kv_cache")
+        del old_v
     cache[layer] = (new_k, new_v)
-    del old_k, old_v
     return new_k, new_v
 
 
+def _is_sliding(d: DecoderSpec, layer: int) -> bool:
+    return bool(d.sliding_window) and d.sliding_pattern[layer % d.period]
+
+
+def _tokens(kv: Sym, d: DecoderSpec, batch: int) -> int:
+    return kv.numel // (batch * d.kv_heads * d.head_dim)
+
+
 def _eager_softcap_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
-                             mask: Sym) -> Sym:
-    """Gemma-2's eager attention: repeat_kv, scores, tanh soft-capping, float32 softmax, weights @ v."""
+                             mask: Sym) -> tuple[Sym, Sym]:
+    """Gemma-2's eager attention: repeat_kv, scores, tanh soft-capping, float32 softmax, weights @ v.
+    Returns (output, attention weights): the caller keeps the weights until its layer returns."""
     groups = d.heads // d.kv_heads
     k_r = ops.copy(e, View(k, k.numel * groups)) if groups > 1 else k
     v_r = ops.copy(e, View(v, v.numel * groups)) if groups > 1 else v
     rows = batch * d.heads * q_len
-    if groups > 1:
-        k_c = k_r
-    else:
-        k_c = ops.copy(e, k_r)                 # k^T made contiguous for the batched matmul
-    q_c = ops.copy(e, q) if q_len > 1 else q    # q made contiguous for the batched matmul
-    scores = ops.scalar_op(e, ops.matmul(e, q_c, k_c, rows * kv_len))
-    del q_c, k_c
-    scores = ops.scalar_op(e, ops.unary_saving_output(e, ops.scalar_op(e, scores), "tanh"))
+    k_t = ops.copy(e, k_r)                      # key.transpose(2, 3) made contiguous for the batched matmul
+    scores = ops.matmul(e, q, k_t, rows * kv_len)
+    del k_t
+    scores = ops.scalar_op(e, scores)           # * scaling
+    scores = ops.scalar_op(e, scores)           # / softcap
+    scores = ops.unary_saving_output(e, scores, "tanh")
+    scores = ops.scalar_op(e, scores)           # * softcap
     scores = ops.add(e, scores, mask)
-    probs = ops.cast(e, ops.softmax(e, _as_f32_input(e, scores), "softmax"), q.dtype)
+    weights = ops.cast(e, ops.softmax(e, _as_f32_input(e, scores), "softmax"), q.dtype)
     del scores
-    out = ops.matmul(e, probs, v_r, rows * d.head_dim)
-    del probs, v_r, k_r
-    return ops.copy(e, out)   # transpose(1, 2).contiguous()
+    out = ops.matmul(e, weights, v_r, rows * d.head_dim)
+    del v_r, k_r
+    return ops.copy(e, out), weights            # transpose(1, 2).contiguous()
 
 
 def _as_f32_input(e: Engine, x: Sym) -> Sym:
@@ -234,34 +257,49 @@ def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
 
 
 def _experts(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
-    """Mixtral: router softmax and top-k, then the grouped_mm experts (transformers' default)."""
-    p = f"layers.{layer}."
-    k, h, inter = d.top_k, d.hidden, d.intermediate
-    router_logits = ops.linear(e, x, e.params[p + "router"], d.experts)
+    """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts. Local variables
+    live until the function returns, as in `grouped_mm_experts_forward`."""
+    router_logits, weights, top_index = _router(e, x, d, layer, tokens)
+    out = _grouped_experts(e, x, weights, d, layer, tokens)
+    del router_logits, weights, top_index
+    return out
+
+
+def _router(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int):
+    k = d.top_k
+    router_logits = ops.linear(e, x, e.params[f"layers.{layer}.router"], d.experts)
     probs = ops.softmax(e, ops.cast(e, router_logits, "f32"), "softmax")
     top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "i64")
     top_values = e.record(top_values, [probs], [top_index])          # topk saves the indices
     denom = ops.reduce_last(e, top_values, k)
-    weights = ops.mul(e, top_values, denom)                          # /= sum (in place on a clone)
-    del probs, router_logits, denom, top_values
-    perm, perm_tok = e.new(tokens * k, "i64"), e.new(tokens * k, "i64")   # sort, perm // k
-    gathered = e.record(e.new(tokens * k * h, x.dtype), [x], [perm_tok])   # hidden_states[perm // k]
-    sample_w = e.record(e.new(tokens * k, weights.dtype), [weights], [perm])
-    offsets = e.new(d.experts, "i32")
+    weights = ops.mul(e, top_values, denom)                          # top_values /= sum (autograd: a new version)
+    del probs, denom, top_values
+    return router_logits, weights, top_index
+
+
+def _grouped_experts(e: Engine, x: Sym, weights: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
+    p = f"layers.{layer}."
+    k, h, inter = d.top_k, d.hidden, d.intermediate
+    sorted_ids, perm = e.new(tokens * k, "i64"), e.new(tokens * k, "i64")      # torch.sort
+    perm_tok = e.new(tokens * k, "i64")                                       # perm // k
+    gathered = e.record(e.new(tokens * k * h, x.dtype), [x], [perm_tok])       # hidden_states[perm // k]
+    del perm_tok
+    sample_w = e.record(e.new(tokens * k, weights.dtype), [weights], [perm])   # sample_weights[perm]
+    histc_input = e.new(tokens * k, "f32") if e.policy.backend == "cpu" else e.new(tokens * k, "i32")
+    counts, offsets = e.new(d.experts, "f32"), e.new(d.experts, "i32")
     w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
-    gate_up = e.record(e.new(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up], [gathered, w_gate_up])
-    del gathered
-    act = ops.unary_saving_input(e, View(gate_up, gate_up.numel // 2))
-    hidden = ops.mul(e, act, View(gate_up, gate_up.numel // 2))
-    del act, gate_up
-    down = e.record(e.new(tokens * k * h, w_down.dtype), [hidden, w_down], [hidden, w_down])
-    del hidden
-    weighted = ops.mul(e, down, sample_w)
-    del down, sample_w
+    proj = e.record(e.new(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up], [gathered, w_gate_up])
+    act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
+    proj = ops.mul(e, act, View(proj, proj.numel // 2))
+    del act
+    proj = e.record(e.new(tokens * k * h, w_down.dtype), [proj, w_down], [proj, w_down])
+    weighted = ops.mul(e, proj, sample_w)
     inv_perm = e.new(tokens * k, "i64")
-    reordered = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
-    del weighted, offsets
-    summed = e.record(e.new(tokens * h, reordered.dtype), [reordered], [])
+    positions = e.new(tokens * k, "i64")                                      # inv_perm[perm] = arange(...)
+    del positions
+    weighted = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
+    summed = e.record(e.new(tokens * h, weighted.dtype), [weighted], [])
+    del sorted_ids, perm, gathered, sample_w, histc_input, counts, offsets, proj, weighted, inv_perm
     return ops.cast(e, summed, x.dtype)
 
 
@@ -271,7 +309,7 @@ def decoder_layer(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: 
     residual = x
     h = rms_norm(e, x, e.params[p + "input_norm"], d)
     del x
-    h = attention(e, h, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)
+    h, _weights = attention(e, h, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)  # held till return
     if d.model_type == "gemma2":
         h = rms_norm(e, h, e.params[p + "post_attn_norm"], d)
     h = ops.add(e, residual, h)
@@ -288,9 +326,8 @@ def attention_masks(e: Engine, d: DecoderSpec, batch: int, q_len: int, kv_len: i
     window shorter than the keys (a boolean mask); Gemma-2's eager attention adds float masks."""
     masks = {}
     if d.model_type == "gemma2":
-        if q_len > 1:
-            masks["full"] = e.new(batch * q_len * kv_len, dtype)
-            masks["sliding"] = e.new(batch * q_len * kv_len, dtype)
+        masks["full"] = e.new(batch * q_len * kv_len, dtype)
+        masks["sliding"] = e.new(batch * q_len * kv_len, dtype)
         return masks
     if d.sliding_window and kv_len >= d.sliding_window and q_len > 1:
         masks["sliding"] = e.new(batch * q_len * kv_len, "bool")
@@ -307,6 +344,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     x = ops.embedding(e, ids, e.params["embed"], d.hidden)
     if d.model_type == "gemma2":
         x = ops.scalar_op(e, x)   # embeddings * sqrt(hidden)
+    inputs_embeds = x              # the model's forward keeps its embeddings until it returns
     compute = x.dtype
     cos, sin = e.new(q_len * d.head_dim, compute), e.new(q_len * d.head_dim, compute)
     masks = attention_masks(e, d, batch, q_len, kv_len, compute)
@@ -315,13 +353,15 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         x = decoder_layer(e, x, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)
     e.segment = "post"
     hidden = rms_norm(e, x, e.params["norm"], d)
-    del x, cos, sin, masks
+    del x, cos, sin, masks, inputs_embeds
     tokens = batch * (logits_to_keep or q_len)
     rows = hidden if tokens == batch * q_len else View(hidden, tokens * d.hidden)
     logits = ops.linear(e, rows, e.params["embed" if d.tied else "lm_head"], d.vocab)
     del rows
-    if d.model_type == "gemma2":   # final logit soft-capping
-        logits = ops.scalar_op(e, ops.unary_saving_output(e, ops.scalar_op(e, logits), "tanh"))
+    if d.model_type == "gemma2":   # final logit soft-capping: / cap, tanh, * cap
+        logits = ops.scalar_op(e, logits)
+        logits = ops.unary_saving_output(e, logits, "tanh")
+        logits = ops.scalar_op(e, logits)
     if not labels:
         return logits
     label_ids = e.new(batch * q_len, "i64", category="inputs")
@@ -341,7 +381,8 @@ def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int) -> S
 
 
 def inference(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:
-    """Prefill with a cache and logits of the last position, then the last (largest) decode step."""
+    """Prefill with a cache and logits of the last position, then decode steps: the first one (a
+    sliding-window cache still holds the prefill's storage) and the last one (the longest cache)."""
     cache: dict = {}
     e.set_phase("prefill")
     logits = forward(e, d, num_layers, batch=batch, q_len=seq, labels=False, cache=cache, logits_to_keep=1)
@@ -350,9 +391,17 @@ def inference(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, 
     if not new_tokens:
         return
     e.set_phase("decode")
-    per_layer = batch * d.kv_heads * d.head_dim * (seq + new_tokens - 1)
+    logits = forward(e, d, num_layers, batch=batch, q_len=1, labels=False, cache=cache, kv_len=seq + 1)
+    del logits
+    if new_tokens == 1:
+        return
     for layer in range(num_layers):   # the cache just before the last step
-        cache[layer] = (e.new(per_layer, cache[layer][0].dtype, category="kv_cache"),
-                        e.new(per_layer, cache[layer][1].dtype, category="kv_cache"))
+        tokens = seq + new_tokens - 1
+        if _is_sliding(d, layer):
+            tokens = min(seq + new_tokens - 2, d.sliding_window - 1) + 1   # storage of the previous step's cat
+        per_layer = batch * d.kv_heads * d.head_dim * tokens
+        k_dtype, v_dtype = cache[layer][0].dtype, cache[layer][1].dtype
+        cache[layer] = None
+        cache[layer] = (e.new(per_layer, k_dtype, category="kv_cache"), e.new(per_layer, v_dtype, category="kv_cache"))
     logits = forward(e, d, num_layers, batch=batch, q_len=1, labels=False, cache=cache, kv_len=seq + new_tokens)
     del logits, token, cache
