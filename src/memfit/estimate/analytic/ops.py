@@ -146,7 +146,7 @@ def dropout(e: Engine, x: Sym, p: float) -> Sym:
 
 
 def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: int, kv_len: int,
-         head_dim: int, dropout_p: float = 0.0, mask: Sym | None = None) -> Sym:
+         head_dim: int, dropout_p: float = 0.0, mask: Sym | None = None, causal: bool = False) -> Sym:
     """F.scaled_dot_product_attention as the backend runs it; returns the output in (b, s, heads*d) layout.
     A boolean mask is first turned into a float one in q's dtype, by every backend."""
     q, k, v = (autocast_input(e, t, "sdpa") for t in (q, k, v))
@@ -163,23 +163,37 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
         scratch = [(q.numel, "f32"), (rows, "f32")] if e.policy.backend == "cuda" else []
         saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
         return e.record(out, [q, k, v], saved, scratch=scratch)
-    return _sdpa_math(e, q, k, v, rows=rows, kv_len=kv_len, head_dim=head_dim, dropout_p=dropout_p)
+    return _sdpa_math(e, q, k, v, rows=rows, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                      dropout_p=dropout_p, mask=mask, causal=causal)
 
 
-def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, kv_len: int, head_dim: int, dropout_p: float) -> Sym:
-    """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout.
-    On CPU half inputs are computed in float32."""
+def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, q_len: int, kv_len: int, head_dim: int,
+               dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
+    """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout, then the
+    output made contiguous in (b, s, heads*d) layout. On CPU half inputs are computed in float32."""
     acc = "f32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
+    autocast, e.autocast_on = e.autocast_on, False   # the kernel runs below autocast
+    try:
+        return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                               dropout_p=dropout_p, mask=mask, causal=causal)
+    finally:
+        e.autocast_on = autocast
+
+
+def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, q_len: int, kv_len: int,
+                    head_dim: int, dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
+    causal_mask = [e.new(q_len * kv_len, "bool"), e.new(q_len * kv_len, acc)] if causal and mask is None else []
     q_s = copy(e, scalar_op(e, cast(e, q, acc)))       # q * sqrt(scale), made contiguous for bmm
     k_s = copy(e, scalar_op(e, cast(e, k, acc)))       # k^T * sqrt(scale), made contiguous for bmm
     scores = matmul(e, q_s, k_s, rows * kv_len)
     del q_s, k_s
     probs = softmax(e, scores, "softmax")
-    del scores
+    del scores, causal_mask
     probs = dropout(e, probs, dropout_p)
     v_c = copy(e, cast(e, v, acc))
     out = matmul(e, probs, v_c, rows * head_dim)
-    return cast(e, out, q.dtype)
+    del probs, v_c
+    return copy(e, cast(e, out, q.dtype))
 
 
 def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool) -> Sym:

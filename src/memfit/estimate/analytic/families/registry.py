@@ -4,9 +4,12 @@ from __future__ import annotations
 from types import ModuleType
 
 from memfit.core.errors import MemfitError
-from memfit.estimate.analytic.families import decoder
+from memfit.estimate.analytic.families import decoder, gpt2
 
-_FAMILIES: dict[str, tuple[ModuleType, type]] = {name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES}
+_FAMILIES: dict[str, tuple[ModuleType, type]] = {
+    **{name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES},
+    **{name: (gpt2, gpt2.GPT2Spec) for name in gpt2.FAMILIES},
+}
 
 
 def supported_model_types() -> tuple[str, ...]:

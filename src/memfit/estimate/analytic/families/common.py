@@ -1,0 +1,57 @@
+"""Pieces every family shares: the LM head and loss, DynamicCache growth, the generation driver."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memfit.estimate.analytic import ops
+from memfit.estimate.analytic.engine import Engine, Param, Sym, View
+
+
+def lm_head(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, q_len: int, logits_to_keep: int = 0,
+            bias: Param | None = None) -> Sym:
+    """logits = lm_head(hidden_states[:, -logits_to_keep:, :])."""
+    tokens = batch * (logits_to_keep or q_len)
+    rows = hidden if tokens == batch * q_len else View(hidden, tokens * table.numel // vocab)
+    return ops.linear(e, rows, table, vocab, bias)
+
+
+def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, tokens_per_row: int) -> tuple[Sym, Sym]:
+    """DynamicLayer.update: keys = cat([keys, k]) then values = cat([values, v]); each old tensor is
+    freed when its attribute is rebound."""
+    old_k, old_v = cache.pop(key, (None, None))
+    new_k = e.new(tokens_per_row, k.dtype, category="kv_cache")
+    del old_k
+    new_v = e.new(tokens_per_row, v.dtype, category="kv_cache")
+    del old_v
+    cache[key] = (new_k, new_v)
+    return new_k, new_v
+
+
+def generate(e: Engine, forward: Callable, *, batch: int, seq: int, new_tokens: int,
+             resize_cache: Callable[[dict, int], None]) -> None:
+    """Prefill over `seq` tokens (logits of the last position), then decode steps: the first and the
+    last, which holds the longest cache. `forward(cache, q_len, kv_len, logits_to_keep)` runs the
+    model; `resize_cache(cache, tokens)` sets the cache to what it holds before a step."""
+    cache: dict = {}
+    e.set_phase("prefill")
+    logits = forward(cache, seq, seq, 1)
+    token = e.new(batch, "i64")
+    del logits
+    if not new_tokens:
+        return
+    e.set_phase("decode")
+    logits = forward(cache, 1, seq + 1, 0)
+    del logits
+    if new_tokens > 1:
+        resize_cache(cache, seq + new_tokens - 1)
+        logits = forward(cache, 1, seq + new_tokens, 0)
+        del logits
+    del token, cache
+
+
+def replace_cache(e: Engine, cache: dict, sizes: dict) -> None:
+    """Swap each cached (k, v) for tensors of `sizes[key]` elements, one entry at a time."""
+    for key, numel in sizes.items():
+        k_dtype, v_dtype = cache[key][0].dtype, cache[key][1].dtype
+        cache[key] = None
+        cache[key] = (e.new(numel, k_dtype, category="kv_cache"), e.new(numel, v_dtype, category="kv_cache"))
