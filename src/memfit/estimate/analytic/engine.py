@@ -76,6 +76,17 @@ class View(Sym):
         base.eng.record(self, [base], [])
 
 
+class Alias(Sym):
+    """A gradient that is another gradient (add's and clone's backward pass it on unchanged; cat's
+    hands out slices): no allocation, keeps the original alive."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: Sym, numel: int, dtype: str) -> None:
+        super().__init__(base.eng, numel, dtype, False, base.category, counted=False)
+        self.base = base
+
+
 def constant(eng: Engine, numel: int, dtype: str) -> Sym:
     """A tensor that exists elsewhere and needs no gradient (counted where it was made)."""
     return Sym(eng, numel, dtype, False, "activations", counted=False)
@@ -91,6 +102,7 @@ class Node:
     saved: list = field(default_factory=list)     # Syms kept for backward
     segment: object = None
     scratch: list = field(default_factory=list)   # (numel, dtype) allocated and freed inside backward
+    passthrough: bool = False                     # input gradients alias the output gradient
 
 
 @dataclass
@@ -154,7 +166,7 @@ class Engine:
         return Sym(self, numel, dtype, grad and self.policy.train, category)
 
     def record(self, output: Sym, inputs: list, saved: list, scratch: list | None = None,
-               grad_dtypes: list | None = None) -> Sym:
+               grad_dtypes: list | None = None, passthrough: bool = False) -> Sym:
         """Register an op for backward when any input needs a gradient."""
         needs = [x for x in inputs if isinstance(x, Sym) and x.grad]
         if self.policy.train and needs:
@@ -162,7 +174,7 @@ class Engine:
             dtypes = grad_dtypes or [x.dtype for x in needs]
             edges = [(x.uid, x.numel, dtype, x if isinstance(x, Param) else None) for x, dtype in zip(needs, dtypes)]
             self.tape.append(Node(output.uid, edges, [s for s in saved if isinstance(s, Sym)], self.segment,
-                                  scratch or []))
+                                  scratch or [], passthrough))
         return output
 
     # ---- backward --------------------------------------------------------------------------
@@ -177,7 +189,7 @@ class Engine:
             grad_out = pending.pop(node.output, None)
             if grad_out is not None:
                 scratch = [self.new(n, dt) for n, dt in node.scratch]
-                produced = [(edge, self.new(edge[1], edge[2])) for edge in node.inputs]
+                produced = [(edge, self._input_grad(node, edge, grad_out)) for edge in node.inputs]
                 del scratch, grad_out
                 for edge, grad in produced:
                     self._accumulate(edge, grad, pending)
@@ -185,6 +197,12 @@ class Engine:
             node.saved.clear()
             del node
         self.segment = "post"
+
+    def _input_grad(self, node: Node, edge, grad_out: Sym) -> Sym:
+        _, numel, dtype, _ = edge
+        if node.passthrough and numel <= grad_out.numel and dtype == grad_out.dtype:
+            return Alias(grad_out, numel, dtype)
+        return self.new(numel, dtype)
 
     def _accumulate(self, edge, grad: Sym, pending: dict[int, Sym]) -> None:
         uid, numel, dtype, param = edge

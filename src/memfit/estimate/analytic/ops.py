@@ -71,7 +71,13 @@ def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:
 
 
 def add(e: Engine, a: Sym, b: Sym) -> Sym:
-    return e.record(e.new(max(a.numel, b.numel), promote(a.dtype, b.dtype)), [a, b], [])
+    """Backward hands the same gradient to both inputs (a reduction only for a broadcast input)."""
+    return e.record(e.new(max(a.numel, b.numel), promote(a.dtype, b.dtype)), [a, b], [], passthrough=True)
+
+
+def shift(e: Engine, x: Sym) -> Sym:
+    """x + c, x - c: a new tensor; backward passes the gradient on."""
+    return e.record(e.new(x.numel, x.dtype), [x], [], passthrough=True)
 
 
 def mul(e: Engine, a: Sym, b: Sym) -> Sym:
@@ -79,13 +85,13 @@ def mul(e: Engine, a: Sym, b: Sym) -> Sym:
 
 
 def scalar_op(e: Engine, x: Sym) -> Sym:
-    """x * c, x + c, -x: a new tensor, nothing saved."""
+    """x * c, x / c, -x: a new tensor, nothing saved; backward scales the gradient (a new tensor)."""
     return e.record(e.new(x.numel, x.dtype), [x], [])
 
 
 def copy(e: Engine, x: Sym) -> Sym:
-    """`.contiguous()` / `.clone()` on a tensor whose layout forces a copy."""
-    return e.record(e.new(x.numel, x.dtype), [x], [])
+    """`.contiguous()` / `.clone()` on a tensor whose layout forces a copy; backward passes the gradient on."""
+    return e.record(e.new(x.numel, x.dtype), [x], [], passthrough=True)
 
 
 def pow_scalar(e: Engine, x: Sym) -> Sym:
@@ -110,9 +116,17 @@ def unary_saving_input(e: Engine, x: Sym) -> Sym:
     return e.record(e.new(x.numel, x.dtype), [x], [x])
 
 
-def softmax(e: Engine, x: Sym, op: str = "softmax") -> Sym:
-    dtype = "f32" if (e.autocast_on and x.dtype in HALF and op in _FP32_OUTPUT[e.policy.backend]) else x.dtype
-    out = e.new(x.numel, dtype)
+def softmax(e: Engine, x: Sym, op: str = "softmax", dtype: str | None = None) -> Sym:
+    """softmax / log_softmax; `dtype` as the op's dtype argument (CUDA autocast adds float32 for half
+    inputs). A dtype change converts the input first, except CUDA reading float16 directly."""
+    if dtype is None and e.autocast_on and x.dtype in HALF and op in _FP32_OUTPUT[e.policy.backend]:
+        dtype = "f32"
+    if dtype and dtype != x.dtype:
+        if e.policy.backend == "cuda" and x.dtype == "f16" and dtype == "f32":
+            out = e.new(x.numel, dtype)
+            return e.record(out, [x], [out])
+        x = cast(e, x, dtype)
+    out = e.new(x.numel, x.dtype)
     return e.record(out, [x], [out])
 
 
@@ -124,7 +138,7 @@ def cat(e: Engine, parts: list[Sym]) -> Sym:
     dtype = parts[0].dtype
     for p in parts[1:]:
         dtype = promote(dtype, p.dtype)
-    return e.record(e.new(sum(p.numel for p in parts), dtype), list(parts), [])
+    return e.record(e.new(sum(p.numel for p in parts), dtype), list(parts), [], passthrough=True)
 
 
 def layer_norm(e: Engine, x: Sym, w: Param, b: Param | None, dim: int) -> Sym:
@@ -196,9 +210,10 @@ def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, q
     return copy(e, cast(e, out, q.dtype))
 
 
-def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool) -> Sym:
-    """Hugging Face's loss: logits.float(), labels padded and shifted (causal LM), F.cross_entropy."""
-    logits32 = cast(e, logits, "f32")
+def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool, upcast: bool = True) -> Sym:
+    """F.cross_entropy as Hugging Face calls it: after logits.float() (`upcast`, its causal-LM loss),
+    with labels padded and shifted (`shift`, causal LM) or as given (masked LM, classification)."""
+    logits32 = cast(e, logits, "f32") if upcast else logits
     target = None
     if shift:
         padded = e.new(batch * (seq + 1), "i64")   # F.pad(labels, (0, 1), value=-100)

@@ -117,13 +117,13 @@ def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
 def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
     if d.model_type == "gemma2":   # x.float() normalised, times (1 + weight.float()), cast back
         x32 = ops.cast(e, x, "f32")
-        r = ops.unary_saving_output(e, ops.scalar_op(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
+        r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
         normed = ops.mul(e, x32, r)
         del r, x32
-        scale = ops.scalar_op(e, ops.cast(e, w, "f32"))
+        scale = ops.shift(e, ops.cast(e, w, "f32"))
         return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
     x32 = ops.cast(e, x, "f32")
-    r = ops.unary_saving_output(e, ops.scalar_op(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
+    r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
     normed = ops.mul(e, x32, r)
     del r, x32
     return ops.mul(e, w, ops.cast(e, normed, x.dtype))
@@ -221,18 +221,11 @@ def _eager_softcap_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, 
     scores = ops.unary_saving_output(e, scores, "tanh")
     scores = ops.scalar_op(e, scores)           # * softcap
     scores = ops.add(e, scores, mask)
-    weights = ops.cast(e, ops.softmax(e, _as_f32_input(e, scores), "softmax"), q.dtype)
+    weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="f32"), q.dtype)
     del scores
     out = ops.matmul(e, weights, v_r, rows * d.head_dim)
     del v_r, k_r
     return ops.copy(e, out), weights            # transpose(1, 2).contiguous()
-
-
-def _as_f32_input(e: Engine, x: Sym) -> Sym:
-    """softmax(..., dtype=float32) converts the input first, except CUDA reading float16 directly."""
-    if (e.policy.backend == "cuda" and x.dtype == "f16") or x.dtype == "f32":
-        return x
-    return e.record(e.new(x.numel, "f32"), [x], [])
 
 
 def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:

@@ -67,7 +67,7 @@ def new_gelu(e: Engine, x: Sym) -> Sym:
     inner = ops.scalar_op(e, inner)
     t = ops.unary_saving_output(e, inner, "tanh")
     del inner
-    t = ops.scalar_op(e, t)
+    t = ops.shift(e, t)
     return ops.mul(e, half, t)
 
 

@@ -1,0 +1,139 @@
+"""ViT for image classification: patch convolution, class token and position embeddings, pre-LN
+layers with SDPA, GELU MLP, final LayerNorm, a linear classifier on the class token, cross-entropy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.estimate.analytic import ops
+from memfit.estimate.analytic.engine import Engine, Sym, View
+
+FAMILIES = ("vit",)
+
+
+@dataclass(frozen=True)
+class ViTSpec:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    image: int
+    patch: int
+    channels: int
+    labels: int
+    hidden_dropout: float
+    attn_dropout: float
+    period: int = 1
+
+    @classmethod
+    def from_config(cls, cfg) -> ViTSpec:
+        return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                   intermediate=cfg.intermediate_size, image=cfg.image_size, patch=cfg.patch_size,
+                   channels=cfg.num_channels, labels=cfg.num_labels, hidden_dropout=cfg.hidden_dropout_prob,
+                   attn_dropout=cfg.attention_probs_dropout_prob)
+
+    def tokens(self, image: int) -> int:
+        return (image // self.patch) ** 2 + 1
+
+
+def declare_params(e: Engine, d: ViTSpec, num_layers: int) -> None:
+    h, inter = d.hidden, d.intermediate
+    e.param("cls", (1, 1, h))
+    e.param("pos", (1, d.tokens(d.image), h))
+    e.param("patch.w", (h, d.channels, d.patch, d.patch))
+    e.param("patch.b", (h,))
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        for name, shape in (("ln1.w", (h,)), ("ln1.b", (h,)), ("q.w", (h, h)), ("q.b", (h,)), ("k.w", (h, h)),
+                            ("k.b", (h,)), ("v.w", (h, h)), ("v.b", (h,)), ("o.w", (h, h)), ("o.b", (h,)),
+                            ("ln2.w", (h,)), ("ln2.b", (h,)), ("fc1.w", (inter, h)), ("fc1.b", (inter,)),
+                            ("fc2.w", (h, inter)), ("fc2.b", (h,))):
+            e.param(p + name, shape)
+    e.param("ln.w", (h,))
+    e.param("ln.b", (h,))
+    e.param("classifier.w", (d.labels, h))
+    e.param("classifier.b", (d.labels,))
+
+
+def declare_buffers(e: Engine, d: ViTSpec) -> list[Sym]:
+    return []
+
+
+def _dense(e: Engine, x: Sym, name: str, out: int) -> Sym:
+    return ops.linear(e, x, e.params[name + ".w"], out, e.params[name + ".b"])
+
+
+def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sym:
+    patches = (image // d.patch) ** 2
+    w = e.params["patch.w"]
+    x_in = ops.autocast_input(e, pixels, "conv")
+    w_in = ops.weight(e, w)
+    x = e.record(e.new(batch * patches * d.hidden, x_in.dtype), [x_in, w_in, ops.weight(e, e.params["patch.b"])],
+                 [x_in, w_in])   # Conv2d(patch, stride=patch)
+    del x_in
+    x = ops.cat(e, [View(e.params["cls"], batch * d.hidden), x])
+    position = e.params["pos"]
+    if image != d.image:   # interpolate_pos_encoding: bicubic resize of the patch positions
+        position = ops.cat(e, [View(position, d.hidden), ops.copy(e, View(position, patches * d.hidden))])
+    x = ops.add(e, x, position)
+    return ops.dropout(e, x, d.hidden_dropout)
+
+
+def attention(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym:
+    p = f"layers.{i}."
+    q, k, v = (_dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
+    out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=tokens, kv_len=tokens,
+                   head_dim=d.hidden // d.heads, dropout_p=d.attn_dropout if e.policy.train else 0.0)
+    return _dense(e, out, p + "o", d.hidden)
+
+
+def layer(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym:
+    p = f"layers.{i}."
+    residual = x
+    h = ops.layer_norm(e, x, e.params[p + "ln1.w"], e.params[p + "ln1.b"], d.hidden)
+    h = attention(e, h, d, i, batch, tokens)
+    h = ops.dropout(e, h, d.hidden_dropout)
+    h = ops.add(e, h, residual)
+    residual = h
+    h = ops.layer_norm(e, h, e.params[p + "ln2.w"], e.params[p + "ln2.b"], d.hidden)
+    h = mlp(e, h, d, i)   # the LayerNorm output lives until the MLP returns
+    h = ops.dropout(e, h, d.hidden_dropout)
+    return ops.add(e, h, residual)
+
+
+def mlp(e: Engine, x: Sym, d: ViTSpec, i: int) -> Sym:
+    p = f"layers.{i}."
+    h = _dense(e, x, p + "fc1", d.intermediate)
+    h = ops.unary_saving_input(e, h)   # erf GELU
+    return _dense(e, h, p + "fc2", d.hidden)
+
+
+def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, labels: bool) -> Sym:
+    pixels = e.new(batch * d.channels * image * image, e.policy.param_dtype, category="inputs")
+    e.keep.append(pixels)
+    tokens = d.tokens(image)
+    e.segment = "pre"
+    embedding_output = embeddings(e, d, pixels, batch, image)   # ViTModel keeps it until it returns
+    x = embedding_output
+    for i in range(num_layers):
+        e.segment = i
+        x = layer(e, x, d, i, batch, tokens)
+    e.segment = "post"
+    sequence_output = ops.layer_norm(e, x, e.params["ln.w"], e.params["ln.b"], d.hidden)
+    del x, embedding_output
+    logits = _dense(e, View(sequence_output, batch * d.hidden), "classifier", d.labels)
+    if not labels:
+        return logits
+    e.keep.append(e.new(batch, "i64", category="inputs"))
+    loss = ops.cross_entropy(e, logits, batch=batch, seq=1, shift=False, upcast=False)
+    del logits, sequence_output
+    return loss
+
+
+def train(e: Engine, d: ViTSpec, num_layers: int, batch: int, seq: int) -> Sym:
+    return forward(e, d, num_layers, batch=batch, image=seq, labels=True)
+
+
+def inference(e: Engine, d: ViTSpec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:
+    e.set_phase("forward")
+    logits = forward(e, d, num_layers, batch=batch, image=seq, labels=False)
+    del logits
