@@ -183,6 +183,12 @@ class Engine:
         accumulates parameter gradients, and frees what it saved."""
         pending: dict[int, Sym] = {loss.uid: self.new(1, loss.dtype)}
         tape, self.tape = self.tape, []
+        self._param_uses = {}
+        for node in tape:
+            for edge in node.inputs:
+                if edge[3] is not None:
+                    self._param_uses[edge[0]] = self._param_uses.get(edge[0], 0) + 1
+        self._param_buffer: dict[int, Sym] = {}
         while tape:
             node = tape.pop()
             self.segment = node.segment
@@ -207,12 +213,22 @@ class Engine:
     def _accumulate(self, edge, grad: Sym, pending: dict[int, Sym]) -> None:
         uid, numel, dtype, param = edge
         if param is not None:
-            if param.grad_sym is None:   # the first gradient becomes .grad; later ones add in place
-                if grad.dtype != param.dtype:
-                    grad = self.new(param.numel, param.dtype)
+            # A parameter used several times (tied embeddings) collects its gradients in autograd's
+            # input buffer, summed out of place, until the last use; then AccumulateGrad takes it.
+            self._param_uses[uid] -= 1
+            final = self._param_uses[uid] == 0
+            earlier = self._param_buffer.pop(uid, None)
+            if earlier is not None or grad.dtype != param.dtype:
+                grad = self.new(param.numel, param.dtype, category="gradients" if final else None)
+                del earlier
+            if not final:
+                self._param_buffer[uid] = grad
+                return
+            if grad.category != "gradients":   # AccumulateGrad steals the tensor as .grad
                 self.live[grad.category] -= grad.nbytes
                 grad.category = "gradients"
                 self.live["gradients"] += grad.nbytes
+            if param.grad_sym is None:
                 param.grad_sym = grad
             return
         if uid not in pending:

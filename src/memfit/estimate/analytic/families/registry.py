@@ -4,13 +4,14 @@ from __future__ import annotations
 from types import ModuleType
 
 from memfit.core.errors import MemfitError
-from memfit.estimate.analytic.families import bert, decoder, gpt2, vit
+from memfit.estimate.analytic.families import bert, decoder, gpt2, t5, vit
 
 _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES},
     **{name: (gpt2, gpt2.GPT2Spec) for name in gpt2.FAMILIES},
     **{name: (bert, bert.BertSpec) for name in bert.FAMILIES},
     **{name: (vit, vit.ViTSpec) for name in vit.FAMILIES},
+    **{name: (t5, t5.T5Spec) for name in t5.FAMILIES},
 }
 
 
