@@ -8,6 +8,7 @@ weights and Adam moments per parameter).
 """
 from __future__ import annotations
 
+import gc
 import time
 
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES, zero_categories
@@ -37,7 +38,18 @@ def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
 
 
 def simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
-    """Run the family's program for one step at `num_layers` depth."""
+    """Run the family's program for one step at `num_layers` depth (with Python's cyclic garbage
+    collector paused: the program frees by reference counting, and a collection pass only adds jitter)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(workload, gpu, num_layers)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
     family, spec = registry.family_of(workload.source)
     e = Engine(policy_of(workload, gpu))
     e.set_phase("setup")
@@ -51,7 +63,7 @@ def simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
         e.set_phase("forward")
         loss = family.train(e, spec, num_layers, batch, seq)
         e.cast_cache.clear()                    # the autocast region ends with the forward
-        e.set_phase("backward")
+        e.set_phase("backward", segment="post")
         e.backward(loss)
         del loss
         e.set_phase("optimizer")
@@ -67,11 +79,12 @@ def _regions(e: Engine, num_layers: int, period: int, weights: dict[str, int]) -
     for (phase, segment), (point, cmax) in e.peak_table().items():
         if phase == "setup":
             continue
-        if isinstance(segment, int):
-            if segment < period:
-                name = "first"
-            elif segment >= num_layers - period:
-                name = "last"
+        if isinstance(segment, tuple):   # (stack, layer): a layer of one of the repeated stacks
+            stack, layer = segment
+            if layer < period:
+                name = f"{stack}:first"
+            elif layer >= num_layers - period:
+                name = f"{stack}:last"
             else:
                 continue
         else:
@@ -88,8 +101,9 @@ def _regions(e: Engine, num_layers: int, period: int, weights: dict[str, int]) -
             regions[key] = RegionPeak(phase, at, cm)
     if num_layers <= period:   # one run of layers: it is both the first and the last
         for (phase, name), region in list(regions.items()):
-            if name == "first":
-                regions[(phase, "last")] = RegionPeak(phase, dict(region.at_max), dict(region.category_max))
+            if name.endswith(":first"):
+                regions[(phase, name[:-5] + "last")] = RegionPeak(phase, dict(region.at_max),
+                                                                  dict(region.category_max))
     return regions
 
 
@@ -103,8 +117,8 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     period = getattr(spec, "period", 1)
     layers = source.num_layers
     weights, divisor, notes = state_weights(workload)
-    if layers > 3 * period and layers % period == 0:
-        depths = [period, 2 * period, 3 * period]
+    if layers > 4 * period and layers % period == 0:
+        depths = [2 * period, 3 * period, 4 * period]   # from 2: a first layer may differ (T5's position bias)
         samples = {n: _regions(simulate(workload, gpu, n), n, period, weights) for n in depths}
         try:
             regions = extrapolate(samples, layers)

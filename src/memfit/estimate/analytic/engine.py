@@ -115,6 +115,7 @@ class Engine:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.live = zero_categories()
+        self.total = 0
         self.phase = "setup"
         self.segment: object = "pre"
         self.peaks: dict[tuple[str, object], PeakPoint] = {}
@@ -128,22 +129,29 @@ class Engine:
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
-        self.live[sym.category] += sign * sym.nbytes
+        nbytes = sym.nbytes
+        self.live[sym.category] += sign * nbytes
+        self.total += sign * nbytes
         if self.log is not None:
-            self.log.append((self.phase, self.segment, sym.category, sign * sym.nbytes, sym.dtype, sym.numel))
+            self.log.append((self.phase, self.segment, sym.category, sign * nbytes, sym.dtype, sym.numel))
         if sign > 0:
-            self._observe()
+            self._observe(sym.category)
 
-    def _observe(self) -> None:
+    def _observe(self, category: str | None = None) -> None:
         key = (self.phase, self.segment)
-        total = sum(self.live.values())
         point = self.peaks.get(key)
-        if point is None or total > point.total:
-            self.peaks[key] = PeakPoint(total, dict(self.live))
-        cmax = self.category_max.setdefault(key, zero_categories())
-        for name, value in self.live.items():
-            if value > cmax[name]:
-                cmax[name] = value
+        if point is None or self.total > point.total:
+            self.peaks[key] = PeakPoint(self.total, dict(self.live))
+        cmax = self.category_max.get(key)
+        if cmax is None:
+            cmax = self.category_max[key] = dict(self.live)
+        elif category is not None:
+            if self.live[category] > cmax[category]:
+                cmax[category] = self.live[category]
+        else:
+            for name, value in self.live.items():
+                if value > cmax[name]:
+                    cmax[name] = value
 
     def set_phase(self, phase: str, segment: object = "pre") -> None:
         self.phase, self.segment = phase, segment
@@ -181,6 +189,7 @@ class Engine:
     def backward(self, loss: Sym) -> None:
         """Run the tape in reverse: each node turns its output's gradient into its inputs' gradients,
         accumulates parameter gradients, and frees what it saved."""
+        self.segment = "post"                  # backward starts at the loss, after the layers
         pending: dict[int, Sym] = {loss.uid: self.new(1, loss.dtype)}
         tape, self.tape = self.tape, []
         self._param_uses = {}

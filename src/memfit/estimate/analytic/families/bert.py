@@ -99,7 +99,7 @@ def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, la
     e.segment = "pre"
     x = embeddings(e, d, ids, batch, seq)
     for i in range(num_layers):
-        e.segment = i
+        e.segment = (0, i)
         x = layer(e, x, d, i, batch, seq)
     e.segment = "post"
     sequence_output = x

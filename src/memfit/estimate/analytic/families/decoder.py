@@ -342,7 +342,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     cos, sin = e.new(q_len * d.head_dim, compute), e.new(q_len * d.head_dim, compute)
     masks = attention_masks(e, d, batch, q_len, kv_len, compute)
     for layer in range(num_layers):
-        e.segment = layer
+        e.segment = (0, layer)
         x = decoder_layer(e, x, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)
     e.segment = "post"
     hidden = rms_norm(e, x, e.params["norm"], d)

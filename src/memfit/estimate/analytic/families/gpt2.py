@@ -118,7 +118,7 @@ def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, 
     x = ops.add(e, inputs_embeds, position_embeds)
     x = ops.dropout(e, x, d.embd_pdrop)
     for i in range(num_layers):
-        e.segment = i
+        e.segment = (0, i)
         x = block(e, x, d, i, batch, q_len, cache, kv_len)
     e.segment = "post"
     hidden = ops.layer_norm(e, x, e.params["ln_f.w"], e.params["ln_f.b"], d.hidden)

@@ -160,12 +160,12 @@ def block(e: Engine, x: Sym, d: T5Spec, stack: str, i: int, *, batch: int, q_len
 
 def run_stack(e: Engine, d: T5Spec, stack: str, num_layers: int, ids: Sym, *, batch: int, q_len: int,
               encoder_out: Sym | None = None, enc_len: int = 0, cache: dict | None = None,
-              kv_len: int | None = None, segment_offset: int = 0) -> Sym:
+              kv_len: int | None = None) -> Sym:
     inputs_embeds = ops.embedding(e, ids, e.params["shared"], d.d_model)
     x = ops.dropout(e, inputs_embeds, d.dropout)
     bias = cross_bias = None
     for i in range(num_layers):
-        e.segment = segment_offset + i
+        e.segment = (stack, i)
         x, bias, cross_bias = block(e, x, d, stack, i, batch=batch, q_len=q_len, enc_len=enc_len, bias=bias,
                                     cross_bias=cross_bias, encoder_out=encoder_out, cache=cache,
                                     kv_len=kv_len or q_len)
@@ -183,7 +183,7 @@ def train(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int) -> Sym:
     encoder_out = run_stack(e, d, "encoder", num_layers, ids, batch=batch, q_len=seq)
     decoder_ids = e.new(batch * seq, "i64")   # _shift_right(labels)
     decoder_out = run_stack(e, d, "decoder", num_layers, decoder_ids, batch=batch, q_len=seq,
-                            encoder_out=encoder_out, enc_len=seq, segment_offset=num_layers)
+                            encoder_out=encoder_out, enc_len=seq)
     if d.tied:
         decoder_out = ops.scalar_op(e, decoder_out)   # * d_model ** -0.5
     logits = ops.linear(e, decoder_out, e.params["shared" if d.tied else "lm_head"], d.vocab)
@@ -204,7 +204,7 @@ def inference(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int, new_t
     def decode(tokens: int):
         token = e.new(batch, "i64")
         out = run_stack(e, d, "decoder", num_layers, token, batch=batch, q_len=1, encoder_out=encoder_out,
-                        enc_len=seq, cache=cache, kv_len=tokens, segment_offset=num_layers)
+                        enc_len=seq, cache=cache, kv_len=tokens)
         if d.tied:
             out = ops.scalar_op(e, out)
         return ops.linear(e, out, e.params["shared" if d.tied else "lm_head"], d.vocab)

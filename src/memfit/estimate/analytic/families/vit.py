@@ -115,7 +115,7 @@ def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, l
     embedding_output = embeddings(e, d, pixels, batch, image)   # ViTModel keeps it until it returns
     x = embedding_output
     for i in range(num_layers):
-        e.segment = i
+        e.segment = (0, i)
         x = layer(e, x, d, i, batch, tokens)
     e.segment = "post"
     sequence_output = ops.layer_norm(e, x, e.params["ln.w"], e.params["ln.b"], d.hidden)
