@@ -156,7 +156,9 @@ class _FusedAttention(torch.autograd.Function):
         delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del dq_accum, delta
-        return (*grads, None)
+        mask = ctx.saved_tensors[5] if len(ctx.saved_tensors) > 5 else None
+        mask_grad = torch.empty_like(mask) if mask is not None and ctx.needs_input_grad[3] else None
+        return (*grads, mask_grad)
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

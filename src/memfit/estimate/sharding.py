@@ -35,3 +35,13 @@ def state_weights(workload: Workload) -> tuple[dict[str, int], int, list[str]]:
 
 def apply_weights(vector: dict[str, int], weights: dict[str, int], divisor: int) -> dict[str, int]:
     return {name: -(-vector[name] * weights[name] // divisor) for name in vector}
+
+
+def zero_paper_table(num_parameters: int, world_size: int, k: int = 12) -> list[dict]:
+    """Model states per device for ZeRO stages 0-3 with the paper's accounting: 2-byte parameters and
+    gradients, K bytes of optimizer state per parameter (fp32 master weights + Adam m and v)."""
+    psi, nd = num_parameters, world_size
+    stages = [(2 * psi, 2 * psi, k * psi), (2 * psi, 2 * psi, k * psi / nd),
+              (2 * psi, 2 * psi / nd, k * psi / nd), (2 * psi / nd, 2 * psi / nd, k * psi / nd)]
+    return [{"stage": stage, "parameters": int(p), "gradients": int(g), "optimizer_states": int(o),
+             "total": int(p + g + o)} for stage, (p, g, o) in enumerate(stages)]

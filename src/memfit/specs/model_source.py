@@ -123,8 +123,8 @@ class ModelSource:
     def max_seq_len(self) -> int | None:
         if not self.is_hf:
             return None
-        if self.head == "image-classification":
-            return None
+        if self.head == "image-classification" or self.model_type == "t5":
+            return None   # images are sized in pixels; T5's relative positions have no hard limit
         cfg = self.hf_config
         for key in ("max_position_embeddings", "n_positions"):
             if cfg.get(key):

@@ -6,7 +6,7 @@ backend runs (see also estimate/cuda_emulation.py, which makes the traced estima
 """
 from __future__ import annotations
 
-from memfit.estimate.analytic.engine import Engine, Param, Sym, View
+from memfit.estimate.analytic.engine import Alias, Engine, Param, Sym, View
 
 HALF = ("bf16", "f16")
 _LOWER = {"linear", "matmul", "sdpa", "conv"}
@@ -73,6 +73,11 @@ def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:
 def add(e: Engine, a: Sym, b: Sym) -> Sym:
     """Backward hands the same gradient to both inputs (a reduction only for a broadcast input)."""
     return e.record(e.new(max(a.numel, b.numel), promote(a.dtype, b.dtype)), [a, b], [], passthrough=True)
+
+
+def add_(e: Engine, x: Sym, other: Sym) -> Sym:
+    """x.add_(other): no new memory; the result is x's next version."""
+    return e.record(Alias(x, x.numel, x.dtype), [x, other], [], passthrough=True)
 
 
 def shift(e: Engine, x: Sym) -> Sym:
@@ -176,35 +181,41 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
         lse = e.new(rows, "f32")
         scratch = [(q.numel, "f32"), (rows, "f32")] if e.policy.backend == "cuda" else []
         saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
-        return e.record(out, [q, k, v], saved, scratch=scratch)
-    return _sdpa_math(e, q, k, v, rows=rows, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+        inputs = [q, k, v] + ([mask] if mask is not None and mask.grad else [])   # a learned bias gets a gradient
+        return e.record(out, inputs, saved, scratch=scratch)
+    return _sdpa_math(e, q, k, v, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                       dropout_p=dropout_p, mask=mask, causal=causal)
 
 
-def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, q_len: int, kv_len: int, head_dim: int,
+def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, batch: int, q_len: int, kv_len: int, head_dim: int,
                dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
     """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout, then the
     output made contiguous in (b, s, heads*d) layout. On CPU half inputs are computed in float32."""
     acc = "f32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
     autocast, e.autocast_on = e.autocast_on, False   # the kernel runs below autocast
     try:
-        return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+        return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                                dropout_p=dropout_p, mask=mask, causal=causal)
     finally:
         e.autocast_on = autocast
 
 
-def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, q_len: int, kv_len: int,
-                    head_dim: int, dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
+def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, batch: int, q_len: int,
+                    kv_len: int, head_dim: int, dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
+    """q, k, v arrive as (b, heads, s, d) views of a (b, s, heads*d) projection: folding (b, heads) for
+    the batched matmul copies them unless the batch is 1."""
+    fold = copy if batch > 1 else (lambda _e, x: x)
     causal_mask = [e.new(q_len * kv_len, "bool"), e.new(q_len * kv_len, acc)] if causal and mask is None else []
-    q_s = copy(e, scalar_op(e, cast(e, q, acc)))       # q * sqrt(scale), made contiguous for bmm
-    k_s = copy(e, scalar_op(e, cast(e, k, acc)))       # k^T * sqrt(scale), made contiguous for bmm
+    q_s = fold(e, scalar_op(e, cast(e, q, acc)))       # q * sqrt(scale)
+    k_s = fold(e, scalar_op(e, cast(e, k, acc)))       # k^T * sqrt(scale)
     scores = matmul(e, q_s, k_s, rows * kv_len)
     del q_s, k_s
+    if mask is not None:
+        scores = add_(e, scores, mask)
     probs = softmax(e, scores, "softmax")
     del scores, causal_mask
     probs = dropout(e, probs, dropout_p)
-    v_c = copy(e, cast(e, v, acc))
+    v_c = fold(e, cast(e, v, acc))
     out = matmul(e, probs, v_c, rows * head_dim)
     del probs, v_c
     return copy(e, cast(e, out, q.dtype))

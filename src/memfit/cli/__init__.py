@@ -1,0 +1,1 @@
+"""The `memfit` command: one module per subcommand, each with add_parser() and run()."""

@@ -1,0 +1,50 @@
+"""Flags shared by the commands that take a workload, and their mapping onto Workload."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from memfit.core.errors import MemfitError
+from memfit.core.precision import PRECISIONS
+from memfit.specs.hardware import GPU, get_gpu
+from memfit.specs.workload import ENGINES, OPTIMIZERS, TASKS, Workload
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="catalog name (memfit models), path to a HF config.json or folder, "
+                                      "or package.module:function returning an nn.Module")
+    parser.add_argument("--inputs", help="package.module:function(batch_size, seq_len) returning the batch "
+                                         "(needed for a custom module)")
+    parser.add_argument("--task", default="train", help=f"one of {', '.join(TASKS)} (default train)")
+    parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size (default 1)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence; image side for vision models (default 512, or the image size)")
+    parser.add_argument("--new-tokens", type=int, default=0, help="decode steps after the prefill (inference)")
+    parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (default fp32)")
+    parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 over --world-size")
+    parser.add_argument("--engine", default="pytorch", help=f"allocation modelled: {' or '.join(ENGINES)}")
+    parser.add_argument("--allow-long-seq", action="store_true",
+                        help="allow a sequence longer than the model's maximum (positions are extended)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    return Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
+                    seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
+                    optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
+                    engine=args.engine, allow_long_seq=args.allow_long_seq)
+
+
+def gpu_from(name: str | None) -> GPU | None:
+    return get_gpu(name) if name else None
+
+
+def print_json(data: dict) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def check_output_path(path: str | None, suffixes: tuple[str, ...], flag: str) -> None:
+    if path and not path.endswith(suffixes):
+        raise MemfitError(f"{flag} {path!r}: the file name must end in {', '.join(suffixes)}.")

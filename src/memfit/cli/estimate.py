@@ -1,0 +1,47 @@
+"""`memfit estimate`: where the memory goes, without running the model."""
+from __future__ import annotations
+
+import argparse
+
+from memfit.cli.common import add_workload_arguments, check_output_path, gpu_from, print_json, workload_from
+from memfit.core.errors import MemfitError
+from memfit.estimate import METHODS, estimate
+from memfit.estimate.sharding import zero_paper_table
+from memfit.report.tables import print_estimate, workload_line
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("estimate", help="estimate peak memory per device without running the model")
+    add_workload_arguments(parser)
+    parser.add_argument("--gpu", help="target GPU (memfit gpus); without it, the device `measure` would use here")
+    parser.add_argument("--method", default="auto", help=f"one of {', '.join(METHODS)} (default auto: traced "
+                                                          "where it can run)")
+    parser.add_argument("--modules", action="store_true", help="add the top modules by memory (traced)")
+    parser.add_argument("--timeline", metavar="FILE", help="memory over the step: .png/.svg/.pdf plot or .json (traced)")
+    parser.add_argument("--full-trace", action="store_true", help="trace every layer instead of extrapolating")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output_path(args.timeline, (".png", ".svg", ".pdf", ".json"), "--timeline")
+    workload = workload_from(args)
+    gpu = gpu_from(args.gpu)
+    options = {}
+    if args.method != "analytic" and workload.engine == "pytorch":
+        options = {"modules": args.modules, "timeline": bool(args.timeline), "full_trace": args.full_trace}
+    elif args.timeline or args.modules:
+        raise MemfitError("--timeline and --modules come from a trace; use --method traced (PyTorch engine).")
+    result = estimate(workload, method=args.method, gpu=gpu, **options)
+    if workload.engine == "deepspeed" or workload.world_size > 1:
+        result.extra["zero_table"] = zero_paper_table(result.num_parameters, workload.world_size)
+    if args.timeline:
+        from memfit.report.timeline_plot import write_timeline
+
+        write_timeline(result.timeline, args.timeline, workload_line(result))
+    if args.json:
+        data = result.to_json()
+        data.pop("timeline", None)
+        print_json(data)
+    else:
+        print_estimate(result)
+    return 0

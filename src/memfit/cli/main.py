@@ -1,0 +1,48 @@
+"""Entry point: `memfit <command> ...`. User errors print one line and exit 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from memfit.core.errors import MemfitError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, as for every user error
+        print(f"memfit: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memfit.cli import estimate, gpus, measure, models
+
+    parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for module in (models, gpus, estimate, measure):
+        module.add_parser(subparsers)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    warnings.filterwarnings("ignore")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except MemfitError as exc:
+        print(f"memfit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
