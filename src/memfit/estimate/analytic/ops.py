@@ -100,8 +100,9 @@ def copy(e: Engine, x: Sym) -> Sym:
 
 
 def pow_scalar(e: Engine, x: Sym) -> Sym:
+    """x ** c: backward computes grad * c * x ** (c - 1), two input-sized temporaries on the way."""
     x = autocast_input(e, x, "pow")
-    return e.record(e.new(x.numel, x.dtype), [x], [x])
+    return e.record(e.new(x.numel, x.dtype), [x], [x], scratch=[(x.numel, x.dtype), (x.numel, x.dtype)])
 
 
 def reduce_last(e: Engine, x: Sym, dim_size: int) -> Sym:
@@ -172,8 +173,8 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     if mask is not None and mask.dtype == "bool":
         mask = e.new(mask.numel, q.dtype)
     extra = []
-    if mask is not None and e.policy.backend == "cpu" and isinstance(v, View):
-        extra.append(copy(e, v))   # with a mask the CPU kernel also keeps a contiguous copy of v
+    if e.policy.backend == "cpu" and isinstance(v, View):
+        extra.append(copy(e, v))   # the CPU kernel also keeps a contiguous copy of a strided value
     rows = batch * heads * q_len
     fused = e.policy.backend == "cuda" or (dropout_p == 0 or not e.policy.train)
     if fused and head_dim <= 256:
