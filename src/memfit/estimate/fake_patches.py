@@ -38,10 +38,15 @@ class FakeKernelFixes(TorchDispatchMode):
 
     `aten._grouped_mm` (MoE experts): the meta kernel insists on bf16, as CUDA does, but the CPU
     kernel also takes fp32; the output shape does not depend on the dtype.
+    `.item()` of a computed value (Adafactor's update norm): fake tensors have no value; memory does
+    not depend on it, so the trace reads 1 (and False for booleans) and goes on.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "item_memo", None) is None \
+                and getattr(args[0], "constant", None) is None:
+            return False if args[0].dtype == torch.bool else 1
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             with _disable_current_modes():
                 metas = [torch.empty(a.shape, device="meta", dtype=torch.bfloat16 if a.is_floating_point() else a.dtype)

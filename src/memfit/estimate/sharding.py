@@ -1,8 +1,9 @@
 """Per-rank model states under data parallelism and ZeRO (Rajbhandari et al., 2020).
 
 Bytes on one rank = sum over categories of weight[c] * bytes[c] / divisor, in integers, so that a
-sharded timeline can be re-peaked exactly. Stage 1 shards optimizer states, stage 2 also gradients,
-stage 3 also parameters, each over `world_size` ranks.
+sharded timeline can be re-peaked exactly. Stage 1 shards optimizer states (and the optimizer
+step's temporaries, key "optimizer_temporaries"), stage 2 also gradients, stage 3 also parameters,
+each over `world_size` ranks.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def state_weights(workload: Workload) -> tuple[dict[str, int], int, list[str]]:
         notes.append(DDP_BUCKET_NOTE)
     if stage >= 1:
         weights["optimizer_states"] = 1
+        weights["optimizer_temporaries"] = 1   # the step runs on this rank's shard
     if stage >= 2:
         weights["gradients"] = 1
     if stage >= 3:
@@ -33,8 +35,9 @@ def state_weights(workload: Workload) -> tuple[dict[str, int], int, list[str]]:
     return weights, n, notes
 
 
-def apply_weights(vector: dict[str, int], weights: dict[str, int], divisor: int) -> dict[str, int]:
-    return {name: -(-vector[name] * weights[name] // divisor) for name in vector}
+def per_rank(vector: dict[str, int], divisor: int) -> dict[str, int]:
+    """A weighted vector (see state_weights) back to bytes on one rank."""
+    return {name: -(-vector[name] // divisor) for name in vector}
 
 
 def zero_paper_table(num_parameters: int, world_size: int, k: int = 12) -> list[dict]:

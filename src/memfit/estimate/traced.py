@@ -26,7 +26,7 @@ from memfit.estimate.extrapolate import NotLinear, RegionPeak, extrapolate, peak
 from memfit.estimate.cuda_emulation import CudaAutocast, CudaKernels
 from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
 from memfit.estimate.modules import module_rows
-from memfit.estimate.sharding import apply_weights, state_weights
+from memfit.estimate.sharding import per_rank, state_weights
 from memfit.estimate.timeline import timeline_of
 from memfit.estimate.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
@@ -125,8 +125,8 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         run = _trace_once(workload, gpu, None)
         regions = region_peaks(run.trace, WHOLE_RUN, weights)
     top, components, _ = peak_of(regions)
-    at_peak = apply_weights(top.at_max, weights, divisor)
-    component_peaks = apply_weights(components, weights, divisor)
+    at_peak = per_rank(top.at_max, divisor)
+    component_peaks = per_rank(components, divisor)
     full_model = source.build(device="meta", dtype=get_precision(workload.precision).param_dtype)
     estimate = MemoryEstimate(
         model=source.name, num_parameters=count_parameters(full_model), workload=workload.to_json(),

@@ -76,16 +76,19 @@ class Trace:
     def walk(self, weights: dict[str, int] | None = None):
         """Yield (event index, category totals) after every event of the measured step.
         `weights` multiplies each category (per-rank sharding, see sharding.py)."""
-        weight = weights or {name: 1 for name in CATEGORIES}
+        weights = weights or {name: 1 for name in CATEGORIES}
         category = [self.category_of(s) for s in self.storages]
+        step_weight = weights.get("optimizer_temporaries", weights["temporaries"])
+        weight = [step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
+                  for c, s in zip(category, self.storages)]
         totals = zero_categories()
         for index, storage in enumerate(self.storages):
             if storage.born < self.start and (storage.died is None or storage.died >= self.start):
-                totals[category[index]] += storage.nbytes * weight[category[index]]
+                totals[category[index]] += storage.nbytes * weight[index]
         yield self.start - 1, totals
         for index in range(self.start, len(self.events)):
             sid, delta = self.events[index]
-            totals[category[sid]] += delta * weight[category[sid]]
+            totals[category[sid]] += delta * weight[sid]
             yield index, totals
 
     def summary(self) -> tuple[PeakPoint, dict[str, int], dict[str, PeakPoint]]:

@@ -150,7 +150,7 @@ class ModelSource:
             return model
         fn = _import_callable(self.factory, "model factory")
         with torch.device(device):
-            model = fn()
+            model = _call_user(fn, self.factory, "model factory")
         if not isinstance(model, nn.Module):
             raise MemfitError(f"model factory {self.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
         return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
@@ -162,7 +162,7 @@ class ModelSource:
         if not self.is_hf:
             fn = _import_callable(self.inputs_factory, "inputs factory")
             with torch.device(device):
-                batch = fn(batch_size, seq_len)
+                batch = _call_user(fn, self.inputs_factory, "inputs factory", batch_size, seq_len)
             if isinstance(batch, torch.Tensor):
                 return (batch,)
             if isinstance(batch, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in batch):
@@ -212,6 +212,15 @@ def _default_class_name(config) -> str:
         if name and hasattr(transformers, name):
             return name
     raise MemfitError(f"no transformers model class is known for model_type {config.model_type!r}.")
+
+
+def _call_user(fn: Callable, spec: str, what: str, *args):
+    try:
+        return fn(*args)
+    except MemfitError:
+        raise
+    except Exception as exc:  # the user's code failed: say where, in one line
+        raise MemfitError(f"{what} {spec!r} failed: {type(exc).__name__}: {exc}") from None
 
 
 def _import_callable(spec: str | None, what: str) -> Callable:

@@ -20,7 +20,7 @@ from memfit.estimate.analytic.optimizer import create_states, step_temporaries
 from memfit.estimate.breakdown import MemoryEstimate
 from memfit.estimate.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of
 from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
-from memfit.estimate.sharding import apply_weights, state_weights
+from memfit.estimate.sharding import per_rank, state_weights
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
 
@@ -37,21 +37,21 @@ def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
     )
 
 
-def simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
+def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None) -> Engine:
     """Run the family's program for one step at `num_layers` depth (with Python's cyclic garbage
     collector paused: the program frees by reference counting, and a collection pass only adds jitter)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(workload, gpu, num_layers)
+        return _simulate(workload, gpu, num_layers, weights)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
+def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None) -> Engine:
     family, spec = registry.family_of(workload.source)
-    e = Engine(policy_of(workload, gpu))
+    e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     family.declare_params(e, spec, num_layers)
     e.keep += family.declare_buffers(e, spec)
@@ -67,13 +67,14 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int) -> Engine:
         e.backward(loss)
         del loss
         e.set_phase("optimizer")
-        step_temporaries(e, workload.optimizer, foreach=gpu is not None)
+        shards = workload.world_size if workload.zero_stage >= 1 else 1   # the step runs on this rank's shard
+        step_temporaries(e, workload.optimizer, foreach=gpu is not None, shards=shards)
     else:
         family.inference(e, spec, num_layers, batch, seq, workload.new_tokens)
     return e
 
 
-def _regions(e: Engine, num_layers: int, period: int, weights: dict[str, int]) -> dict[tuple[str, str], RegionPeak]:
+def _regions(e: Engine, num_layers: int, period: int) -> dict[tuple[str, str], RegionPeak]:
     """Peaks per (phase, region): pre, first `period` layers, last `period` layers, post."""
     regions: dict[tuple[str, str], RegionPeak] = {}
     for (phase, segment), (point, cmax) in e.peak_table().items():
@@ -89,8 +90,7 @@ def _regions(e: Engine, num_layers: int, period: int, weights: dict[str, int]) -
                 continue
         else:
             name = segment
-        at = {c: point.at[c] * weights[c] for c in CATEGORIES}
-        cm = {c: cmax[c] * weights[c] for c in CATEGORIES}
+        at, cm = dict(point.at), dict(cmax)
         key = (phase, name)
         if key in regions:   # first and last coincide for a one-period stack
             old = regions[key]
@@ -119,17 +119,17 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     weights, divisor, notes = state_weights(workload)
     if layers > 4 * period and layers % period == 0:
         depths = [2 * period, 3 * period, 4 * period]   # from 2: a first layer may differ (T5's position bias)
-        samples = {n: _regions(simulate(workload, gpu, n), n, period, weights) for n in depths}
+        samples = {n: _regions(simulate(workload, gpu, n, weights), n, period) for n in depths}
         try:
             regions = extrapolate(samples, layers)
         except NotLinear as exc:   # not expected for these programs; fall back to the full depth
             notes.append(f"depth extrapolation failed ({exc}); simulated every layer")
-            regions = _regions(simulate(workload, gpu, layers), layers, layers, weights)
+            regions = _regions(simulate(workload, gpu, layers, weights), layers, layers)
     else:
-        regions = _regions(simulate(workload, gpu, layers), layers, layers, weights)
+        regions = _regions(simulate(workload, gpu, layers, weights), layers, layers)
     top, components, _ = peak_of(regions)
-    at_peak = apply_weights(top.at_max, weights, divisor)
-    component_peaks = apply_weights(components, weights, divisor)
+    at_peak = per_rank(top.at_max, divisor)
+    component_peaks = per_rank(components, divisor)
     if workload.engine == "deepspeed":
         at_peak, component_peaks = _deepspeed_states(workload, at_peak, component_peaks, family, spec)
         notes.append("engine deepspeed: half parameters and gradients, fp32 master weights + Adam moments "
@@ -163,7 +163,8 @@ def _deepspeed_states(workload, at_peak, component_peaks, family, spec):
     weights, divisor, _ = state_weights(workload.__class__(**{**workload.to_json(), "engine": "deepspeed",
                                                               "seq_len": workload.seq_len}))
     states = {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer_states": 12 * psi}
-    states = apply_weights({**zero_categories(), **states}, weights, divisor)
+    states = per_rank({name: value * weights[name] for name, value in {**zero_categories(), **states}.items()},
+                      divisor)
     at, comp = dict(at_peak), dict(component_peaks)
     for name in MODEL_STATE_CATEGORIES:
         at[name] = states[name] if at[name] else 0

@@ -112,8 +112,11 @@ class PeakPoint:
 
 
 class Engine:
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, weights: dict[str, int] | None = None) -> None:
+        """`weights`: per-category multipliers for sharded per-rank accounting (see sharding.py); the
+        peaks recorded are of the weighted totals."""
         self.policy = policy
+        self.weights = weights or {name: 1 for name in CATEGORIES}
         self.live = zero_categories()
         self.total = 0
         self.phase = "setup"
@@ -129,7 +132,7 @@ class Engine:
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
-        nbytes = sym.nbytes
+        nbytes = sym.nbytes * self.weights[sym.category]
         self.live[sym.category] += sign * nbytes
         self.total += sign * nbytes
         if self.log is not None:
@@ -234,9 +237,9 @@ class Engine:
                 self._param_buffer[uid] = grad
                 return
             if grad.category != "gradients":   # AccumulateGrad steals the tensor as .grad
-                self.live[grad.category] -= grad.nbytes
+                self._account(grad, -1)
                 grad.category = "gradients"
-                self.live["gradients"] += grad.nbytes
+                self._account(grad, +1)
             if param.grad_sym is None:
                 param.grad_sym = grad
             return

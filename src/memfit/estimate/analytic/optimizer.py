@@ -34,6 +34,12 @@ def create_states(e: Engine, optimizer: str) -> list[Sym]:
     return states
 
 
+class _Shard:
+    def __init__(self, p: Param, shards: int) -> None:
+        self.numel, self.dtype, self.shape = -(-p.numel // shards), p.dtype, p.shape
+        self.nbytes = p.nbytes // shards
+
+
 def _adafactor_factors(p: Param) -> list[int]:
     shape = p.shape
     if len(shape) < 2:
@@ -43,9 +49,11 @@ def _adafactor_factors(p: Param) -> list[int]:
     return [rows, cols]
 
 
-def step_temporaries(e: Engine, optimizer: str, foreach: bool) -> None:
-    """Allocate (and free) the step's temporaries at their peak."""
-    params = [p for p in e.params.values() if p.grad]
+def step_temporaries(e: Engine, optimizer: str, foreach: bool, shards: int = 1) -> None:
+    """Allocate (and free) the step's temporaries at their peak; with ZeRO the step sees 1/shards of
+    every parameter. Temporaries carry the unsharded weight (sharding.py), so a shard's temporaries
+    are allocated at 1/shards of the size."""
+    params = [_Shard(p, shards) for p in e.params.values() if p.grad]
     if not params or optimizer == "sgd":
         return
     if optimizer in ("adam", "adamw"):

@@ -1,0 +1,107 @@
+"""The analytic estimator against the traced one, its extrapolation, and the published accountings."""
+import pytest
+
+from memfit.core.categories import CATEGORIES
+from memfit.estimate.analytic import analytic_estimate, simulate
+from memfit.estimate.analytic.families import registry
+from memfit.estimate.sharding import zero_paper_table
+from memfit.estimate.traced import traced_estimate
+from memfit.specs.hardware import get_gpu
+from memfit.specs.model_source import catalog
+from memfit.specs.workload import Workload
+from tests.conftest import rel
+
+TINY = ["tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-mixtral", "tiny-vit", "tiny-gemma2", "tiny-phi3",
+        "tiny-qwen2"]
+
+
+def assert_close(analytic, traced, peak_tol=0.05, component_tol=0.10):
+    assert rel(analytic.peak_bytes, traced.peak_bytes) < peak_tol, (analytic.peak_bytes, traced.peak_bytes)
+    floor = 0.005 * traced.peak_bytes   # components this small are rounding, not modelling
+    for name in CATEGORIES:
+        a, t = analytic.component_peaks[name], traced.component_peaks[name]
+        assert abs(a - t) <= max(component_tol * t, floor), (name, a, t)
+        if analytic.peak_phase == traced.peak_phase:
+            a, t = analytic.at_peak[name], traced.at_peak[name]
+            assert abs(a - t) <= max(component_tol * t, floor), (name, a, t)
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+@pytest.mark.parametrize("name", TINY)
+def test_every_family_matches_the_trace(name, precision, target):
+    gpu = get_gpu(target) if target != "cpu" else None
+    seq = 64
+    for task in ("train", "inference"):
+        for batch in (1, 4):
+            extra = {"new_tokens": 3} if task == "inference" and name not in ("tiny-bert", "tiny-vit") else {}
+            workload = Workload(model=name, task=task, batch_size=batch, seq_len=seq, precision=precision, **extra)
+            assert_close(analytic_estimate(workload, gpu), traced_estimate(workload, gpu))
+
+
+BUNDLED = [n for n in catalog() if not n.startswith("tiny-")]
+
+
+def _points(name):
+    model_type = catalog()[name]["hf_config"]["model_type"]
+    if model_type == "vit":
+        return [(1, 224), (8, 224), (4, 384)]
+    if model_type in ("bert", "t5"):
+        return [(1, 128), (8, 512), (32, 256)]
+    if model_type == "gpt2":
+        return [(1, 512), (4, 1024), (16, 256)]
+    return [(1, 512), (2, 2048), (8, 1024)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_transformer_matches_the_trace_at_three_points(name):
+    gpu = get_gpu("h100-sxm-80gb")
+    for batch, seq in _points(name):
+        workload = Workload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
+        assert_close(analytic_estimate(workload, gpu), traced_estimate(workload, gpu))
+
+
+def test_extrapolation_equals_simulating_every_layer():
+    for name, batch, seq in [("llama-2-7b", 1, 512), ("gemma-2-9b", 2, 256), ("t5-base", 4, 128), ("gpt2", 2, 256)]:
+        workload = Workload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
+        family, spec = registry.family_of(workload.source)
+        full = simulate(workload, None, workload.source.num_layers)
+        top = max((p for (phase, _), p in full.peaks.items() if phase != "setup"), key=lambda p: p.total)
+        estimate = analytic_estimate(workload)
+        assert estimate.peak_bytes == top.total and not estimate.notes
+
+
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 data-parallel ranks, K = 12."""
+    rows = zero_paper_table(7_500_000_000, 64)
+    assert [round(r["total"] / 1e9, 1) for r in rows] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_gpt3_model_states_corrected():
+    """175B fp32 Adam: 4 + 4 + 8 bytes per parameter (the seed article's figures were off by ten)."""
+    estimate = analytic_estimate(Workload(model="gpt3-175b", batch_size=1, seq_len=128))
+    psi = estimate.num_parameters
+    states = estimate.model_state_bytes
+    assert states["parameters"] == 4 * psi and states["gradients"] == 4 * psi
+    assert 8 * psi <= states["optimizer_states"] < 8 * psi + 4 * 10_000   # + a float32 step per tensor
+    assert round((4 + 4 + 8) * 175e9 / 1e9) == 2800
+
+
+def test_deepspeed_engine_uses_the_zero_accounting():
+    workload = Workload(model="llama-2-7b", batch_size=1, seq_len=512, precision="bf16-mixed", engine="deepspeed",
+                        world_size=8, zero_stage=2)
+    estimate = analytic_estimate(workload)
+    psi = estimate.num_parameters
+    assert estimate.model_state_bytes == {"parameters": 2 * psi, "gradients": -(-2 * psi // 8),
+                                          "optimizer_states": -(-12 * psi // 8)}
+
+
+def test_zero_stages_shard_pytorch_model_states():
+    base = dict(model="llama-2-7b", batch_size=1, seq_len=512, precision="bf16-mixed")
+    single = analytic_estimate(Workload(**base)).model_state_bytes
+    stage3 = analytic_estimate(Workload(**base, world_size=8, zero_stage=3)).model_state_bytes
+    for name in single:
+        assert stage3[name] == -(-single[name] // 8)
+    ddp = analytic_estimate(Workload(**base, world_size=8)).model_state_bytes
+    assert ddp["gradients"] == 2 * single["gradients"]   # DDP's reduction buckets hold a second copy

@@ -1,0 +1,123 @@
+"""The traced estimator against real CPU runs, against itself at full depth, and its GPU modelling."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memfit.estimate.traced import traced_estimate
+from memfit.measure import measure
+from memfit.specs.hardware import get_gpu
+from memfit.specs.workload import Workload
+from tests.conftest import EXAMPLES, rel
+
+ZOO = {   # (model, inputs, seq_len): decoder, encoder, encoder-decoder, MoE, ViT, decoder (GPT-2), CNN, LSTM
+    "tiny-llama": ("tiny-llama", None, 64), "tiny-bert": ("tiny-bert", None, 64), "tiny-t5": ("tiny-t5", None, 64),
+    "tiny-mixtral": ("tiny-mixtral", None, 64), "tiny-vit": ("tiny-vit", None, 64), "tiny-gpt2": ("tiny-gpt2", None, 64),
+    "convnet": (*EXAMPLES["convnet"], 64), "lstm": (*EXAMPLES["lstm"], 64),
+}
+SETTINGS = {"train-fp32": dict(task="train"), "train-bf16-mixed": dict(task="train", precision="bf16-mixed"),
+            "inference": dict(task="inference")}
+# oneDNN's convolution and RNN kernels allocate reorder buffers inside the kernel; no tensor
+# accounts for them, so the trace cannot see them (see the closing note of issue 2).
+KERNEL_SCRATCH = {"convnet": "oneDNN convolution scratch", "lstm": "oneDNN RNN scratch"}
+
+
+def _workload(name, setting):
+    model, inputs, seq = ZOO[name]
+    kwargs = dict(SETTINGS[setting])
+    if kwargs["task"] == "inference" and name in ("tiny-llama", "tiny-t5", "tiny-mixtral", "tiny-gpt2"):
+        kwargs["new_tokens"] = 3
+    return Workload(model=model, inputs=inputs, batch_size=2, seq_len=seq, **kwargs)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("name", list(ZOO))
+def test_traced_matches_the_measured_cpu_run(name, setting):
+    measured = measure(_workload(name, setting), estimates=("traced",))
+    traced = measured.extra["estimates"]["traced"]
+    # every tensor the real run allocated is in the trace, to the byte or nearly
+    assert rel(traced["peak_bytes"], measured.extra["tracked_peak_bytes"]) < 0.001
+    assert traced["peak_phase"] == measured.peak_phase
+    if name in KERNEL_SCRATCH and setting.startswith("train") and measured.extra["untracked_bytes"] > 0.01 * measured.peak_bytes:
+        pytest.xfail(f"{KERNEL_SCRATCH[name]}: {measured.extra['untracked_bytes']:,} bytes inside kernels")
+    assert rel(traced["peak_bytes"], measured.peak_bytes) < 0.01
+
+
+def _deep_config(tmp_path, model_type, **fields):
+    base = {"llama": dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=5000, max_position_embeddings=256),
+            "t5": dict(architectures=["T5ForConditionalGeneration"], d_model=64, d_kv=16, d_ff=128, num_heads=4,
+                       vocab_size=500, decoder_start_token_id=0, pad_token_id=0),
+            "gemma2": dict(architectures=["Gemma2ForCausalLM"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=500, sliding_window=16,
+                           max_position_embeddings=256, query_pre_attn_scalar=16),
+            "gpt2": dict(architectures=["GPT2LMHeadModel"], n_embd=64, n_head=4, vocab_size=500, n_positions=256)}
+    path = tmp_path / f"{model_type}.json"
+    path.write_text(json.dumps({"model_type": model_type, **base[model_type], **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type, layers", [("llama", dict(num_hidden_layers=10)), ("t5", dict(num_layers=9)),
+                                                 ("gemma2", dict(num_hidden_layers=12)), ("gpt2", dict(n_layer=11))])
+@pytest.mark.parametrize("task", ["train", "inference"])
+def test_extrapolated_trace_equals_the_full_trace(tmp_path, model_type, layers, task):
+    """Trace 2, 3, 4 layers (4, 6, 8 for alternating layers) and extrapolate: the same bytes as tracing all."""
+    config = _deep_config(tmp_path, model_type, **layers)
+    extra = {"new_tokens": 2} if task == "inference" and model_type != "bert" else {}
+    for batch, seq in [(1, 32), (4, 48)]:
+        workload = Workload(model=config, task=task, batch_size=batch, seq_len=seq, **extra)
+        short = traced_estimate(workload)
+        full = traced_estimate(workload, full_trace=True)
+        assert "extrapolated" in " ".join(short.notes)
+        assert short.at_peak == full.at_peak and short.peak_phase == full.peak_phase
+        assert short.component_peaks == full.component_peaks
+
+
+def test_large_vocabulary_backward_peak_crosses_over(tmp_path):
+    """A big vocabulary moves the backward peak from its start (activations) to after the LM head
+    (gradients); extrapolation must follow the right one at every depth."""
+    config = _deep_config(tmp_path, "llama", num_hidden_layers=12, vocab_size=60000)
+    for batch, seq in [(1, 16), (8, 128)]:
+        workload = Workload(model=config, batch_size=batch, seq_len=seq)
+        assert traced_estimate(workload).at_peak == traced_estimate(workload, full_trace=True).at_peak
+
+
+def test_gpu_target_models_cuda():
+    workload = Workload(model="tiny-llama", batch_size=2, seq_len=64, precision="bf16-mixed")
+    cpu, gpu = traced_estimate(workload), traced_estimate(workload, get_gpu("h100"))
+    params = gpu.model_state_bytes["parameters"]
+    assert gpu.component_peaks["temporaries"] >= params          # foreach AdamW: sqrt of every exp_avg_sq at once
+    assert cpu.component_peaks["temporaries"] < params           # CPU: per-parameter temporaries
+    assert gpu.overhead_bytes > 0 and gpu.fits is True and gpu.sources["cuda_context"] == "assumed"
+    assert gpu.peak_bytes % 512 == 0                              # caching-allocator rounding
+
+
+def test_cuda_emulation_follows_cuda_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.estimate.cuda_emulation import CudaAutocast, CudaKernels
+
+    with FakeTensorMode(), CudaKernels():
+        x = torch.randn(4, 8, requires_grad=True)
+        w = torch.nn.Parameter(torch.randn(16, 8))
+        y = torch.nn.functional.dropout(x, 0.1, True)
+        assert y.shape == x.shape and y.grad_fn.__class__.__name__.startswith("NativeDropout")
+        with CudaAutocast(torch.bfloat16):
+            h = torch.nn.functional.linear(x, w)
+            assert h.dtype == torch.bfloat16
+            assert torch.nn.functional.layer_norm(h, (16,)).dtype == torch.float32
+            assert torch.softmax(h, -1).dtype == torch.float32
+            assert torch.nn.functional.linear(x, w).grad_fn.next_functions[1][0] is h.grad_fn.next_functions[1][0]
+            with torch.autocast("cpu", enabled=False):   # a region nested in the model turns autocast off
+                assert torch.nn.functional.linear(x, w).dtype == torch.float32
+
+
+def test_tracing_a_huge_model_allocates_nothing_real():
+    code = ("import resource, memfit.estimate.traced as t, memfit.specs.workload as w;"
+            "e = t.traced_estimate(w.Workload(model='llama-3.1-405b', batch_size=1, seq_len=4096, precision='bf16-mixed'));"
+            "print(e.peak_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 4 * 405e9          # terabytes estimated ...
+    assert int(out[1]) * 1024 < 2 * 2**30   # ... in under 2 GiB of resident memory

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from memfit.core.errors import MemfitError
+from memfit.core.units import GiB, MiB, format_bytes, parse_bytes
+from memfit.estimate.analytic import count_parameters
+from memfit.specs.hardware import get_gpu, gpu_catalog
+from memfit.specs.model_source import catalog, resolve_source
+from memfit.specs.workload import Workload
+
+REQUIRED_MODELS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b", "bert-base-uncased",
+                   "bert-large-uncased", "t5-base", "vit-base-patch16-224", "llama-2-7b", "llama-2-13b",
+                   "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "mistral-7b", "mixtral-8x7b",
+                   "qwen2.5-7b", "qwen2.5-72b", "gemma-2-9b", "phi-3-mini", "tiny-llama", "tiny-gpt2", "tiny-bert",
+                   "tiny-t5", "tiny-mixtral"]
+REQUIRED_GPUS = ["h100-sxm-80gb", "h100-pcie-80gb", "h200-141gb", "a100-40gb", "a100-80gb", "l40s", "l4", "a10g",
+                 "rtx-4090", "rtx-3090", "t4", "v100-16gb", "v100-32gb", "mi300x"]
+
+
+def test_units():
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * GiB) == "3.00 GiB"
+    assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("512 MiB") == 512 * MiB and parse_bytes("80GB") == 80 * 10**9
+    with pytest.raises(MemfitError):
+        parse_bytes("lots")
+
+
+def test_catalog_has_the_required_models():
+    assert set(REQUIRED_MODELS) <= set(catalog())
+
+
+@pytest.mark.parametrize("name", [n for n, d in catalog().items() if d.get("published_num_parameters")])
+def test_parameter_counts_equal_the_published_models(name):
+    """Built on the meta device from the bundled config, the model has the real checkpoint's count."""
+    source = resolve_source(name)
+    model = source.build(device="meta", dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == catalog()[name]["published_num_parameters"]
+
+
+@pytest.mark.parametrize("name", list(catalog()))
+def test_analytic_parameter_count_equals_the_built_model(name):
+    source = resolve_source(name)
+    model = source.build(device="meta", dtype=torch.float32)
+    seq = source.image_size if source.head == "image-classification" else 8
+    assert count_parameters(Workload(model=name, seq_len=seq)) == sum(p.numel() for p in model.parameters())
+
+
+def test_gpu_catalog():
+    assert set(REQUIRED_GPUS) <= set(gpu_catalog())
+    assert get_gpu("H100").name == "h100-sxm-80gb"
+    assert get_gpu("4090").memory_bytes == 24564 * MiB
+    assert get_gpu("t4").bf16_tflops is None
+    with pytest.raises(MemfitError, match="h100"):
+        get_gpu("h1000")
