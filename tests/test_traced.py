@@ -40,7 +40,7 @@ def test_traced_matches_the_measured_cpu_run(name, setting):
     # every tensor the real run allocated is in the trace, to the byte or nearly
     assert rel(traced["peak_bytes"], measured.extra["tracked_peak_bytes"]) < 0.001
     assert traced["peak_phase"] == measured.peak_phase
-    if name in KERNEL_SCRATCH and setting.startswith("train") and measured.extra["untracked_bytes"] > 0.01 * measured.peak_bytes:
+    if name in KERNEL_SCRATCH and measured.extra["untracked_bytes"] > 0.01 * measured.peak_bytes:
         pytest.xfail(f"{KERNEL_SCRATCH[name]}: {measured.extra['untracked_bytes']:,} bytes inside kernels")
     assert rel(traced["peak_bytes"], measured.peak_bytes) < 0.01
 
@@ -104,14 +104,16 @@ def test_cuda_emulation_follows_cuda_kernels():
         w = torch.nn.Parameter(torch.randn(16, 8))
         y = torch.nn.functional.dropout(x, 0.1, True)
         assert y.shape == x.shape and y.grad_fn.__class__.__name__.startswith("NativeDropout")
-        with CudaAutocast(torch.bfloat16):
+        with CudaAutocast(torch.bfloat16) as autocast:
             h = torch.nn.functional.linear(x, w)
             assert h.dtype == torch.bfloat16
             assert torch.nn.functional.layer_norm(h, (16,)).dtype == torch.float32
             assert torch.softmax(h, -1).dtype == torch.float32
-            assert torch.nn.functional.linear(x, w).grad_fn.next_functions[1][0] is h.grad_fn.next_functions[1][0]
+            torch.nn.functional.linear(x, w)
+            assert len(autocast.cache) == 2                  # each leaf (x and w) was cast once and reused
             with torch.autocast("cpu", enabled=False):   # a region nested in the model turns autocast off
                 assert torch.nn.functional.linear(x, w).dtype == torch.float32
+        assert not autocast.cache                            # the cache dies with the region
 
 
 def test_tracing_a_huge_model_allocates_nothing_real():
