@@ -1,0 +1,91 @@
+"""GPU checks of what memfit models but cannot measure on a CPU (run where a CUDA GPU is present).
+
+For each workload: the real step on CUDA (max_memory_allocated and max_memory_reserved after the
+steady-state step) beside memfit's traced and analytic estimates for that GPU, plus the device
+memory that lies outside PyTorch's allocator (CUDA context, library workspaces). The ratios it prints
+are what the `assumed` figures in estimate/gpu_overhead.py and gpus.json should be replaced with.
+Run:  python benchmarks/gpu_validate.py  (about 5 minutes on one H200)
+Writes benchmarks/results/gpu_validate.{txt,json}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from memfit.core.units import format_bytes  # noqa: E402
+from memfit.measure import measure  # noqa: E402
+from memfit.specs.workload import Workload  # noqa: E402
+
+WORKLOADS = [
+    dict(model="tiny-llama", batch_size=8, seq_len=512, precision="bf16-mixed"),
+    dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed"),          # dropout, fused attention
+    dict(model="gpt2", batch_size=8, seq_len=1024, precision="fp32"),
+    dict(model="bert-base-uncased", batch_size=32, seq_len=512, precision="fp16-mixed"),
+    dict(model="t5-base", batch_size=8, seq_len=512, precision="bf16-mixed"),
+    dict(model="vit-base-patch16-224", batch_size=64, seq_len=224, precision="bf16-mixed"),
+    dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16", optimizer="sgd"),
+    dict(model="llama-3.1-8b", task="inference", batch_size=8, seq_len=2048, new_tokens=64, precision="bf16"),
+]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_validate: no CUDA device here; nothing to check.")
+        return 0
+    free_before, total = torch.cuda.mem_get_info()
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    torch.matmul(torch.ones(64, 64, device="cuda"), torch.ones(64, 64, device="cuda"))
+    free_after, _ = torch.cuda.mem_get_info()
+    context = free_before - free_after - torch.cuda.memory_reserved()
+    rows = []
+    for kw in WORKLOADS:
+        started = time.perf_counter()
+        try:
+            m = measure(Workload(**kw), device="cuda:0")
+        except Exception as exc:  # report and go on: one failure must not hide the rest
+            rows.append({"workload": kw, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        est = m.extra["estimates"]
+        rows.append({"workload": kw, "allocated": m.extra["max_memory_allocated"],
+                     "reserved": m.extra["max_memory_reserved"], "traced": est["traced"]["peak_bytes"],
+                     "analytic": est.get("analytic", {}).get("peak_bytes"), "seconds": time.perf_counter() - started})
+    table = Table(title=f"{torch.cuda.get_device_name()}: measured vs memfit (GPU target)", title_justify="left")
+    for column in ("workload", "max allocated", "traced", "analytic", "reserved / allocated"):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    for row in rows:
+        kw = row["workload"]
+        name = f"{kw['model']} {kw.get('task', 'train')} b{kw['batch_size']}×{kw['seq_len']} {kw['precision']}"
+        if "error" in row:
+            table.add_row(name, row["error"], "", "", "")
+            continue
+        cell = (lambda v: "n/a" if v is None else f"{format_bytes(v)} ({row['allocated'] / v:.3f})")
+        table.add_row(name, format_bytes(row["allocated"]), cell(row["traced"]), cell(row["analytic"]),
+                      f"{row['reserved'] / row['allocated']:.3f}")
+    console = Console(width=180)
+    console.print(table)
+    console.print(f"memory outside PyTorch's allocator after init + first matmul: {format_bytes(context)} "
+                  f"(device total {format_bytes(total)})")
+    out = os.path.join(os.path.dirname(__file__), "results", "gpu_validate")
+    with open(out + ".json", "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "context_bytes": context, "total_bytes": total,
+                   "rows": rows}, fh, indent=1)
+    with open(out + ".txt", "w") as fh:
+        Console(file=fh, width=180).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
