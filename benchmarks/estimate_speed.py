@@ -22,7 +22,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from memfit.core.units import format_bytes  # noqa: E402
-from memfit.estimate.analytic import analytic_estimate  # noqa: E402
+from memfit.estimators.analytic import analytic_estimate  # noqa: E402
 from memfit.specs.hardware import get_gpu  # noqa: E402
 from memfit.specs.model_source import catalog  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
@@ -31,7 +31,7 @@ TRACED = [("llama-3.1-70b", 1, 4096, False), ("llama-3.1-405b", 1, 4096, False),
           ("llama-2-7b", 1, 4096, True), ("mixtral-8x7b", 1, 4096, False)]
 _CHILD = """
 import json, resource, time, warnings; warnings.filterwarnings("ignore")
-from memfit.estimate.traced import traced_estimate
+from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 started = time.perf_counter()

@@ -23,7 +23,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from memfit.core.units import format_bytes  # noqa: E402
-from memfit.measure import measure  # noqa: E402
+from memfit.measurement import measure  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
 
 WORKLOADS = [

@@ -2,10 +2,10 @@
 import pytest
 
 from memfit.core.categories import CATEGORIES
-from memfit.estimate.analytic import analytic_estimate, simulate
-from memfit.estimate.analytic.families import registry
-from memfit.estimate.sharding import zero_paper_table
-from memfit.estimate.traced import traced_estimate
+from memfit.estimators.analytic import analytic_estimate, simulate
+from memfit.estimators.analytic.families import registry
+from memfit.estimators.sharding import zero_paper_table
+from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import get_gpu
 from memfit.specs.model_source import catalog
 from memfit.specs.workload import Workload

@@ -1,7 +1,7 @@
 """Real CPU runs: the allocator's peak, PyTorch's own memory timeline, and memfit's categories."""
 import pytest
 
-from memfit.measure import measure
+from memfit.measurement import measure
 from memfit.specs.workload import Workload
 from tests.conftest import rel
 

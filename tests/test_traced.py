@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from memfit.estimate.traced import traced_estimate
-from memfit.measure import measure
+from memfit.estimators.traced import traced_estimate
+from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 from tests.conftest import EXAMPLES, rel
@@ -97,7 +97,7 @@ def test_gpu_target_models_cuda():
 def test_cuda_emulation_follows_cuda_kernels():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memfit.estimate.cuda_emulation import CudaAutocast, CudaKernels
+    from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 
     with FakeTensorMode(), CudaKernels():
         x = torch.randn(4, 8, requires_grad=True)
@@ -117,7 +117,7 @@ def test_cuda_emulation_follows_cuda_kernels():
 
 
 def test_tracing_a_huge_model_allocates_nothing_real():
-    code = ("import resource, memfit.estimate.traced as t, memfit.specs.workload as w;"
+    code = ("import resource, memfit.estimators.traced as t, memfit.specs.workload as w;"
             "e = t.traced_estimate(w.Workload(model='llama-3.1-405b', batch_size=1, seq_len=4096, precision='bf16-mixed'));"
             "print(e.peak_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

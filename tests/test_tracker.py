@@ -5,9 +5,9 @@ import weakref
 import torch
 from torch import nn
 
-from memfit.estimate.tracker import MemoryTracker
-from memfit.estimate.traced import traced_estimate
-from memfit.measure.run import measure_run
+from memfit.estimators.tracker import MemoryTracker
+from memfit.estimators.traced import traced_estimate
+from memfit.measurement.run import measure_run
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import tensors_in
 

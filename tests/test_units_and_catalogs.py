@@ -3,7 +3,7 @@ import torch
 
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, MiB, format_bytes, parse_bytes
-from memfit.estimate.analytic import count_parameters
+from memfit.estimators.analytic import count_parameters
 from memfit.specs.hardware import get_gpu, gpu_catalog
 from memfit.specs.model_source import catalog, resolve_source
 from memfit.specs.workload import Workload

@@ -6,9 +6,9 @@
     print(e.peak_bytes, e.peak_phase, e.at_peak, e.fits)
 """
 from memfit.core.errors import MemfitError
-from memfit.estimate import estimate
-from memfit.estimate.breakdown import MemoryEstimate
-from memfit.measure import measure
+from memfit.estimators import estimate
+from memfit.estimators.breakdown import MemoryEstimate
+from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 

@@ -5,8 +5,8 @@ import argparse
 
 from memfit.cli.common import add_workload_arguments, check_output_path, gpu_from, print_json, workload_from
 from memfit.core.errors import MemfitError
-from memfit.estimate import METHODS, estimate
-from memfit.estimate.sharding import zero_paper_table
+from memfit.estimators import METHODS, estimate
+from memfit.estimators.sharding import zero_paper_table
 from memfit.report.tables import print_estimate, workload_line
 
 

@@ -6,7 +6,7 @@ import argparse
 from rich.console import Console
 
 from memfit.cli.common import add_workload_arguments, check_output_path, print_json, workload_from
-from memfit.measure import measure
+from memfit.measurement import measure
 from memfit.report.tables import measure_table
 
 

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
 
 
 def rows() -> list[dict]:
-    from memfit.estimate.analytic import count_parameters
+    from memfit.estimators.analytic import count_parameters
     from memfit.specs.workload import Workload
 
     out = []

@@ -15,10 +15,6 @@ class Precision:
     autocast_dtype: torch.dtype | None  # dtype of autocast regions, None without autocast
     loss_scaling: bool                # dynamic loss scaling (fp16 mixed precision)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.autocast_dtype or self.param_dtype
-
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", torch.float32, None, False),
@@ -36,6 +32,3 @@ def get_precision(name: str) -> Precision:
             f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}.{closest(name, PRECISIONS)}"
         ) from None
 
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()

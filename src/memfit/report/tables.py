@@ -6,7 +6,7 @@ from rich.table import Table
 
 from memfit.core.categories import CATEGORIES
 from memfit.core.units import format_bytes
-from memfit.estimate.breakdown import MemoryEstimate
+from memfit.estimators.breakdown import MemoryEstimate
 
 
 def _fmt(value: int | None) -> str:

@@ -24,9 +24,6 @@ class GPU:
     context_bytes: int          # outside PyTorch's allocator; an assumed figure (see gpus.json notes)
     aliases: tuple[str, ...] = ()
 
-    def tflops(self, dtype_name: str) -> float | None:
-        return self.bf16_tflops if dtype_name == "bf16" else self.fp16_tflops
-
     def to_json(self) -> dict:
         return {
             "name": self.name, "vendor": self.vendor, "memory_bytes": self.memory_bytes,

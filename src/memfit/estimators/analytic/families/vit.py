@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate.analytic import ops
-from memfit.estimate.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.families.common import dense
 
 FAMILIES = ("vit",)
 
@@ -58,10 +59,6 @@ def declare_buffers(e: Engine, d: ViTSpec) -> list[Sym]:
     return []
 
 
-def _dense(e: Engine, x: Sym, name: str, out: int) -> Sym:
-    return ops.linear(e, x, e.params[name + ".w"], out, e.params[name + ".b"])
-
-
 def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sym:
     patches = (image // d.patch) ** 2
     w = e.params["patch.w"]
@@ -80,10 +77,10 @@ def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sy
 
 def attention(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym:
     p = f"layers.{i}."
-    q, k, v = (_dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
+    q, k, v = (dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
     out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=tokens, kv_len=tokens,
                    head_dim=d.hidden // d.heads, dropout_p=d.attn_dropout if e.policy.train else 0.0)
-    return _dense(e, out, p + "o", d.hidden)
+    return dense(e, out, p + "o", d.hidden)
 
 
 def layer(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym:
@@ -102,9 +99,9 @@ def layer(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym
 
 def mlp(e: Engine, x: Sym, d: ViTSpec, i: int) -> Sym:
     p = f"layers.{i}."
-    h = _dense(e, x, p + "fc1", d.intermediate)
+    h = dense(e, x, p + "fc1", d.intermediate)
     h = ops.unary_saving_input(e, h)   # erf GELU
-    return _dense(e, h, p + "fc2", d.hidden)
+    return dense(e, h, p + "fc2", d.hidden)
 
 
 def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, labels: bool) -> Sym:
@@ -120,7 +117,7 @@ def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, l
     e.segment = "post"
     sequence_output = ops.layer_norm(e, x, e.params["ln.w"], e.params["ln.b"], d.hidden)
     del x, embedding_output
-    logits = _dense(e, View(sequence_output, batch * d.hidden), "classifier", d.labels)
+    logits = dense(e, View(sequence_output, batch * d.hidden), "classifier", d.labels)
     if not labels:
         return logits
     e.keep.append(e.new(batch, "i64", category="inputs"))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate.analytic import ops
-from memfit.estimate.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.families.common import grow_cache
 
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma2")
 
@@ -74,15 +75,10 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
         if d.model_type == "phi3":
             e.param(p + "qkv", (q + 2 * kv, h))
         else:
-            e.param(p + "q", (q, h))
-            if d.qkv_bias:
-                e.param(p + "q.bias", (q,))
-            e.param(p + "k", (kv, h))
-            if d.qkv_bias:
-                e.param(p + "k.bias", (kv,))
-            e.param(p + "v", (kv, h))
-            if d.qkv_bias:
-                e.param(p + "v.bias", (kv,))
+            for name, size in (("q", q), ("k", kv), ("v", kv)):
+                e.param(p + name, (size, h))
+                if d.qkv_bias:
+                    e.param(p + name + ".bias", (size,))
         e.param(p + "o", (h, q))
         if d.o_bias:
             e.param(p + "o.bias", (h,))
@@ -179,20 +175,15 @@ def _cache_update(e: Engine, cache: dict, layer: int, k: Sym, v: Sym, d: Decoder
     """DynamicCache: keys = cat([keys, new]) allocates the grown cache; the old one is then freed.
     A sliding-window layer keeps a view of its last window - 1 tokens, so after the prefill its
     cache stops growing: each step allocates window tokens."""
-    old_k, old_v = cache.pop(layer, (None, None))
-    if _is_sliding(d, layer):   # both cats first, then the views replace the old tensors
-        tokens = k.numel // (batch * d.kv_heads * d.head_dim)
-        if old_k is not None:
-            tokens += min(_tokens(old_k, d, batch), d.sliding_window - 1)
-        full = batch * d.kv_heads * d.head_dim * tokens
-        new_k, new_v = e.new(full, k.dtype, category="kv_cache"), e.new(full, v.dtype, category="kv_cache")
-        del old_k, old_v
-    else:                        # self.keys = cat([self.keys, k]): the old keys go before the values grow
-        full = batch * d.kv_heads * d.head_dim * kv_len
-        new_k = e.new(full, k.dtype, category="kv_cache")
-        del old_k
-        new_v = e.new(full, v.dtype, category="kv_cache")
-        del old_v
+    if not _is_sliding(d, layer):
+        return grow_cache(e, cache, layer, k, v, batch * d.kv_heads * d.head_dim * kv_len)
+    old_k, old_v = cache.pop(layer, (None, None))   # both cats first, then the views replace the old tensors
+    tokens = k.numel // (batch * d.kv_heads * d.head_dim)
+    if old_k is not None:
+        tokens += min(_tokens(old_k, d, batch), d.sliding_window - 1)
+    full = batch * d.kv_heads * d.head_dim * tokens
+    new_k, new_v = e.new(full, k.dtype, category="kv_cache"), e.new(full, v.dtype, category="kv_cache")
+    del old_k, old_v
     cache[layer] = (new_k, new_v)
     return new_k, new_v
 

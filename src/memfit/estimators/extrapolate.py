@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.categories import CATEGORIES, zero_categories
-from memfit.estimate.tracker import Trace
+from memfit.estimators.tracker import Trace
 
 
 @dataclass

@@ -65,14 +65,6 @@ class Trace:
             return storage.category
         return "activations" if storage.phase in _FORWARD_PHASES else "temporaries"
 
-    def phase_at(self, event: int) -> str:
-        current = "setup"
-        for index, name in self.phase_marks:
-            if index > event:
-                break
-            current = name
-        return current
-
     def walk(self, weights: dict[str, int] | None = None):
         """Yield (event index, category totals) after every event of the measured step.
         `weights` multiplies each category (per-rank sharding, see sharding.py)."""

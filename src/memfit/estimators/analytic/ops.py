@@ -6,7 +6,7 @@ backend runs (see also estimate/cuda_emulation.py, which makes the traced estima
 """
 from __future__ import annotations
 
-from memfit.estimate.analytic.engine import Alias, Engine, Param, Sym, View
+from memfit.estimators.analytic.engine import Alias, Engine, Param, Sym, View
 
 HALF = ("bf16", "f16")
 _LOWER = {"linear", "matmul", "sdpa", "conv"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from memfit.estimate.breakdown import ModuleMemory
-from memfit.estimate.tracker import Trace
+from memfit.estimators.breakdown import ModuleMemory
+from memfit.estimators.tracker import Trace
 
 
 def _rows_of(model: nn.Module, stacks: list[nn.ModuleList]) -> list[tuple[str, list[str], int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from memfit.core.errors import MemfitError
-from memfit.estimate.analytic.families import bert, decoder, gpt2, t5, vit
+from memfit.estimators.analytic.families import bert, decoder, gpt2, t5, vit
 
 _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES},

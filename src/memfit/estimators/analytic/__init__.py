@@ -14,13 +14,13 @@ import time
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES, zero_categories
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.estimate.analytic.engine import Engine, Policy
-from memfit.estimate.analytic.families import registry
-from memfit.estimate.analytic.optimizer import create_states, step_temporaries
-from memfit.estimate.breakdown import MemoryEstimate
-from memfit.estimate.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of
-from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
-from memfit.estimate.sharding import per_rank, state_weights
+from memfit.estimators.analytic.engine import Engine, Policy
+from memfit.estimators.analytic.families import registry
+from memfit.estimators.analytic.optimizer import create_states, step_temporaries
+from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of
+from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
+from memfit.estimators.sharding import per_rank, state_weights
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
 

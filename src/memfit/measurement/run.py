@@ -15,10 +15,10 @@ from memfit.core.categories import CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.core.units import format_bytes
-from memfit.estimate.breakdown import MemoryEstimate
-from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
-from memfit.estimate.tracker import MemoryTracker
-from memfit.measure import profiler
+from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
+from memfit.estimators.tracker import MemoryTracker
+from memfit.measurement import profiler
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import tensors_in
 from memfit.steps.runner import run_workload
@@ -124,7 +124,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
             estimates: tuple[str, ...] = ("traced", "analytic")) -> MemoryEstimate:
     """Measure the workload for real and put memfit's estimates of the same run beside it."""
-    from memfit.estimate import estimate as run_estimate
+    from memfit.estimators import estimate as run_estimate
     from memfit.specs.hardware import gpu_of_device
 
     device = device or best_device()

@@ -5,13 +5,13 @@ allocated at any size. Deep stacks of identical layers are traced at three small
 extrapolated (see extrapolate.py), with an exact check; `full_trace=True` traces every layer.
 For a GPU target the trace models what CUDA runs: the caching allocator's 512-byte rounding,
 foreach optimizer kernels (CUDA's default), CUDA's autocast lists, fused dropout and attention
-kernels (cuda_emulation.py), plus the overheads in gpu_overhead.py.
+kernels (cuda_emulation.py), plus the overheads in gpu_overhead.py. For the CPU, the scratch that
+oneDNN convolution and LSTM kernels allocate inside the kernel is probed (kernel_probe.py).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,15 +20,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memfit.core.categories import CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.estimate.breakdown import MemoryEstimate
-from memfit.estimate.fake_patches import FakeKernelFixes, real_data_decisions
-from memfit.estimate.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of, region_peaks
-from memfit.estimate.cuda_emulation import CudaAutocast, CudaKernels
-from memfit.estimate.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
-from memfit.estimate.modules import module_rows
-from memfit.estimate.sharding import per_rank, state_weights
-from memfit.estimate.timeline import timeline_of
-from memfit.estimate.tracker import MemoryTracker, Trace
+from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
+from memfit.estimators.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of, region_peaks
+from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
+from memfit.estimators.kernel_probe import KernelScratchProbe
+from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
+from memfit.estimators.modules import module_rows
+from memfit.estimators.sharding import per_rank, state_weights
+from memfit.estimators.timeline import timeline_of
+from memfit.estimators.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import tensors_in
@@ -42,6 +43,8 @@ class _Run:
     trace: Trace
     model: nn.Module
     stacks: list[nn.ModuleList]
+    probed: set = field(default_factory=set)     # CPU kernels whose scratch was probed
+    skipped: set = field(default_factory=set)    # CPU kernels too large to probe
 
 
 def repeated_stacks(model: nn.Module, num_layers: int | None) -> list[nn.ModuleList]:
@@ -80,12 +83,13 @@ def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None) -> 
         tracker.watch(tensors_in(batch), "inputs")
         stacks = repeated_stacks(model, num_layers or source.num_layers)
         tracker.watch_stacks(stacks)
-        cuda = CudaKernels() if gpu else contextlib.nullcontext()
-        with FakeKernelFixes(), tracker, real_data_decisions(), cuda:
+        device_kernels = CudaKernels() if gpu else KernelScratchProbe()
+        with FakeKernelFixes(), tracker, real_data_decisions(), device_kernels:
             run_workload(model, batch, workload, device_type="cpu", hooks=tracker,
                          before_measured_step=tracker.begin_measured_step, trace_safe=True,
                          foreach=True if gpu else None, autocast=CudaAutocast if gpu else None)
-    return _Run(tracker.trace(), model, stacks)
+    return _Run(tracker.trace(), model, stacks, getattr(device_kernels, "probed", set()),
+                getattr(device_kernels, "skipped", set()))
 
 
 def _depths(workload: Workload, full_trace: bool) -> list[int] | None:
@@ -124,6 +128,10 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     if regions is None:
         run = _trace_once(workload, gpu, None)
         regions = region_peaks(run.trace, WHOLE_RUN, weights)
+    if run.probed:
+        notes.append("CPU kernel scratch probed on real tensors of the same shapes: " + ", ".join(sorted(run.probed)))
+    if run.skipped:
+        notes.append("CPU kernel scratch not probed (operands over 1 GiB): " + ", ".join(sorted(run.skipped)))
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)

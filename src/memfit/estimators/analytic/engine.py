@@ -87,11 +87,6 @@ class Alias(Sym):
         self.base = base
 
 
-def constant(eng: Engine, numel: int, dtype: str) -> Sym:
-    """A tensor that exists elsewhere and needs no gradient (counted where it was made)."""
-    return Sym(eng, numel, dtype, False, "activations", counted=False)
-
-
 @dataclass
 class Node:
     """A backward function. Like autograd's, it refers to its output and inputs by identity and
@@ -246,16 +241,6 @@ class Engine:
         if uid not in pending:
             pending[uid] = grad           # a second gradient for the same tensor is added in place
 
-    def param_grads(self) -> list[Sym]:
-        return [p.grad_sym for p in self.params.values() if p.grad_sym is not None]
-
     # ---- results ---------------------------------------------------------------------------
     def peak_table(self) -> dict[tuple[str, object], tuple[PeakPoint, dict[str, int]]]:
         return {key: (point, self.category_max[key]) for key, point in self.peaks.items()}
-
-
-def total_bytes(syms) -> int:
-    return sum(s.nbytes for s in syms)
-
-
-__all__ = ["CATEGORIES", "DTYPE_BYTES", "Engine", "Node", "Param", "Policy", "Sym", "View", "constant", "total_bytes"]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memfit.estimate.analytic import ops
-from memfit.estimate.analytic.engine import Engine, Param, Sym, View
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Param, Sym, View
 
 
 def lm_head(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, q_len: int, logits_to_keep: int = 0,
@@ -13,6 +13,11 @@ def lm_head(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, q_l
     tokens = batch * (logits_to_keep or q_len)
     rows = hidden if tokens == batch * q_len else View(hidden, tokens * table.numel // vocab)
     return ops.linear(e, rows, table, vocab, bias)
+
+
+def dense(e: Engine, x: Sym, name: str, out_features: int) -> Sym:
+    """nn.Linear with a bias, its parameters declared as `name.w` and `name.b`."""
+    return ops.linear(e, x, e.params[name + ".w"], out_features, e.params[name + ".b"])
 
 
 def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, tokens_per_row: int) -> tuple[Sym, Sym]:

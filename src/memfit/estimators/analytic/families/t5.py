@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate.analytic import ops
-from memfit.estimate.analytic.engine import Engine, Sym, View
-from memfit.estimate.analytic.families.common import grow_cache, replace_cache
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.families.common import grow_cache, replace_cache
 
 FAMILIES = ("t5",)
 _BUCKET_TEMPS = 5   # int64 (q, k) tensors alive at once while _relative_position_bucket runs

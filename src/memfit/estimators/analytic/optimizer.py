@@ -14,7 +14,7 @@ Step temporaries (torch/optim/adam.py, adamw.py, adafactor.py):
 """
 from __future__ import annotations
 
-from memfit.estimate.analytic.engine import Engine, Param, Sym
+from memfit.estimators.analytic.engine import Engine, Param, Sym
 
 
 def create_states(e: Engine, optimizer: str) -> list[Sym]:

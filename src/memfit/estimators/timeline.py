@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from memfit.core.categories import CATEGORIES
-from memfit.estimate.tracker import Trace
+from memfit.estimators.tracker import Trace
 
 
 def timeline_of(trace: Trace, max_points: int = 2000) -> dict:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate.analytic import ops
-from memfit.estimate.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.families.common import dense
 
 FAMILIES = ("bert",)
 
@@ -53,10 +54,6 @@ def declare_buffers(e: Engine, d: BertSpec) -> list[Sym]:
     return [e.new(d.positions, "i64", category="buffers"), e.new(d.positions, "i64", category="buffers")]
 
 
-def _dense(e: Engine, x: Sym, name: str, out: int) -> Sym:
-    return ops.linear(e, x, e.params[name + ".w"], out, e.params[name + ".b"])
-
-
 def embeddings(e: Engine, d: BertSpec, ids: Sym, batch: int, seq: int) -> Sym:
     inputs_embeds = ops.embedding(e, ids, e.params["word"], d.hidden)
     token_types = e.new(seq, "i64")                        # gather from the token_type_ids buffer
@@ -71,14 +68,14 @@ def embeddings(e: Engine, d: BertSpec, ids: Sym, batch: int, seq: int) -> Sym:
 def self_attention(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int) -> Sym:
     """q, k, v (separate projections) live until the method returns."""
     p = f"layer.{i}."
-    q, k, v = (_dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
+    q, k, v = (dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
     return ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.hidden // d.heads,
                     dropout_p=d.attn_dropout if e.policy.train else 0.0)
 
 
 def _output(e: Engine, x: Sym, residual: Sym, d: BertSpec, name: str, ln: str) -> Sym:
     """dense, dropout, LayerNorm(hidden + input)."""
-    x = _dense(e, x, name, d.hidden)
+    x = dense(e, x, name, d.hidden)
     x = ops.dropout(e, x, d.hidden_dropout)
     x = ops.add(e, x, residual)
     return ops.layer_norm(e, x, e.params[ln + ".w"], e.params[ln + ".b"], d.hidden)
@@ -88,7 +85,7 @@ def layer(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int) -> Sym:
     p = f"layer.{i}."
     attention_output = self_attention(e, x, d, i, batch, seq)
     attention_output = _output(e, attention_output, x, d, p + "attn_out", p + "attn_ln")
-    intermediate = _dense(e, attention_output, p + "inter", d.intermediate)
+    intermediate = dense(e, attention_output, p + "inter", d.intermediate)
     intermediate = ops.unary_saving_input(e, intermediate)   # erf GELU
     return _output(e, intermediate, attention_output, d, p + "out", p + "out_ln")
 
@@ -104,7 +101,7 @@ def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, la
     e.segment = "post"
     sequence_output = x
     del x
-    h = _dense(e, sequence_output, "head", d.hidden)
+    h = dense(e, sequence_output, "head", d.hidden)
     h = ops.unary_saving_input(e, h)
     h = ops.layer_norm(e, h, e.params["head_ln.w"], e.params["head_ln.b"], d.hidden)
     scores = ops.linear(e, h, e.params["word"], d.vocab, e.params["decoder.b"])

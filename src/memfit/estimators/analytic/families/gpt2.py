@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate.analytic import ops
-from memfit.estimate.analytic.engine import Engine, Sym, View
-from memfit.estimate.analytic.families.common import generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.families.common import generate, grow_cache, lm_head, replace_cache
 
 FAMILIES = ("gpt2",)
 

@@ -1,0 +1,109 @@
+"""CPU kernels that allocate scratch no tensor accounts for, probed on real tensors of the same shape.
+
+oneDNN's convolution and LSTM kernels reorder their operands into blocked layouts inside the kernel
+(a few times the size of the activations). A fake tensor never runs a kernel, so for a CPU target
+the trace asks the real kernel: the op is run once on random tensors shaped like its arguments,
+under the profiler, and the scratch (its allocator peak minus what it returns) is added to the trace
+as a transient allocation after the op. Probes are cached per shape, so repeated layers cost one
+probe; an op whose operands would exceed PROBE_LIMIT_BYTES is not probed (and the note says so).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+PROBE_LIMIT_BYTES = 1 << 30
+PROBED_OPS = {
+    torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
+    torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten.mkldnn_rnn_layer_backward.default,
+}
+_cache: dict[tuple, int | None] = {}
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    return value
+
+
+def _real(value):
+    if isinstance(value, torch.Tensor):   # random values with the same shape and strides (broadcasts too)
+        span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride())) if value.numel() else 0
+        base = torch.randn(span) if value.is_floating_point() else torch.zeros(span)
+        return base.to(value.dtype).as_strided(value.shape, value.stride())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real(v) for v in value)
+    return value
+
+
+def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> int | None:
+    """Bytes the kernel allocates beyond what it returns, at its peak; None when not probed. The probe
+    runs in the caller's grad mode: kernels keep training buffers only when a backward will follow."""
+    key = (str(func), grad_enabled, _describe(args), _describe(tuple(sorted(kwargs.items()))))
+    if key in _cache:
+        return _cache[key]
+    operand_bytes = sum(t.untyped_storage().nbytes() for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+    if operand_bytes > PROBE_LIMIT_BYTES:
+        _cache[key] = None
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import _EventType
+
+    with _disable_current_modes(), torch.set_grad_enabled(grad_enabled):
+        real_args, real_kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}
+        if func is torch.ops.aten.mkldnn_rnn_layer_backward.default:
+            real_args = _rnn_backward_args(real_args)
+        func(*real_args, **real_kwargs)                      # warm-up: first calls set up primitives
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            out = func(*real_args, **real_kwargs)
+        del out
+    events = sorted((e.start_time_ns, e.typed[1].alloc_size) for e in prof._memory_profile()._op_tree.dfs()
+                    if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu")
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    returned = max(running, 0)
+    _cache[key] = max(peak - returned, 0)
+    return _cache[key]
+
+
+def _rnn_backward_args(args: list) -> list:
+    """The LSTM backward reads the forward's outputs and workspace, which random data must not stand in
+    for: run the real forward first and pass what it returns."""
+    (inp, w1, w2, w3, w4, hx, cx, _out, _hy, _cy, grad_out, grad_hy, grad_cy, reverse, mode, hidden, layers,
+     biases, train, bidirectional, batch_sizes, batch_first, _workspace) = args
+    with torch.enable_grad():   # the kernel keeps its workspace only when a backward will follow
+        weights = [w.detach().requires_grad_() for w in (w1, w2, w3, w4)]
+        output, hy, cy, workspace = torch.ops.aten.mkldnn_rnn_layer.default(
+            inp, *weights, hx, cx, reverse, batch_sizes, mode, hidden, layers, biases, bidirectional, batch_first, True)
+    output, hy, cy, workspace = (t.detach() for t in (output, hy, cy, workspace))
+    return [inp, w1, w2, w3, w4, hx, cx, output, hy, cy, grad_out, grad_hy, grad_cy, reverse, mode, hidden, layers,
+            biases, train, bidirectional, batch_sizes, batch_first, workspace]
+
+
+class KernelScratchProbe(TorchDispatchMode):
+    """Inside a fake CPU trace: after each probed op, allocate and free its measured scratch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probed: set[str] = set()
+        self.skipped: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        grad_enabled = torch.is_grad_enabled()
+        out = func(*args, **kwargs)
+        if func in PROBED_OPS:
+            scratch = probe_scratch(func, args, kwargs, grad_enabled)
+            if scratch is None:
+                self.skipped.add(func.__name__)
+            elif scratch:
+                self.probed.add(func.__name__)
+                workspace = torch.empty(scratch, dtype=torch.uint8, device="cpu")
+                del workspace
+        return out
