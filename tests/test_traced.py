@@ -19,9 +19,6 @@ ZOO = {   # (model, inputs, seq_len): decoder, encoder, encoder-decoder, MoE, Vi
 }
 SETTINGS = {"train-fp32": dict(task="train"), "train-bf16-mixed": dict(task="train", precision="bf16-mixed"),
             "inference": dict(task="inference")}
-# oneDNN's convolution and RNN kernels allocate reorder buffers inside the kernel; no tensor
-# accounts for them, so the trace cannot see them (see the closing note of issue 2).
-KERNEL_SCRATCH = {"convnet": "oneDNN convolution scratch", "lstm": "oneDNN RNN scratch"}
 
 
 def _workload(name, setting):
@@ -37,12 +34,20 @@ def _workload(name, setting):
 def test_traced_matches_the_measured_cpu_run(name, setting):
     measured = measure(_workload(name, setting), estimates=("traced",))
     traced = measured.extra["estimates"]["traced"]
-    # every tensor the real run allocated is in the trace, to the byte or nearly
-    assert rel(traced["peak_bytes"], measured.extra["tracked_peak_bytes"]) < 0.001
-    assert traced["peak_phase"] == measured.peak_phase
-    if name in KERNEL_SCRATCH and measured.extra["untracked_bytes"] > 0.01 * measured.peak_bytes:
-        pytest.xfail(f"{KERNEL_SCRATCH[name]}: {measured.extra['untracked_bytes']:,} bytes inside kernels")
     assert rel(traced["peak_bytes"], measured.peak_bytes) < 0.01
+    assert traced["peak_phase"] == measured.peak_phase
+
+
+def test_cpu_kernel_scratch_is_probed():
+    """oneDNN convolutions and LSTMs allocate inside the kernel, and the fake LSTM returns an empty
+    workspace; without the probe the CNN and LSTM would be several percent low."""
+    for name in ("convnet", "lstm"):
+        workload = _workload(name, "train-fp32")
+        measured = measure(workload, estimates=("traced",))
+        assert measured.extra["untracked_bytes"] > 0.02 * measured.peak_bytes       # the kernels do allocate
+        traced = measured.extra["estimates"]["traced"]
+        assert any("probed" in note for note in traced["notes"])
+        assert rel(traced["peak_bytes"], measured.peak_bytes) < 0.01
 
 
 def _deep_config(tmp_path, model_type, **fields):

@@ -1,8 +1,9 @@
 """CPU kernels that allocate scratch no tensor accounts for, probed on real tensors of the same shape.
 
 oneDNN's convolution and LSTM kernels reorder their operands into blocked layouts inside the kernel
-(a few times the size of the activations). A fake tensor never runs a kernel, so for a CPU target
-the trace asks the real kernel: the op is run once on random tensors shaped like its arguments,
+(a few times the size of the activations). A fake tensor never runs a kernel (and the fake LSTM returns
+an empty workspace where the real one keeps megabytes for backward), so for a CPU target the trace
+asks the real kernel: the op is run once on random tensors shaped like its arguments,
 under the profiler, and the scratch (its allocator peak minus what it returns) is added to the trace
 as a transient allocation after the op. Probes are cached per shape, so repeated layers cost one
 probe; an op whose operands would exceed PROBE_LIMIT_BYTES is not probed (and the note says so).
@@ -18,7 +19,7 @@ PROBED_OPS = {
     torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
     torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten.mkldnn_rnn_layer_backward.default,
 }
-_cache: dict[tuple, int | None] = {}
+_cache: dict[tuple, tuple[int, list[int]] | None] = {}
 
 
 def _describe(value):
@@ -39,9 +40,10 @@ def _real(value):
     return value
 
 
-def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> int | None:
-    """Bytes the kernel allocates beyond what it returns, at its peak; None when not probed. The probe
-    runs in the caller's grad mode: kernels keep training buffers only when a backward will follow."""
+def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> tuple[int, list[int]] | None:
+    """(bytes the kernel allocates beyond what it returns, at its peak; bytes of each tensor it returns),
+    or None when not probed. The probe runs in the caller's grad mode: kernels keep training buffers
+    only when a backward will follow."""
     key = (str(func), grad_enabled, _describe(args), _describe(tuple(sorted(kwargs.items()))))
     if key in _cache:
         return _cache[key]
@@ -60,6 +62,7 @@ def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> int | None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                      with_stack=True) as prof:
             out = func(*real_args, **real_kwargs)
+        returned_bytes = [t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0 for t in tree_leaves(out)]
         del out
     events = sorted((e.start_time_ns, e.typed[1].alloc_size) for e in prof._memory_profile()._op_tree.dfs()
                     if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu")
@@ -68,7 +71,7 @@ def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> int | None:
         running += delta
         peak = max(peak, running)
     returned = max(running, 0)
-    _cache[key] = max(peak - returned, 0)
+    _cache[key] = (max(peak - returned, 0), returned_bytes)
     return _cache[key]
 
 
@@ -98,12 +101,18 @@ class KernelScratchProbe(TorchDispatchMode):
         kwargs = kwargs or {}
         grad_enabled = torch.is_grad_enabled()
         out = func(*args, **kwargs)
-        if func in PROBED_OPS:
-            scratch = probe_scratch(func, args, kwargs, grad_enabled)
-            if scratch is None:
-                self.skipped.add(func.__name__)
-            elif scratch:
-                self.probed.add(func.__name__)
-                workspace = torch.empty(scratch, dtype=torch.uint8, device="cpu")
-                del workspace
+        if func not in PROBED_OPS:
+            return out
+        probed = probe_scratch(func, args, kwargs, grad_enabled)
+        if probed is None:
+            self.skipped.add(func.__name__)
+            return out
+        scratch, returned = probed
+        self.probed.add(func.__name__)
+        if func is torch.ops.aten.mkldnn_rnn_layer.default and out[3].numel() != returned[3]:
+            # the fake kernel returns an empty workspace; the real one keeps it for backward
+            out = (*out[:3], torch.empty(returned[3], dtype=torch.uint8, device="cpu"))
+        if scratch:
+            workspace = torch.empty(scratch, dtype=torch.uint8, device="cpu")
+            del workspace
         return out

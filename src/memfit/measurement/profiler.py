@@ -24,17 +24,39 @@ def start_profiler() -> profile:
     return prof
 
 
-def allocation_peak_delta(prof: profile) -> tuple[int, int]:
-    """(highest running sum of allocator events, number of events) over the profiled window."""
+PHASE_MARK = "memfit.phase."
+
+
+def mark_phase(name: str) -> None:
+    """An instant in the profiler's clock where a phase starts (read back by allocation_peak)."""
+    with torch.profiler.record_function(PHASE_MARK + name):
+        pass
+
+
+def allocation_peak(prof: profile) -> tuple[int, str | None, int]:
+    """(highest running sum of allocator events, the phase it falls in, number of events)."""
     from torch.profiler._memory_profiler import _EventType
 
-    events = sorted((e.start_time_ns, e.typed[1].alloc_size) for e in prof._memory_profile()._op_tree.dfs()
-                    if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu")
+    tree = prof._memory_profile()._op_tree.dfs()
+    events, marks = [], []
+    for e in tree:
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            events.append((e.start_time_ns, e.typed[1].alloc_size))
+        elif e.name.startswith(PHASE_MARK):
+            marks.append((e.start_time_ns, e.name[len(PHASE_MARK):]))
+    events.sort()
+    marks.sort()
     running = peak = 0
-    for _, delta in events:
+    peak_time = None
+    for time_ns, delta in events:
         running += delta
-        peak = max(peak, running)
-    return peak, len(events)
+        if running > peak:
+            peak, peak_time = running, time_ns
+    phase = None
+    for time_ns, name in marks:
+        if peak_time is not None and time_ns <= peak_time:
+            phase = name
+    return peak, phase, len(events)
 
 
 def timeline_categories_at_peak(prof: profile) -> tuple[int, dict[str, int]]:

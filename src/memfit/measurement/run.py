@@ -47,6 +47,21 @@ def _check_room(workload: Workload, expected_bytes: int, device: str) -> None:
             f"{format_bytes(room)} is free; use `memfit estimate` for a model this size.")
 
 
+class _PhaseMarks:
+    """The tracker's hooks, plus a mark in the profiler's clock at every phase change (CPU runs)."""
+
+    def __init__(self, tracker: MemoryTracker, state: dict) -> None:
+        self.tracker, self.state = tracker, state
+
+    def phase(self, name: str) -> None:
+        self.tracker.phase(name)
+        if "profiler" in self.state:
+            profiler.mark_phase(name)
+
+    def mark(self, category, tensors) -> None:
+        self.tracker.mark(category, tensors)
+
+
 def measure_run(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
                 expected_bytes: int = 0) -> MemoryEstimate:
     """One real run of the workload; no estimates (see `measure`)."""
@@ -77,10 +92,12 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
         else:
             state["profiler"] = profiler.start_profiler()
 
+    hooks = _PhaseMarks(tracker, state) if not on_cuda else tracker
     with tracker:
-        run_workload(model, batch, workload, device_type=device.split(":")[0], hooks=tracker,
+        run_workload(model, batch, workload, device_type=device.split(":")[0], hooks=hooks,
                      before_measured_step=before_measured_step)
     extra: dict = {}
+    allocator_phase = None   # CPU: the phase the allocator's peak falls in (kernel scratch can move it)
     if on_cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -93,7 +110,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     else:
         prof = state["profiler"]
         prof.stop()
-        delta, num_events = profiler.allocation_peak_delta(prof)
+        delta, allocator_phase, num_events = profiler.allocation_peak(prof)
         peak = state["baseline"] + delta
         total, by_category = profiler.timeline_categories_at_peak(prof)
         extra["profiler_timeline_peak_bytes"] = total
@@ -110,7 +127,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     estimate = MemoryEstimate(
         model=source.name, num_parameters=sum(p.numel() for p in model.parameters()),
         workload=workload.to_json(), method="measured", device=device, peak_bytes=sum(at_peak.values()),
-        peak_phase=top.phase, at_peak=at_peak, component_peaks=dict(components),
+        peak_phase=allocator_phase or top.phase, at_peak=at_peak, component_peaks=dict(components),
         model_state_bytes={k: components[k] for k in ("parameters", "gradients", "optimizer_states")},
         sources={name: "measured" for name in CATEGORIES},
         notes=["peak from the " + ("CUDA caching allocator" if on_cuda else "CPU allocator (profiler events)")
