@@ -15,7 +15,7 @@ class ModuleMemory:
     parameters: int = 0
     gradients: int = 0
     optimizer_states: int = 0
-    activations: int = 0          # alive at the peak, allocated inside this module's forward
+    activations: int = 0          # alive at the activations' own peak, allocated in this module's forward
     count: int = 1                # >1: one row stands for this many identical layers (per-layer figures)
 
     @property

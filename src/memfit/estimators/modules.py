@@ -1,5 +1,5 @@
-"""Per-module memory at the peak: weights, gradients and optimizer state by parameter ownership,
-activations by the module whose forward created them. Layers of a repeated stack collapse into one
+"""Per-module memory: weights, gradients and optimizer state by parameter ownership, activations by
+the module whose forward created them. Layers of a repeated stack collapse into one
 row (`model.layers.*`) with per-layer figures and a count."""
 from __future__ import annotations
 
@@ -37,8 +37,12 @@ def _under(name: str | None, prefixes: list[str]) -> bool:
 
 def module_rows(trace: Trace, model: nn.Module, stacks: list[nn.ModuleList], full_layers: int | None,
                 top: int = 15) -> list[ModuleMemory]:
+    """Model states by owning module at the step's peak; activations at their own peak (the end of the
+    forward in training), where they tell which modules to checkpoint."""
     peak, _, _ = trace.summary()
     alive = trace.alive_at(peak.event)
+    activation_event = max(trace.walk(), key=lambda point: point[1]["activations"])[0]
+    alive_activations = trace.alive_at(activation_event)
     totals = {c: sum(s.nbytes for s in alive if trace.category_of(s) == c)
               for c in ("parameters", "gradients", "optimizer_states")}
     param_bytes = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
@@ -46,7 +50,8 @@ def module_rows(trace: Trace, model: nn.Module, stacks: list[nn.ModuleList], ful
     rows = []
     for name, prefixes, count in _rows_of(model, stacks):
         params = sum(b for n, b in param_bytes.items() if _under(n.rsplit(".", 1)[0], prefixes))
-        acts = sum(s.nbytes for s in alive if trace.category_of(s) == "activations" and _under(s.module, prefixes))
+        acts = sum(s.nbytes for s in alive_activations
+                   if trace.category_of(s) == "activations" and _under(s.module, prefixes))
         share = params / all_params
         row = ModuleMemory(name=name, parameters=params, activations=acts,
                            gradients=int(totals["gradients"] * share),

@@ -59,7 +59,8 @@ def fit_line(estimate: MemoryEstimate) -> str | None:
 
 
 def modules_table(estimate: MemoryEstimate) -> Table:
-    table = Table(title="top modules at the peak (per layer for repeated layers)", title_justify="left")
+    table = Table(title="top modules (per layer for repeated layers; activations at their own peak)",
+                  title_justify="left")
     for column in ("module", "count", "parameters", "gradients", "optimizer", "activations"):
         table.add_column(column, justify="left" if column == "module" else "right")
     for row in estimate.modules:

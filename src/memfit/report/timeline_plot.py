@@ -36,7 +36,7 @@ def write_timeline(timeline: dict, path: str, title: str) -> None:
     ax.set_xlabel("allocation events in the step")
     ax.set_ylabel("GiB")
     ax.set_title(title)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
