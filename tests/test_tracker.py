@@ -87,3 +87,11 @@ def test_tensors_in_keeps_nothing_alive():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_estimate_json_round_trip():
+    from memfit.estimators.breakdown import MemoryEstimate
+
+    estimate = traced_estimate(Workload(**MLP, batch_size=BATCH, seq_len=1), modules=True)
+    data = estimate.to_json()
+    assert MemoryEstimate.from_json(data).to_json() == data

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 

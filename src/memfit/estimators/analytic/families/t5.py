@@ -219,4 +219,3 @@ def inference(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int, new_t
             replace_cache(e, cache, {("self", i): batch * d.inner * new_tokens for i in range(num_layers)})
             logits = decode(new_tokens + 1)
             del logits
-    del cache, encoder_out
