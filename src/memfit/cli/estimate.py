@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+
 from memfit.cli.common import add_workload_arguments, check_output_path, gpu_from, print_json, workload_from
 from memfit.core.errors import MemfitError
 from memfit.estimators import METHODS, estimate
@@ -31,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         options = {"modules": args.modules, "timeline": bool(args.timeline), "full_trace": args.full_trace}
     elif args.timeline or args.modules:
         raise MemfitError("--timeline and --modules come from a trace; use --method traced (PyTorch engine).")
-    result = estimate(workload, method=args.method, gpu=gpu, **options)
+    with Console(stderr=True).status(f"estimating {workload.model} ({args.method}) ..."):
+        result = estimate(workload, method=args.method, gpu=gpu, **options)
     if workload.engine == "deepspeed" or workload.world_size > 1:
         result.extra["zero_table"] = zero_paper_table(result.num_parameters, workload.world_size)
     if args.timeline:

@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.snapshot, (".pickle", ".pkl"), "--snapshot")
     workload = workload_from(args)
     methods = () if args.no_estimates else ("traced",) if not workload.source.is_hf else ("traced", "analytic")
-    result = measure(workload, device=args.device, snapshot_path=args.snapshot, estimates=methods)
+    with Console(stderr=True).status(f"estimating, then running {workload.model} for real ..."):
+        result = measure(workload, device=args.device, snapshot_path=args.snapshot, estimates=methods)
     if args.json:
         print_json(result.to_json())
         return 0
