@@ -129,7 +129,7 @@ def main() -> int:
     for row in results:
         if row["untracked"] > 0.01 * row["measured"]:
             console.print(f"{row['model']} {row['workload']}: {format_bytes(row['untracked'])} allocated inside "
-                          "kernels (oneDNN scratch) that no tensor accounts for; the trace cannot see it.")
+                          "kernels (oneDNN scratch) that no tensor accounts for; the trace probes it.")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as fh:
         json.dump({"torch": torch.__version__, "python": sys.version.split()[0], "rows": results}, fh, indent=1)
