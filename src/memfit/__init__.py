@@ -4,13 +4,22 @@
     w = Workload(model="llama-3.1-8b", task="train", batch_size=1, seq_len=4096, precision="bf16-mixed")
     e = estimate(w, gpu=get_gpu("rtx-4090"))          # traced where it can run, else analytic
     print(e.peak_bytes, e.peak_phase, e.at_peak, e.fits)
+
+The names below load on first use, so `import memfit` stays light (the CLI sets up torch's logging
+before torch loads).
 """
-from memfit.core.errors import MemfitError
-from memfit.estimators import estimate
-from memfit.estimators.breakdown import MemoryEstimate
-from memfit.measurement import measure
-from memfit.specs.hardware import get_gpu
-from memfit.specs.workload import Workload
+from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = ["MemfitError", "MemoryEstimate", "Workload", "estimate", "get_gpu", "measure"]
+_EXPORTS = {
+    "MemfitError": "memfit.core.errors", "MemoryEstimate": "memfit.estimators.breakdown",
+    "Workload": "memfit.specs.workload", "estimate": "memfit.estimators", "get_gpu": "memfit.specs.hardware",
+    "measure": "memfit.measurement",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

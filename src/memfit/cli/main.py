@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_libraries() -> None:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # before torch loads: c10's profiler warnings
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     warnings.filterwarnings("ignore")

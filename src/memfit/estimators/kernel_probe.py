@@ -54,13 +54,15 @@ def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> tuple[int, 
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import _EventType
 
+    from memfit.measurement.profiler import quiet_native_stderr
+
     with _disable_current_modes(), torch.set_grad_enabled(grad_enabled):
         real_args, real_kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}
         if func is torch.ops.aten.mkldnn_rnn_layer_backward.default:
             real_args = _rnn_backward_args(real_args)
         func(*real_args, **real_kwargs)                      # warm-up: first calls set up primitives
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
+        with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                            record_shapes=True, with_stack=True) as prof:
             out = func(*real_args, **real_kwargs)
         returned_bytes = [t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0 for t in tree_leaves(out)]
         del out

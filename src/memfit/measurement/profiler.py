@@ -7,6 +7,10 @@ also assigns its own categories; memfit reports them beside its own so that the 
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -18,10 +22,30 @@ PROFILER_CATEGORY = {
 }
 
 
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what the profiler's native code prints on start and stop (it writes to fd 2 directly)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def start_profiler() -> profile:
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
-    prof.start()
+    with quiet_native_stderr():
+        prof.start()
     return prof
+
+
+def stop_profiler(prof: profile) -> None:
+    with quiet_native_stderr():
+        prof.stop()
 
 
 PHASE_MARK = "memfit.phase."

@@ -109,7 +109,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
             extra["snapshot"] = snapshot_path
     else:
         prof = state["profiler"]
-        prof.stop()
+        profiler.stop_profiler(prof)
         delta, allocator_phase, num_events = profiler.allocation_peak(prof)
         peak = state["baseline"] + delta
         total, by_category = profiler.timeline_categories_at_peak(prof)

@@ -171,6 +171,12 @@ class Engine:
             category = "activations" if self.phase in ("forward", "prefill", "decode") else "temporaries"
         return Sym(self, numel, dtype, grad and self.policy.train, category)
 
+    def input(self, numel: int, dtype: str) -> Sym:
+        """A tensor of the batch: alive for the whole step."""
+        sym = self.new(numel, dtype, category="inputs")
+        self.keep.append(sym)
+        return sym
+
     def record(self, output: Sym, inputs: list, saved: list, scratch: list | None = None,
                grad_dtypes: list | None = None, passthrough: bool = False) -> Sym:
         """Register an op for backward when any input needs a gradient."""

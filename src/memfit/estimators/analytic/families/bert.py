@@ -91,8 +91,7 @@ def layer(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int) -> Sym:
 
 
 def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, labels: bool) -> Sym:
-    ids = e.new(batch * seq, "i64", category="inputs")
-    e.keep.append(ids)
+    ids = e.input(batch * seq, "i64")
     e.segment = "pre"
     x = embeddings(e, d, ids, batch, seq)
     for i in range(num_layers):
@@ -108,7 +107,7 @@ def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, la
     del h
     if not labels:
         return scores
-    e.keep.append(e.new(batch * seq, "i64", category="inputs"))
+    e.input(batch * seq, "i64")
     loss = ops.cross_entropy(e, scores, batch=batch, seq=seq, shift=False, upcast=False)
     del scores, sequence_output
     return loss

@@ -322,8 +322,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
             cache: dict | None = None, kv_len: int | None = None, logits_to_keep: int = 0) -> Sym:
     """The model's forward; returns the loss (training) or the logits (inference)."""
     kv_len = kv_len or q_len
-    ids = e.new(batch * q_len, "i64", category="inputs")
-    e.keep.append(ids)
+    ids = e.input(batch * q_len, "i64")
     e.segment = "pre"
     x = ops.embedding(e, ids, e.params["embed"], d.hidden)
     if d.model_type == "gemma2":
@@ -348,8 +347,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         logits = ops.scalar_op(e, logits)
     if not labels:
         return logits
-    label_ids = e.new(batch * q_len, "i64", category="inputs")
-    e.keep.append(label_ids)
+    e.input(batch * q_len, "i64")   # labels
     loss = ops.cross_entropy(e, logits, batch=batch, seq=q_len, shift=True)
     del logits, hidden
     return loss

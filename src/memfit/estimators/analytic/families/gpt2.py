@@ -109,8 +109,7 @@ def block(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, cache:
 def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, labels: bool,
             cache: dict | None = None, kv_len: int | None = None, logits_to_keep: int = 0) -> Sym:
     kv_len = kv_len or q_len
-    ids = e.new(batch * q_len, "i64", category="inputs")
-    e.keep.append(ids)
+    ids = e.input(batch * q_len, "i64")
     e.segment = "pre"
     inputs_embeds = ops.embedding(e, ids, e.params["wte"], d.hidden)
     positions = e.new(q_len, "i64")                     # arange(...) + past length
@@ -127,7 +126,7 @@ def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, 
                      logits_to_keep=logits_to_keep)
     if not labels:
         return logits
-    e.keep.append(e.new(batch * q_len, "i64", category="inputs"))
+    e.input(batch * q_len, "i64")
     loss = ops.cross_entropy(e, logits, batch=batch, seq=q_len, shift=True)
     del logits, hidden
     return loss

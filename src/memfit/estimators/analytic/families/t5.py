@@ -176,9 +176,8 @@ def run_stack(e: Engine, d: T5Spec, stack: str, num_layers: int, ids: Sym, *, ba
 
 
 def train(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int) -> Sym:
-    ids = e.new(batch * seq, "i64", category="inputs")
-    labels = e.new(batch * seq, "i64", category="inputs")
-    e.keep += [ids, labels]
+    ids = e.input(batch * seq, "i64")
+    e.input(batch * seq, "i64")   # labels
     e.segment = "pre"
     encoder_out = run_stack(e, d, "encoder", num_layers, ids, batch=batch, q_len=seq)
     decoder_ids = e.new(batch * seq, "i64")   # _shift_right(labels)
@@ -195,8 +194,7 @@ def train(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int) -> Sym:
 def inference(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:
     """The encoder and the first decoder token (prefill), then decoder steps with the self- and
     cross-attention caches; the last step holds the longest self-attention cache."""
-    ids = e.new(batch * seq, "i64", category="inputs")
-    e.keep.append(ids)
+    ids = e.input(batch * seq, "i64")
     e.set_phase("prefill")
     encoder_out = run_stack(e, d, "encoder", num_layers, ids, batch=batch, q_len=seq)
     cache: dict = {}

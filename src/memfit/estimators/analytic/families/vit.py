@@ -105,8 +105,7 @@ def mlp(e: Engine, x: Sym, d: ViTSpec, i: int) -> Sym:
 
 
 def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, labels: bool) -> Sym:
-    pixels = e.new(batch * d.channels * image * image, e.policy.param_dtype, category="inputs")
-    e.keep.append(pixels)
+    pixels = e.input(batch * d.channels * image * image, e.policy.param_dtype)
     tokens = d.tokens(image)
     e.segment = "pre"
     embedding_output = embeddings(e, d, pixels, batch, image)   # ViTModel keeps it until it returns
@@ -120,7 +119,7 @@ def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, l
     logits = dense(e, View(sequence_output, batch * d.hidden), "classifier", d.labels)
     if not labels:
         return logits
-    e.keep.append(e.new(batch, "i64", category="inputs"))
+    e.input(batch, "i64")
     loss = ops.cross_entropy(e, logits, batch=batch, seq=1, shift=False, upcast=False)
     del logits, sequence_output
     return loss
