@@ -35,7 +35,11 @@ def test_traced_matches_the_measured_cpu_run(name, setting):
     measured = measure(_workload(name, setting), estimates=("traced",))
     traced = measured.extra["estimates"]["traced"]
     assert rel(traced["peak_bytes"], measured.peak_bytes) < 0.01
-    assert traced["peak_phase"] == measured.peak_phase
+    # The real run reaches its peak in the phase the trace names. Where two phases tie (the end of backward and
+    # the optimizer's start hold the same tensors), a few bytes of scalar temporaries decide which one the
+    # allocator sees first, so a phase within 0.1 % of the peak counts as the same peak.
+    real_peak_in_traced_phase = measured.extra["phase_peak_bytes"][traced["peak_phase"]]
+    assert rel(real_peak_in_traced_phase, measured.peak_bytes) < 0.001
 
 
 def test_cpu_kernel_scratch_is_probed():

@@ -57,13 +57,13 @@ def mark_phase(name: str) -> None:
         pass
 
 
-def allocation_peak(prof: profile) -> tuple[int, str | None, int]:
-    """(highest running sum of allocator events, the phase it falls in, number of events)."""
+def allocation_peak(prof: profile) -> tuple[int, str | None, dict[str, int], int]:
+    """(highest running sum of allocator events, the phase it falls in, each phase's highest running sum,
+    number of events). Phases come from the marks left by `mark_phase`."""
     from torch.profiler._memory_profiler import _EventType
 
-    tree = prof._memory_profile()._op_tree.dfs()
     events, marks = [], []
-    for e in tree:
+    for e in prof._memory_profile()._op_tree.dfs():
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
             events.append((e.start_time_ns, e.typed[1].alloc_size))
         elif e.name.startswith(PHASE_MARK):
@@ -71,16 +71,18 @@ def allocation_peak(prof: profile) -> tuple[int, str | None, int]:
     events.sort()
     marks.sort()
     running = peak = 0
-    peak_time = None
+    peak_phase, phase, next_mark = None, None, 0
+    phase_peaks: dict[str, int] = {}
     for time_ns, delta in events:
+        while next_mark < len(marks) and marks[next_mark][0] <= time_ns:
+            phase = marks[next_mark][1]
+            next_mark += 1
         running += delta
+        if phase is not None:
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), running)
         if running > peak:
-            peak, peak_time = running, time_ns
-    phase = None
-    for time_ns, name in marks:
-        if peak_time is not None and time_ns <= peak_time:
-            phase = name
-    return peak, phase, len(events)
+            peak, peak_phase = running, phase
+    return peak, peak_phase, phase_peaks, len(events)
 
 
 def timeline_categories_at_peak(prof: profile) -> tuple[int, dict[str, int]]:

@@ -110,8 +110,9 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     else:
         prof = state["profiler"]
         profiler.stop_profiler(prof)
-        delta, allocator_phase, num_events = profiler.allocation_peak(prof)
+        delta, allocator_phase, phase_peaks, num_events = profiler.allocation_peak(prof)
         peak = state["baseline"] + delta
+        extra["phase_peak_bytes"] = {name: state["baseline"] + value for name, value in phase_peaks.items()}
         total, by_category = profiler.timeline_categories_at_peak(prof)
         extra["profiler_timeline_peak_bytes"] = total
         extra["profiler_categories_at_peak"] = by_category
