@@ -3,7 +3,7 @@
 For each workload: the real step on CUDA (max_memory_allocated and max_memory_reserved after the
 steady-state step) beside memfit's traced and analytic estimates for that GPU, plus the device
 memory that lies outside PyTorch's allocator (CUDA context, library workspaces). The ratios it prints
-are what the `assumed` figures in estimate/gpu_overhead.py and gpus.json should be replaced with.
+are what the `assumed` figures in estimators/gpu_overhead.py and gpus.json should be replaced with.
 Run:  python benchmarks/gpu_validate.py  (about 5 minutes on one H200)
 Writes benchmarks/results/gpu_validate.{txt,json}.
 """

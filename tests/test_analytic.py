@@ -3,7 +3,6 @@ import pytest
 
 from memfit.core.categories import CATEGORIES
 from memfit.estimators.analytic import analytic_estimate, simulate
-from memfit.estimators.analytic.families import registry
 from memfit.estimators.sharding import zero_paper_table
 from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import get_gpu
@@ -64,7 +63,6 @@ def test_every_bundled_transformer_matches_the_trace_at_three_points(name):
 def test_extrapolation_equals_simulating_every_layer():
     for name, batch, seq in [("llama-2-7b", 1, 512), ("gemma-2-9b", 2, 256), ("t5-base", 4, 128), ("gpt2", 2, 256)]:
         workload = Workload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
-        family, spec = registry.family_of(workload.source)
         full = simulate(workload, None, workload.source.num_layers)
         top = max((p for (phase, _), p in full.peaks.items() if phase != "setup"), key=lambda p: p.total)
         estimate = analytic_estimate(workload)
@@ -78,13 +76,15 @@ def test_zero_paper_figure_1():
 
 
 def test_gpt3_model_states_corrected():
-    """175B fp32 Adam: 4 + 4 + 8 bytes per parameter (the seed article's figures were off by ten)."""
+    """175B fp32 Adam: 4 + 4 + 8 bytes per parameter; REFERENCE.md's 700 + 700 + 1,400 GB (the seed
+    article's figures were off by ten). The bundled config counts 174.6B parameters, within 1 %."""
     estimate = analytic_estimate(Workload(model="gpt3-175b", batch_size=1, seq_len=128))
     psi = estimate.num_parameters
     states = estimate.model_state_bytes
     assert states["parameters"] == 4 * psi and states["gradients"] == 4 * psi
     assert 8 * psi <= states["optimizer_states"] < 8 * psi + 4 * 10_000   # + a float32 step per tensor
-    assert round((4 + 4 + 8) * 175e9 / 1e9) == 2800
+    for name, published_gb in (("parameters", 700), ("gradients", 700), ("optimizer_states", 1400)):
+        assert rel(states[name], published_gb * 1e9) < 0.01, (name, states[name])
 
 
 def test_deepspeed_engine_uses_the_zero_accounting():

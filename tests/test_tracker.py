@@ -5,8 +5,8 @@ import weakref
 import torch
 from torch import nn
 
-from memfit.estimators.tracker import MemoryTracker
 from memfit.estimators.traced import traced_estimate
+from memfit.estimators.tracker import MemoryTracker
 from memfit.measurement.run import measure_run
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import tensors_in
@@ -56,7 +56,7 @@ def test_views_share_one_storage():
     tracker = MemoryTracker()
     with tracker:
         base = torch.empty(1000)
-        views = [base[:10], base.view(10, 100), base.t() if base.dim() == 2 else base[::2]]
+        views = [base[:10], base.view(10, 100), base[::2]]
         tracker.mark("activations", views)
         top, _, _ = tracker.trace().summary()
     assert top.total == 4000

@@ -5,7 +5,8 @@ the first `period` layers, the last `period` layers, the stretch after (and the 
 further run of the stack, e.g. each decode step). Layers in the middle are never the maximum:
 layer j's memory is c + s*j, so its maximum over j sits at the first or last layer. Every region's
 maximum (the total and each category) is then a linear function of the number of layers n, and
-three traces at n = p, 2p, 3p both fit the line and check it exactly before it is used.
+three traces at n = 2p, 3p, 4p both fit the line and check it exactly before it is used (from 2p:
+a first layer may differ from the rest, e.g. T5's, which computes the position bias).
 """
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class RegionPeak:
     @property
     def total(self) -> int:
         return sum(self.at_max.values())
+
+
+def extrapolation_depths(layers: int | None, period: int) -> list[int] | None:
+    """The three depths to trace or simulate, or None when the whole stack is short enough to run."""
+    if not layers or layers <= 4 * period or layers % period:
+        return None
+    return [2 * period, 3 * period, 4 * period]
 
 
 class NotLinear(Exception):

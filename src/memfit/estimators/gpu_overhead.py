@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from memfit.core.units import MiB
+from memfit.estimators.breakdown import MemoryEstimate
 from memfit.specs.hardware import GPU
 
 CUDA_ALLOCATION_ROUND_BYTES = 512          # every caching-allocator block is a multiple of this
@@ -22,3 +23,11 @@ def gpu_overheads(gpu: GPU, peak_bytes: int) -> dict[str, int]:
         "cublas_workspace": CUBLAS_WORKSPACE_BYTES_ASSUMED,
         "allocator_reserve": int(peak_bytes * ALLOCATOR_RESERVE_FRACTION_ASSUMED),
     }
+
+
+def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU) -> None:
+    """Add the device's overheads to a tensor-peak estimate (labelled assumed) and decide whether it fits."""
+    estimate.overhead_detail = gpu_overheads(gpu, estimate.peak_bytes)
+    estimate.overhead_bytes = sum(estimate.overhead_detail.values())
+    estimate.sources.update({name: "assumed" for name in estimate.overhead_detail})
+    estimate.apply_device(gpu.memory_bytes)

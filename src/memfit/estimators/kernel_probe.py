@@ -51,23 +51,21 @@ def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> tuple[int, 
     if operand_bytes > PROBE_LIMIT_BYTES:
         _cache[key] = None
         return None
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import _EventType
-
-    from memfit.measurement.profiler import quiet_native_stderr
+    from memfit.measurement.profiler import allocator_events, start_profiler, stop_profiler
 
     with _disable_current_modes(), torch.set_grad_enabled(grad_enabled):
         real_args, real_kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}
         if func is torch.ops.aten.mkldnn_rnn_layer_backward.default:
             real_args = _rnn_backward_args(real_args)
         func(*real_args, **real_kwargs)                      # warm-up: first calls set up primitives
-        with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                                            record_shapes=True, with_stack=True) as prof:
+        prof = start_profiler()
+        try:
             out = func(*real_args, **real_kwargs)
+        finally:
+            stop_profiler(prof)
         returned_bytes = [t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0 for t in tree_leaves(out)]
         del out
-    events = sorted((e.start_time_ns, e.typed[1].alloc_size) for e in prof._memory_profile()._op_tree.dfs()
-                    if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu")
+    events, _ = allocator_events(prof)
     running = peak = 0
     for _, delta in events:
         running += delta

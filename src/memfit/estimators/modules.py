@@ -43,8 +43,7 @@ def module_rows(trace: Trace, model: nn.Module, stacks: list[nn.ModuleList], ful
     alive = trace.alive_at(peak.event)
     activation_event = max(trace.walk(), key=lambda point: point[1]["activations"])[0]
     alive_activations = trace.alive_at(activation_event)
-    totals = {c: sum(s.nbytes for s in alive if trace.category_of(s) == c)
-              for c in ("parameters", "gradients", "optimizer_states")}
+    totals = {c: sum(s.nbytes for s in alive if trace.category_of(s) == c) for c in ("gradients", "optimizer_states")}
     param_bytes = {n: p.untyped_storage().nbytes() for n, p in model.named_parameters()}
     all_params = sum(param_bytes.values()) or 1
     rows = []

@@ -7,7 +7,6 @@ from memfit.estimators.tracker import Trace
 
 def timeline_of(trace: Trace, max_points: int = 2000) -> dict:
     points = [(index, [totals[c] for c in CATEGORIES]) for index, totals in trace.walk()]
-    points = [(i, list(v)) for i, v in points]
     if len(points) > max_points:
         size = -(-len(points) // max_points)
         points = [max(points[k:k + size], key=lambda p: sum(p[1])) for k in range(0, len(points), size)]

@@ -16,17 +16,24 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.core.categories import CATEGORIES
+from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
-from memfit.estimators.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of, region_peaks
 from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
+from memfit.estimators.extrapolate import (
+    NotLinear,
+    RegionPeak,
+    extrapolate,
+    extrapolation_depths,
+    peak_of,
+    region_peaks,
+)
+from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
+from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads
 from memfit.estimators.kernel_probe import KernelScratchProbe
-from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
 from memfit.estimators.modules import module_rows
-from memfit.estimators.sharding import per_rank, state_weights
+from memfit.estimators.sharding import DDP_BUCKET_NOTE, per_rank, state_weights
 from memfit.estimators.timeline import timeline_of
 from memfit.estimators.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
@@ -91,14 +98,6 @@ def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None) -> 
                 getattr(device_kernels, "skipped", set()))
 
 
-def _depths(workload: Workload, full_trace: bool) -> list[int] | None:
-    source = workload.source
-    layers, period = source.num_layers, source.layer_period
-    if full_trace or not layers or layers <= 4 * period or layers % period:
-        return None
-    return [2 * period, 3 * period, 4 * period]   # from 2: a first layer may differ (T5's position bias)
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -111,7 +110,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     started = time.perf_counter()
     source = workload.source
     weights, divisor, notes = state_weights(workload)
-    depths = None if timeline else _depths(workload, full_trace)
+    depths = None if timeline or full_trace else extrapolation_depths(source.num_layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
     if depths:
@@ -139,16 +138,13 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         model=source.name, num_parameters=count_parameters(full_model), workload=workload.to_json(),
         method="traced", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
         peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
-        model_state_bytes={k: component_peaks[k] for k in ("parameters", "gradients", "optimizer_states")},
+        model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES},
         sources={name: "traced" for name in CATEGORIES}, notes=notes,
     )
-    if any(note.startswith("DDP") for note in notes):
+    if DDP_BUCKET_NOTE in notes:
         estimate.sources["gradients"] = "traced+analytic"
     if gpu:
-        estimate.overhead_detail = gpu_overheads(gpu, estimate.peak_bytes)
-        estimate.overhead_bytes = sum(estimate.overhead_detail.values())
-        estimate.sources.update({name: "assumed" for name in estimate.overhead_detail})
-        estimate.apply_device(gpu.memory_bytes)
+        add_gpu_overheads(estimate, gpu)
     if modules:
         estimate.modules = module_rows(run.trace, run.model, run.stacks, source.num_layers)
     if timeline:

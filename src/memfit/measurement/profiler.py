@@ -57,9 +57,8 @@ def mark_phase(name: str) -> None:
         pass
 
 
-def allocation_peak(prof: profile) -> tuple[int, str | None, dict[str, int], int]:
-    """(highest running sum of allocator events, the phase it falls in, each phase's highest running sum,
-    number of events). Phases come from the marks left by `mark_phase`."""
+def allocator_events(prof: profile) -> tuple[list[tuple[int, int]], list[tuple[int, str]]]:
+    """The CPU allocator's (time, +bytes | -bytes) events and the phase marks, each in time order."""
     from torch.profiler._memory_profiler import _EventType
 
     events, marks = [], []
@@ -68,8 +67,13 @@ def allocation_peak(prof: profile) -> tuple[int, str | None, dict[str, int], int
             events.append((e.start_time_ns, e.typed[1].alloc_size))
         elif e.name.startswith(PHASE_MARK):
             marks.append((e.start_time_ns, e.name[len(PHASE_MARK):]))
-    events.sort()
-    marks.sort()
+    return sorted(events), sorted(marks)
+
+
+def allocation_peak(prof: profile) -> tuple[int, str | None, dict[str, int], int]:
+    """(highest running sum of allocator events, the phase it falls in, each phase's highest running sum,
+    number of events). Phases come from the marks left by `mark_phase`."""
+    events, marks = allocator_events(prof)
     running = peak = 0
     peak_phase, phase, next_mark = None, None, 0
     phase_peaks: dict[str, int] = {}

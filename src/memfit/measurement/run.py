@@ -86,7 +86,6 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
         if on_cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            state["baseline_allocated"] = torch.cuda.memory_allocated()
             if snapshot_path:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
         else:

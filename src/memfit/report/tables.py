@@ -70,7 +70,7 @@ def modules_table(estimate: MemoryEstimate) -> Table:
 
 
 def measure_table(measured: MemoryEstimate) -> Table:
-    estimates = {m: e for m, e in measured.extra.get("estimates", {}).items()}
+    estimates = measured.extra.get("estimates", {})
     table = Table(title=f"memfit measure — {workload_line(measured)}", title_justify="left")
     table.add_column("category")
     table.add_column("measured", justify="right")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from memfit.core.precision import get_precision
@@ -16,7 +15,7 @@ from memfit.specs.workload import Workload
 from memfit.steps.hooks import StepHooks
 from memfit.steps.inference import run_inference
 from memfit.steps.optim import make_optimizer
-from memfit.steps.train import TrainLoop
+from memfit.steps.train import TrainLoop, autocast_region
 
 
 def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: str, hooks: StepHooks,
@@ -34,10 +33,7 @@ def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: st
         return
     model.eval()
     gc.collect()
-    precision = get_precision(workload.precision)
-    region = None
-    if precision.autocast_dtype is not None:
-        region = (autocast or (lambda dtype: torch.autocast(device_type, dtype=dtype)))(precision.autocast_dtype)
+    region = autocast_region(get_precision(workload.precision), device_type, autocast)
     before_measured_step()
     run_inference(model, batch, head=workload.source.head, new_tokens=workload.new_tokens, hooks=hooks,
                   autocast=region)

@@ -39,6 +39,17 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def autocast_region(precision: Precision, device_type: str,
+                    autocast: Callable[[torch.dtype], Any] | None = None):
+    """The step's mixed-precision region: `autocast(dtype)` (default: torch.autocast on the device), or
+    none when the precision has no autocast."""
+    if precision.autocast_dtype is None:
+        return contextlib.nullcontext()
+    if autocast is None:
+        return torch.autocast(device_type, dtype=precision.autocast_dtype)
+    return autocast(precision.autocast_dtype)
+
+
 def call_model(model: nn.Module, batch: dict | tuple) -> Any:
     return model(**batch) if isinstance(batch, dict) else model(*batch)
 
@@ -56,14 +67,12 @@ class TrainLoop:
         self.device_type = device_type
         self.hooks = hooks or NullHooks()
         self.trace_safe = trace_safe
-        self._autocast = autocast or (lambda dtype: torch.autocast(device_type, dtype=dtype))
+        self._autocast = autocast
         self.scaler = torch.amp.GradScaler(device_type) if precision.loss_scaling else None
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def autocast(self):
-        if self.precision.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return self._autocast(self.precision.autocast_dtype)
+        return autocast_region(self.precision, self.device_type, self._autocast)
 
     def step(self, batch: dict | tuple) -> torch.Tensor:
         hooks = self.hooks

@@ -18,8 +18,8 @@ from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.estimators.extrapolate import NotLinear, RegionPeak, extrapolate, peak_of
-from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, gpu_overheads
+from memfit.estimators.extrapolate import NotLinear, RegionPeak, extrapolate, extrapolation_depths, peak_of
+from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads
 from memfit.estimators.sharding import per_rank, state_weights
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
@@ -113,12 +113,12 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     if not source.is_hf:
         raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
                           "module: use --method traced.")
-    family, spec = registry.family_of(source)
-    period = getattr(spec, "period", 1)
+    _, spec = registry.family_of(source)
+    period = spec.period
     layers = source.num_layers
     weights, divisor, notes = state_weights(workload)
-    if layers > 4 * period and layers % period == 0:
-        depths = [2 * period, 3 * period, 4 * period]   # from 2: a first layer may differ (T5's position bias)
+    depths = extrapolation_depths(layers, period)
+    if depths:
         samples = {n: _regions(simulate(workload, gpu, n, weights), n, period) for n in depths}
         try:
             regions = extrapolate(samples, layers)
@@ -130,22 +130,20 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)
+    num_parameters = count_parameters(workload)
     if workload.engine == "deepspeed":
-        at_peak, component_peaks = _deepspeed_states(workload, at_peak, component_peaks, family, spec)
+        at_peak, component_peaks = _deepspeed_states(num_parameters, weights, divisor, at_peak, component_peaks)
         notes.append("engine deepspeed: half parameters and gradients, fp32 master weights + Adam moments "
                      "(K = 12 bytes per parameter, the ZeRO paper's accounting)")
     estimate = MemoryEstimate(
-        model=source.name, num_parameters=count_parameters(workload), workload=workload.to_json(),
+        model=source.name, num_parameters=num_parameters, workload=workload.to_json(),
         method="analytic", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
         peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
         model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES},
         sources={name: "analytic" for name in CATEGORIES}, notes=notes,
     )
     if gpu:
-        estimate.overhead_detail = gpu_overheads(gpu, estimate.peak_bytes)
-        estimate.overhead_bytes = sum(estimate.overhead_detail.values())
-        estimate.sources.update({name: "assumed" for name in estimate.overhead_detail})
-        estimate.apply_device(gpu.memory_bytes)
+        add_gpu_overheads(estimate, gpu)
     estimate.elapsed_s = time.perf_counter() - started
     return estimate
 
@@ -157,17 +155,14 @@ def count_parameters(workload: Workload) -> int:
     return sum(p.numel for p in e.params.values())
 
 
-def _deepspeed_states(workload, at_peak, component_peaks, family, spec):
-    """Replace PyTorch's model states by DeepSpeed's: 2 + 2 + 12 bytes per parameter, sharded by stage."""
-    psi = count_parameters(workload)
-    weights, divisor, _ = state_weights(workload.__class__(**{**workload.to_json(), "engine": "deepspeed",
-                                                              "seq_len": workload.seq_len}))
-    states = {"parameters": 2 * psi, "gradients": 2 * psi, "optimizer_states": 12 * psi}
-    states = per_rank({name: value * weights[name] for name, value in {**zero_categories(), **states}.items()},
-                      divisor)
+def _deepspeed_states(psi: int, weights: dict[str, int], divisor: int, at_peak: dict[str, int],
+                      component_peaks: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Replace PyTorch's model states by DeepSpeed's: 2 + 2 + 12 bytes per parameter, sharded by stage
+    (`weights` and `divisor` from state_weights of the deepspeed workload)."""
+    states = {**zero_categories(), "parameters": 2 * psi, "gradients": 2 * psi, "optimizer_states": 12 * psi}
+    states = per_rank({name: value * weights[name] for name, value in states.items()}, divisor)
     at, comp = dict(at_peak), dict(component_peaks)
     for name in MODEL_STATE_CATEGORIES:
         at[name] = states[name] if at[name] else 0
         comp[name] = states[name]
-    at["gradients"] = states["gradients"] if at_peak["gradients"] else 0
     return at, comp

@@ -2,7 +2,7 @@
 
 Save rules follow PyTorch's derivatives (tools/autograd/derivatives.yaml); autocast lists follow
 aten/src/ATen/autocast_mode.cpp for CPU and CUDA; attention and dropout follow the kernels each
-backend runs (see also estimate/cuda_emulation.py, which makes the traced estimator do the same).
+backend runs (see also estimators/cuda_emulation.py, which makes the traced estimator do the same).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Sym, View
-from memfit.estimators.analytic.families.common import grow_cache
+from memfit.estimators.analytic.families.common import generate, grow_cache, lm_head, replace_cache
 
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma2")
 
@@ -111,17 +111,15 @@ def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
 
 # ---- building blocks ----------------------------------------------------------------------------
 def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
-    if d.model_type == "gemma2":   # x.float() normalised, times (1 + weight.float()), cast back
-        x32 = ops.cast(e, x, "f32")
-        r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
-        normed = ops.mul(e, x32, r)
-        del r, x32
-        scale = ops.shift(e, ops.cast(e, w, "f32"))
-        return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
+    """x.float() * rsqrt(mean(x.float() ** 2) + eps), then weight * normed.to(x.dtype); Gemma-2 scales by
+    (1 + weight.float()) and casts back afterwards."""
     x32 = ops.cast(e, x, "f32")
     r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
     normed = ops.mul(e, x32, r)
     del r, x32
+    if d.model_type == "gemma2":
+        scale = ops.shift(e, ops.cast(e, w, "f32"))
+        return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
     return ops.mul(e, w, ops.cast(e, normed, x.dtype))
 
 
@@ -155,8 +153,7 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
     k = rotary(e, k, cos, sin, d.model_type == "phi3")
     if cache is not None:
         k, v = _cache_update(e, cache, layer, k, v, d, batch, kv_len)
-    sliding = d.sliding_pattern[layer % d.period] and d.sliding_window is not None
-    mask = masks.get("sliding" if sliding else "full")
+    mask = masks.get("sliding" if _is_sliding(d, layer) else "full")
     masked = mask is not None
     weights = None
     if d.model_type == "gemma2":
@@ -178,7 +175,7 @@ def _cache_update(e: Engine, cache: dict, layer: int, k: Sym, v: Sym, d: Decoder
     if not _is_sliding(d, layer):
         return grow_cache(e, cache, layer, k, v, batch * d.kv_heads * d.head_dim * kv_len)
     old_k, old_v = cache.pop(layer, (None, None))   # both cats first, then the views replace the old tensors
-    tokens = k.numel // (batch * d.kv_heads * d.head_dim)
+    tokens = _tokens(k, d, batch)
     if old_k is not None:
         tokens += min(_tokens(old_k, d, batch), d.sliding_window - 1)
     full = batch * d.kv_heads * d.head_dim * tokens
@@ -337,10 +334,8 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     e.segment = "post"
     hidden = rms_norm(e, x, e.params["norm"], d)
     del x, cos, sin, masks, inputs_embeds
-    tokens = batch * (logits_to_keep or q_len)
-    rows = hidden if tokens == batch * q_len else View(hidden, tokens * d.hidden)
-    logits = ops.linear(e, rows, e.params["embed" if d.tied else "lm_head"], d.vocab)
-    del rows
+    logits = lm_head(e, hidden, e.params["embed" if d.tied else "lm_head"], d.vocab, batch=batch, q_len=q_len,
+                     logits_to_keep=logits_to_keep)
     if d.model_type == "gemma2":   # final logit soft-capping: / cap, tanh, * cap
         logits = ops.scalar_op(e, logits)
         logits = ops.unary_saving_output(e, logits, "tanh")
@@ -363,27 +358,16 @@ def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int) -> S
 
 
 def inference(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:
-    """Prefill with a cache and logits of the last position, then decode steps: the first one (a
-    sliding-window cache still holds the prefill's storage) and the last one (the longest cache)."""
-    cache: dict = {}
-    e.set_phase("prefill")
-    logits = forward(e, d, num_layers, batch=batch, q_len=seq, labels=False, cache=cache, logits_to_keep=1)
-    token = e.new(batch, "i64")
-    del logits
-    if not new_tokens:
-        return
-    e.set_phase("decode")
-    logits = forward(e, d, num_layers, batch=batch, q_len=1, labels=False, cache=cache, kv_len=seq + 1)
-    del logits
-    if new_tokens == 1:
-        return
-    for layer in range(num_layers):   # the cache just before the last step
-        tokens = seq + new_tokens - 1
-        if _is_sliding(d, layer):
-            tokens = min(seq + new_tokens - 2, d.sliding_window - 1) + 1   # storage of the previous step's cat
-        per_layer = batch * d.kv_heads * d.head_dim * tokens
-        k_dtype, v_dtype = cache[layer][0].dtype, cache[layer][1].dtype
-        cache[layer] = None
-        cache[layer] = (e.new(per_layer, k_dtype, category="kv_cache"), e.new(per_layer, v_dtype, category="kv_cache"))
-    logits = forward(e, d, num_layers, batch=batch, q_len=1, labels=False, cache=cache, kv_len=seq + new_tokens)
-    del logits, token, cache
+    """Prefill, the first decode step (a sliding-window cache still holds the prefill's storage) and the
+    last one (the longest cache)."""
+    def run(cache, q_len, kv_len, keep):
+        return forward(e, d, num_layers, batch=batch, q_len=q_len, labels=False, cache=cache, kv_len=kv_len,
+                       logits_to_keep=keep)
+
+    def resize(cache, tokens):
+        # a sliding-window layer holds the storage of the previous step's cat: its window plus one token
+        replace_cache(e, cache, {layer: batch * d.kv_heads * d.head_dim
+                                 * (min(tokens - 1, d.sliding_window - 1) + 1 if _is_sliding(d, layer) else tokens)
+                                 for layer in range(num_layers)})
+
+    generate(e, run, batch=batch, seq=seq, new_tokens=new_tokens, resize_cache=resize)

@@ -1,6 +1,7 @@
 """model_type -> the symbolic program that models it."""
 from __future__ import annotations
 
+import json
 from types import ModuleType
 
 from memfit.core.errors import MemfitError
@@ -13,6 +14,7 @@ _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{name: (vit, vit.ViTSpec) for name in vit.FAMILIES},
     **{name: (t5, t5.T5Spec) for name in t5.FAMILIES},
 }
+_SPECS: dict[str, object] = {}
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -20,27 +22,14 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def family_of(source):
-    """(family module, spec) for a model source; specs are cached per config."""
-    import json
-
-    return _family_cached(source.model_type, json.dumps({**source.hf_config, **source.overrides}, sort_keys=True),
-                          source)
-
-
-def _family_cached(model_type: str, _config_key: str, source):
-    entry = _FAMILIES.get(model_type)
+    """(family module, spec) for a model source; a spec is built once per distinct config."""
+    entry = _FAMILIES.get(source.model_type)
     if entry is None:
         raise MemfitError(
             f"no analytic model for model_type {source.model_type!r} (supported: {', '.join(supported_model_types())}); "
             "use --method traced.")
     module, spec_type = entry
-    return module, _spec(spec_type, model_type, _config_key, source)
-
-
-_SPECS: dict[str, object] = {}
-
-
-def _spec(spec_type, model_type: str, key: str, source):
+    key = json.dumps({**source.hf_config, **source.overrides}, sort_keys=True)
     if key not in _SPECS:
         _SPECS[key] = spec_type.from_config(source.config())
-    return _SPECS[key]
+    return module, _SPECS[key]
