@@ -27,6 +27,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="pytorch", help=f"allocation modelled: {' or '.join(ENGINES)}")
     parser.add_argument("--allow-long-seq", action="store_true",
                         help="allow a sequence longer than the model's maximum (positions are extended)")
+    parser.add_argument("-t", "--technique", action="append", default=[], dest="techniques", metavar="NAME[:k=v,...]",
+                        help="apply a memory technique (repeatable; see `memfit techniques`)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -34,7 +36,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
     return Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
                     seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
                     optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
-                    engine=args.engine, allow_long_seq=args.allow_long_seq)
+                    engine=args.engine, allow_long_seq=args.allow_long_seq, techniques=tuple(args.techniques))
 
 
 def gpu_from(name: str | None) -> GPU | None:

@@ -35,6 +35,13 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError("--timeline and --modules come from a trace; use --method traced (PyTorch engine).")
     with Console(stderr=True).status(f"estimating {workload.model} ({args.method}) ..."):
         result = estimate(workload, method=args.method, gpu=gpu, **options)
+    if workload.techniques or workload.precision != "fp32" or workload.optimizer != "adamw":
+        from memfit.techniques.effects import leave_one_out
+
+        method = "analytic" if workload.source.is_hf else "traced"
+        result.extra["technique_savings"] = leave_one_out(workload, result if result.method == method else
+                                                          estimate(workload, method=method, gpu=gpu), gpu=gpu,
+                                                          method=method)
     if workload.engine == "deepspeed" or workload.world_size > 1:
         result.extra["zero_table"] = zero_paper_table(result.num_parameters, workload.world_size)
     if args.timeline:

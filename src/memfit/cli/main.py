@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -16,11 +17,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import estimate, gpus, measure, models
+    from memfit.cli import estimate, gpus, measure, models, techniques
 
     parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (models, gpus, estimate, measure):
+    for module in (models, gpus, techniques, estimate, measure):
         module.add_parser(subparsers)
     return parser
 
@@ -30,6 +31,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     warnings.filterwarnings("ignore")
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree"):   # import-time chatter of optional extras
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

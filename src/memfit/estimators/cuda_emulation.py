@@ -90,6 +90,7 @@ def _map(values, fn):
 
 
 class _AutocastMode(TorchFunctionMode):
+    autocast_region = True     # a checkpoint re-run enters a region of its own instead of this one
     def __init__(self, owner: CudaAutocast) -> None:
         super().__init__()
         self.owner = owner
@@ -151,12 +152,13 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors[:3]
+        saved = ctx.saved_tensors      # unpacked once: a checkpoint re-run allows only one unpack
+        q, k, v = saved[:3]
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # flash-attention v2 backward
         delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del dq_accum, delta
-        mask = ctx.saved_tensors[5] if len(ctx.saved_tensors) > 5 else None
+        mask = saved[5] if len(saved) > 5 else None
         mask_grad = torch.empty_like(mask) if mask is not None and ctx.needs_input_grad[3] else None
         return (*grads, mask_grad)
 

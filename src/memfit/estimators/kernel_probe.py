@@ -10,6 +10,8 @@ probe; an op whose operands would exceed PROBE_LIMIT_BYTES is not probed (and th
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
@@ -89,6 +91,17 @@ def _rnn_backward_args(args: list) -> list:
             biases, train, bidirectional, batch_sizes, batch_first, workspace]
 
 
+@functools.cache
+def python_cpu_kernels() -> dict:
+    """Custom ops whose CPU kernel is PyTorch code: the trace runs that code (instead of the op's fake,
+    which allocates nothing), so its temporaries are seen. bitsandbytes' 8-bit optimizer step on CPU
+    dequantizes both states to float32 and computes in float32, one parameter at a time."""
+    from bitsandbytes.backends.cpu import ops as bnb_cpu
+
+    return {torch.ops.bitsandbytes.optimizer_update_8bit_blockwise.default:
+            bnb_cpu._optimizer_update_8bit_blockwise_cpu}
+
+
 class KernelScratchProbe(TorchDispatchMode):
     """Inside a fake CPU trace: after each probed op, allocate and free its measured scratch."""
 
@@ -99,6 +112,8 @@ class KernelScratchProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "bitsandbytes" and func in python_cpu_kernels():
+            return python_cpu_kernels()[func](*args, **kwargs)
         grad_enabled = torch.is_grad_enabled()
         out = func(*args, **kwargs)
         if func not in PROBED_OPS:

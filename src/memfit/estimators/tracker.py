@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.categories import CATEGORIES, zero_categories
+from memfit.steps.hooks import plain_tensors
 
 _FORWARD_PHASES = {"forward", "prefill", "decode", "setup"}
 
@@ -135,7 +136,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def mark(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
-            self.storages[self._register(tensor)].category = category
+            for plain in plain_tensors(tensor):
+                self.storages[self._register(plain)].category = category
 
     def begin_measured_step(self) -> None:
         """Everything before this point was warm-up; the measured step starts here."""

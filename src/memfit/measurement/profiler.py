@@ -65,7 +65,7 @@ def allocator_events(prof: profile) -> tuple[list[tuple[int, int]], list[tuple[i
     for e in prof._memory_profile()._op_tree.dfs():
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
             events.append((e.start_time_ns, e.typed[1].alloc_size))
-        elif e.name.startswith(PHASE_MARK):
+        elif e.typed[0] == _EventType.TorchOp and e.name.startswith(PHASE_MARK):   # other names may not decode
             marks.append((e.start_time_ns, e.name[len(PHASE_MARK):]))
     return sorted(events), sorted(marks)
 

@@ -23,6 +23,7 @@ def workload_line(estimate: MemoryEstimate) -> str:
         parts.append(w["optimizer"])
         if w["world_size"] > 1:
             parts.append(f"{w['world_size']} ranks, ZeRO-{w['zero_stage']} ({w['engine']})")
+    parts += w.get("techniques", [])
     parts.append(f"device {estimate.device}")
     return " · ".join(parts)
 
@@ -101,6 +102,20 @@ def print_estimate(estimate: MemoryEstimate, console: Console | None = None) -> 
         console.print(f"[dim]note: {note}[/dim]")
     if estimate.extra.get("zero_table"):
         console.print(zero_table(estimate.extra["zero_table"]))
+    if estimate.extra.get("technique_savings"):
+        console.print(savings_table(estimate.extra["technique_savings"]))
+
+
+def savings_table(rows: list[dict]) -> Table:
+    table = Table(title="what each technique saves here (peak without it − peak with all; "
+                        f"{rows[0]['method']})", title_justify="left")
+    for column in ("technique", "saves", "step time ×", "risk"):
+        table.add_column(column, justify="left" if column in ("technique", "risk") else "right")
+    for row in rows:
+        saved = row["saved_bytes"]
+        table.add_row(row["technique"], ("−" if saved < 0 else "") + format_bytes(abs(saved)),
+                      f"{row['time_factor']:.2f} ({row['time_factor_source']})", row["risk"])
+    return table
 
 
 def zero_table(rows: list[dict]) -> Table:

@@ -9,7 +9,7 @@ from memfit.core.precision import get_precision
 from memfit.specs.model_source import ModelSource, resolve_source
 
 TASKS = ("train", "inference")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit", "adamw4bit")
 ENGINES = ("pytorch", "deepspeed")
 DEFAULT_SEQ_LEN = 512
 
@@ -28,8 +28,16 @@ class Workload:
     zero_stage: int = 0
     engine: str = "pytorch"
     allow_long_seq: bool = False
+    techniques: tuple[str, ...] = ()    # NAME[:key=value,...] (memfit techniques); see techniques/compose.py
 
     def __post_init__(self) -> None:
+        from memfit.techniques.compose import fold_into
+
+        if isinstance(self.techniques, str):
+            raise MemfitError(f"techniques must be a list of names, got the string {self.techniques!r}.")
+        fields, specs = fold_into(self, self.techniques)
+        for name, value in {**fields, "techniques": specs}.items():
+            object.__setattr__(self, name, value)
         if self.task not in TASKS:
             raise MemfitError(f"unknown task {self.task!r}; choose train or inference.{closest(self.task, TASKS)}")
         require_positive_int(self.batch_size, "--batch-size")
@@ -60,15 +68,37 @@ class Workload:
         if self.task == "inference" and (self.zero_stage or self.engine != "pytorch"):
             raise MemfitError("--zero and --engine describe training; drop them for --task inference.")
         self._check_seq_len()
+        from memfit.techniques.compose import check_workload
+
+        check_workload(self)
+
+    @cached_property
+    def technique_configs(self) -> list:
+        """The techniques (beyond precision and optimizer) as configs, in the canonical order."""
+        from memfit.techniques.base import parse_technique
+
+        return [parse_technique(spec) for spec in self.techniques]
+
+    @property
+    def distributed_technique(self):
+        """The ddp or fsdp2 config when the workload runs over a process group, else None."""
+        return self.technique("fsdp2") or self.technique("ddp")
+
+    def technique(self, name: str):
+        """The config of technique `name`, or None."""
+        return next((t for t in self.technique_configs if t.name == name), None)
 
     # The source is resolved once per workload; resolving validates model and inputs specs.
     @cached_property
     def source(self) -> ModelSource:
         source = resolve_source(self.model, self.inputs)
+        overrides = {k: v for t in self.technique_configs for k, v in t.config_overrides(source).items()}
+        if overrides:
+            source = replace(source, overrides={**source.overrides, **overrides})
         tokens = self.effective_seq_len_of(source) + self.new_tokens
         if self.allow_long_seq and source.max_seq_len and tokens > source.max_seq_len:
             key = "n_positions" if "n_positions" in source.hf_config else "max_position_embeddings"
-            source = replace(source, overrides={key: tokens})
+            source = replace(source, overrides={**source.overrides, key: tokens})
         return source
 
     def effective_seq_len_of(self, source: ModelSource) -> int:
@@ -105,8 +135,9 @@ class Workload:
     def to_json(self) -> dict:
         data = asdict(self)
         data["seq_len"] = self.effective_seq_len
+        data["techniques"] = list(self.techniques)
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> Workload:
-        return cls(**data)
+        return cls(**{**data, "techniques": tuple(data.get("techniques", ()))})

@@ -23,6 +23,16 @@ class NullHooks:
         pass
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor subclass that wraps others (torchao's quantized states, DTensor) as the tensors it holds."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return [tensor]
+    names, _ = flatten()
+    inner = (getattr(tensor, name) for name in names)
+    return [t for value in inner if isinstance(value, torch.Tensor) for t in plain_tensors(value)]
+
+
 def tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
     """Every tensor reachable from `obj` through containers and object attributes (a KV cache).
     Iterative on purpose: a recursive closure would form a reference cycle that keeps the tensors

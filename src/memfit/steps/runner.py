@@ -10,22 +10,21 @@ from collections.abc import Callable
 
 from torch import nn
 
-from memfit.core.precision import get_precision
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import StepHooks
 from memfit.steps.inference import run_inference
-from memfit.steps.optim import make_optimizer
-from memfit.steps.train import TrainLoop, autocast_region
+from memfit.steps.train import TrainLoop
 
 
 def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: str, hooks: StepHooks,
                  before_measured_step: Callable[[], None], trace_safe: bool = False,
                  foreach: bool | None = None, autocast: Callable | None = None) -> None:
+    from memfit.techniques.compose import prepare_step  # techniques build on the steps package
+
+    setup = prepare_step(model, workload, device_type=device_type, foreach=foreach, autocast=autocast)
     if workload.task == "train":
         model.train()
-        optimizer = make_optimizer(model.parameters(), workload.optimizer, foreach=foreach)
-        loop = TrainLoop(model, optimizer, get_precision(workload.precision), device_type=device_type,
-                         hooks=hooks, trace_safe=trace_safe, autocast=autocast)
+        loop = TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)
         loop.step(batch)
         gc.collect()
         before_measured_step()
@@ -33,7 +32,8 @@ def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: st
         return
     model.eval()
     gc.collect()
-    region = autocast_region(get_precision(workload.precision), device_type, autocast)
+    if setup.batch_transform is not None:
+        batch = setup.batch_transform(batch)
     before_measured_step()
     run_inference(model, batch, head=workload.source.head, new_tokens=workload.new_tokens, hooks=hooks,
-                  autocast=region)
+                  autocast=setup.autocast())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from torch import nn
 from memfit.core.precision import Precision
 from memfit.steps.hooks import NullHooks, StepHooks
 from memfit.steps.optim import optimizer_state_tensors
+
+if TYPE_CHECKING:
+    from memfit.techniques.setup import StepSetup
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -55,32 +58,35 @@ def call_model(model: nn.Module, batch: dict | tuple) -> Any:
 
 
 class TrainLoop:
-    """A user's training loop, step by step. `trace_safe=True` avoids the one data-dependent branch
-    (GradScaler's skip-on-inf check reads a value), which fake tensors cannot take; memory is the same."""
+    """A user's training loop, step by step, as the techniques in `setup` changed it. A step runs the
+    setup's micro-batches (forward, loss, backward each; gradients accumulate), then the optimizer.
+    `trace_safe=True` avoids the one data-dependent branch (GradScaler's skip-on-inf check reads a
+    value), which fake tensors cannot take; memory is the same."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
-                 device_type: str, hooks: StepHooks | None = None, trace_safe: bool = False,
-                 autocast: Callable[[torch.dtype], Any] | None = None) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.precision = precision
-        self.device_type = device_type
+    def __init__(self, setup: StepSetup, *, hooks: StepHooks | None = None, trace_safe: bool = False) -> None:
+        self.setup = setup
+        self.model = setup.model
+        self.optimizer = setup.build_optimizer()
         self.hooks = hooks or NullHooks()
         self.trace_safe = trace_safe
-        self._autocast = autocast
-        self.scaler = torch.amp.GradScaler(device_type) if precision.loss_scaling else None
-        self.params = [p for p in model.parameters() if p.requires_grad]
-
-    def autocast(self):
-        return autocast_region(self.precision, self.device_type, self._autocast)
+        self.scaler = torch.amp.GradScaler(setup.device_type) if setup.precision.loss_scaling else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.skipped_steps = 0        # fp16: steps the scaler skipped because a gradient overflowed
 
     def step(self, batch: dict | tuple) -> torch.Tensor:
-        hooks = self.hooks
-        hooks.phase("forward")
-        with self.autocast():
-            loss = loss_of(call_model(self.model, batch))
-        hooks.phase("backward")
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        hooks, setup = self.hooks, self.setup
+        micro_batches = setup.prepare_batch(batch)
+        total = None
+        for micro_batch in micro_batches:
+            hooks.phase("forward")
+            with setup.autocast():
+                loss = setup.loss(self.model, micro_batch)
+            if len(micro_batches) > 1:
+                loss = loss / len(micro_batches)
+            hooks.phase("backward")
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            del loss
         hooks.mark("gradients", [p.grad for p in self.params if p.grad is not None])
         hooks.phase("optimizer")
         if self.scaler is None:
@@ -90,11 +96,14 @@ class TrainLoop:
             self.optimizer.step()
             self.scaler.update()
         else:
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.scaler.get_scale() < scale:     # the scaler backs off only after skipping a step
+                self.skipped_steps += 1
         hooks.mark("optimizer_states", optimizer_state_tensors(self.optimizer) + self.scaler_state())
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
     def scaler_state(self) -> list[torch.Tensor]:
         if self.scaler is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import dataclass
 
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES, zero_categories
 from memfit.core.errors import MemfitError
@@ -29,11 +30,15 @@ _DTYPE = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f1
 
 def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
     precision = get_precision(workload.precision)
+    checkpointing = workload.technique("checkpointing")
     return Policy(
         param_dtype=_DTYPE[str(precision.param_dtype)],
         autocast_dtype=_DTYPE[str(precision.autocast_dtype)] if precision.autocast_dtype else None,
         backend="cuda" if gpu else "cpu", train=workload.task == "train",
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
+        checkpoint_every=checkpointing.every if checkpointing else 0,
+        checkpoint_selective=bool(checkpointing) and checkpointing.mode == "selective",
+        loss_chunks=chunked.chunks if (chunked := workload.technique("chunked-ce")) else 0,
     )
 
 
@@ -56,22 +61,50 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     family.declare_params(e, spec, num_layers)
     e.keep += family.declare_buffers(e, spec)
     batch, seq = workload.batch_size, workload.effective_seq_len
+    windows = sequence_windows(workload)
+    if windows.tokens != seq or windows.count > 1:   # the whole batch exists; the model sees views of it
+        e.keep += [e.input(batch * seq, "i64") for _ in range(2 if workload.task == "train" else 1)]
+        e.inputs_are_views = True
     if workload.task == "train":
         e.keep += create_states(e, workload.optimizer)
         if get_precision(workload.precision).loss_scaling:
             e.keep += [e.new(1, "f32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
-        e.set_phase("forward")
-        loss = family.train(e, spec, num_layers, batch, seq)
-        e.cast_cache.clear()                    # the autocast region ends with the forward
-        e.set_phase("backward", segment="post")
-        e.backward(loss)
-        del loss
+        for window in range(min(windows.count, 2)):   # the second window runs with the gradients alive
+            e.set_phase("forward")
+            relabelled = e.new(batch * windows.tokens, "i64", category="inputs") if window and windows.overlap else None
+            loss = family.train(e, spec, num_layers, batch, windows.tokens)
+            e.cast_cache.clear()                    # the autocast region ends with the forward
+            e.set_phase("backward", segment="post")
+            e.backward(loss)
+            del loss, relabelled
         e.set_phase("optimizer")
         shards = workload.world_size if workload.zero_stage >= 1 else 1   # the step runs on this rank's shard
         step_temporaries(e, workload.optimizer, foreach=gpu is not None, shards=shards)
     else:
-        family.inference(e, spec, num_layers, batch, seq, workload.new_tokens)
+        family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
     return e
+
+
+@dataclass(frozen=True)
+class Windows:
+    tokens: int          # tokens per sequence in one forward
+    count: int           # forwards (with backward) per step
+    overlap: bool        # later windows copy their labels to mask the overlap
+
+
+def sequence_windows(workload: Workload) -> Windows:
+    """What the sequence techniques leave of the sequence (techniques/sequence.py)."""
+    from memfit.techniques.sequence import window_starts
+
+    seq = workload.effective_seq_len
+    truncate = workload.technique("truncate")
+    if truncate:
+        seq = min(seq, truncate.max_len)
+    chunks = workload.technique("sequence-chunks")
+    if not chunks or chunks.window >= seq:
+        return Windows(seq, 1, False)
+    stride = chunks.stride or chunks.window
+    return Windows(chunks.window, len(window_starts(seq, chunks.window, stride)), stride < chunks.window)
 
 
 def _regions(e: Engine, num_layers: int, period: int) -> dict[tuple[str, str], RegionPeak]:

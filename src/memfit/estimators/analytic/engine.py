@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from memfit.core.categories import CATEGORIES, zero_categories
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1, "u8": 1}
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class Policy:
     backend: str                # "cpu" | "cuda"
     train: bool
     round_to: int = 1           # allocator granularity (CUDA caching allocator: 512 bytes)
+    checkpoint_every: int = 0   # activation checkpointing of blocks 0, n, 2n, ... (0: none)
+    checkpoint_selective: bool = False   # keep matmul/attention outputs, recompute the rest
+    loss_chunks: int = 0        # chunked cross-entropy: LM head + loss over this many sequence slices
 
 
 _serial = itertools.count()
@@ -98,6 +101,25 @@ class Node:
     segment: object = None
     scratch: list = field(default_factory=list)   # (numel, dtype) allocated and freed inside backward
     passthrough: bool = False                     # input gradients alias the output gradient
+    region: Region | None = None                  # the checkpointed block that recorded this node
+
+
+class _RecomputeDone(Exception):
+    """Non-reentrant checkpoint stops re-running a block once every saved tensor is back."""
+
+
+class Region:
+    """A checkpointed block (torch.utils.checkpoint, non-reentrant). In the forward its nodes keep
+    nothing: the block's inputs stay alive through `fn`, as checkpoint holds its arguments. The
+    first backward node that needs a saved tensor re-runs `fn`; the re-run's saved tensors go to the
+    original nodes, in recording order, and the re-run stops after the last of them. Selective
+    (SAC): the outputs of matmuls and attention are kept from the forward and reused, not recomputed."""
+
+    def __init__(self, fn, x: Sym, selective: bool) -> None:
+        self.fn, self.x, self.selective = fn, x, selective
+        self.kept: list[Sym] = []         # selective: op outputs stored in the forward, in order
+        self.reuse: list[Sym] | None = None   # during the re-run: kept outputs still to hand out
+        self.done = False
 
 
 @dataclass
@@ -124,6 +146,9 @@ class Engine:
         self.autocast_on = policy.autocast_dtype is not None
         self.keep: list = []          # tensors the program holds across calls (inputs, caches)
         self.log: list | None = None  # set to [] to record (phase, segment, category, +/-bytes, dtype, numel)
+        self.inputs_are_views = False
+        self.region: Region | None = None         # the checkpointed block being run, if any
+        self._rerun_left: int | None = None       # saving nodes still to record in a re-run
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
@@ -172,7 +197,10 @@ class Engine:
         return Sym(self, numel, dtype, grad and self.policy.train, category)
 
     def input(self, numel: int, dtype: str) -> Sym:
-        """A tensor of the batch: alive for the whole step."""
+        """A tensor of the batch: alive for the whole step. With `inputs_are_views` the batch was declared
+        whole beforehand and the program sees views of it (a truncated or windowed sequence)."""
+        if self.inputs_are_views:
+            return Sym(self, numel, dtype, False, "inputs", counted=False)
         sym = self.new(numel, dtype, category="inputs")
         self.keep.append(sym)
         return sym
@@ -185,9 +213,71 @@ class Engine:
             output.grad = True
             dtypes = grad_dtypes or [x.dtype for x in needs]
             edges = [(x.uid, x.numel, dtype, x if isinstance(x, Param) else None) for x, dtype in zip(needs, dtypes)]
-            self.tape.append(Node(output.uid, edges, [s for s in saved if isinstance(s, Sym)], self.segment,
-                                  scratch or [], passthrough))
+            node = Node(output.uid, edges, [s for s in saved if isinstance(s, Sym)], self.segment,
+                        scratch or [], passthrough, self.region)
+            self.tape.append(node)
+            if self._rerun_left is not None and node.saved:
+                self._rerun_left -= 1
+                if self._rerun_left == 0:
+                    raise _RecomputeDone
         return output
+
+    def op_output(self, numel: int, dtype: str) -> Sym:
+        """The output of a matmul or attention kernel: what selective checkpointing keeps."""
+        region = self.region
+        if region is not None and region.selective:
+            if region.reuse is not None:
+                return region.reuse.pop(0)
+            out = self.new(numel, dtype)
+            region.kept.append(out)
+            return out
+        return self.new(numel, dtype)
+
+    # ---- checkpointing ---------------------------------------------------------------------
+    def block(self, index: int, fn, x: Sym) -> Sym:
+        """Run block `index` as `fn(x)`, checkpointed when the policy says so."""
+        every = self.policy.checkpoint_every
+        if not (every and index % every == 0):
+            return fn(x)
+        return self.checkpointed(fn, x, selective=self.policy.checkpoint_selective)
+
+    def checkpointed(self, fn, x: Sym, *, selective: bool = False):
+        """`fn(x)` under torch.utils.checkpoint (non-reentrant)."""
+        if not (self.policy.train and x.grad):
+            return fn(x)
+        region = Region(fn, x, selective)
+        start = len(self.tape)
+        self.region = region
+        try:
+            out = fn(x)
+        finally:
+            self.region = None
+        for node in self.tape[start:]:
+            node.saved = [True] * len(node.saved)   # placeholders: what the re-run must bring back
+        return out
+
+    def _recompute(self, region: Region, nodes: list[Node]) -> None:
+        """Re-run `region`; `nodes` are its nodes still on the tape, in recording order."""
+        saving = [node for node in nodes if node.saved]
+        outer_tape, self.tape = self.tape, []
+        self.region, region.reuse = region, list(region.kept)
+        region.kept = []
+        self._rerun_left = len(saving)
+        autocast = self.autocast_on
+        self.autocast_on = self.policy.autocast_dtype is not None   # checkpoint re-enters the autocast state
+        try:
+            region.fn(region.x)
+        except _RecomputeDone:
+            pass
+        finally:
+            self._rerun_left, self.region, self.autocast_on = None, None, autocast
+            self.cast_cache.clear()
+        rerun = [node for node in self.tape if node.saved]
+        self.tape = outer_tape
+        assert len(rerun) == len(saving), (len(rerun), len(saving))
+        for node, again in zip(saving, rerun):
+            node.saved = again.saved
+        region.reuse, region.done = None, True
 
     # ---- backward --------------------------------------------------------------------------
     def backward(self, loss: Sym) -> None:
@@ -206,6 +296,11 @@ class Engine:
             node = tape.pop()
             self.segment = node.segment
             grad_out = pending.pop(node.output, None)
+            if node.region is not None and not node.region.done and node.saved and grad_out is not None:
+                first = len(tape)
+                while first and tape[first - 1].region is node.region:
+                    first -= 1
+                self._recompute(node.region, tape[first:] + [node])
             if grad_out is not None:
                 scratch = [self.new(n, dt) for n, dt in node.scratch]
                 produced = [(edge, self._input_grad(node, edge, grad_out)) for edge in node.inputs]
@@ -231,17 +326,18 @@ class Engine:
             self._param_uses[uid] -= 1
             final = self._param_uses[uid] == 0
             earlier = self._param_buffer.pop(uid, None)
+            first = param.grad_sym is None    # later micro-batches add into .grad in place
             if earlier is not None or grad.dtype != param.dtype:
-                grad = self.new(param.numel, param.dtype, category="gradients" if final else None)
+                grad = self.new(param.numel, param.dtype, category="gradients" if final and first else None)
                 del earlier
             if not final:
                 self._param_buffer[uid] = grad
                 return
-            if grad.category != "gradients":   # AccumulateGrad steals the tensor as .grad
+            if first and grad.category != "gradients":   # AccumulateGrad steals the tensor as .grad
                 self._account(grad, -1)
                 grad.category = "gradients"
                 self._account(grad, +1)
-            if param.grad_sym is None:
+            if first:
                 param.grad_sym = grad
             return
         if uid not in pending:

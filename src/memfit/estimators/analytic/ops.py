@@ -60,14 +60,14 @@ def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = 
     x_in = autocast_input(e, x, "linear")
     w_in = weight(e, w)
     tokens = x.numel // (w.numel // out_features)
-    out = e.new(tokens * out_features, x_in.dtype)
+    out = e.op_output(tokens * out_features, x_in.dtype)
     inputs = [x_in, w_in] + ([weight(e, bias)] if bias is not None else [])
     return e.record(out, inputs, _saves(x_in, w_in))
 
 
 def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:
     a, b = autocast_input(e, a, "matmul"), autocast_input(e, b, "matmul")
-    return e.record(e.new(out_numel, promote(a.dtype, b.dtype)), [a, b], _saves(a, b))
+    return e.record(e.op_output(out_numel, promote(a.dtype, b.dtype)), [a, b], _saves(a, b))
 
 
 def add(e: Engine, a: Sym, b: Sym) -> Sym:
@@ -178,8 +178,8 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     rows = batch * heads * q_len
     fused = e.policy.backend == "cuda" or (dropout_p == 0 or not e.policy.train)
     if fused and head_dim <= 256:
-        out = e.new(rows * head_dim, q.dtype)
-        lse = e.new(rows, "f32")
+        out = e.op_output(rows * head_dim, q.dtype)
+        lse = e.op_output(rows, "f32")
         scratch = [(q.numel, "f32"), (rows, "f32")] if e.policy.backend == "cuda" else []
         saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
         inputs = [q, k, v] + ([mask] if mask is not None and mask.grad else [])   # a learned bias gets a gradient

@@ -4,6 +4,7 @@ the raw logits (no float upcast)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Sym, View
@@ -96,7 +97,7 @@ def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, la
     x = embeddings(e, d, ids, batch, seq)
     for i in range(num_layers):
         e.segment = (0, i)
-        x = layer(e, x, d, i, batch, seq)
+        x = e.block(i, partial(layer, e, d=d, i=i, batch=batch, seq=seq), x)
     e.segment = "post"
     sequence_output = x
     del x

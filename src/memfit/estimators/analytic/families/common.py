@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Param, Sym, View
@@ -13,6 +14,43 @@ def lm_head(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, q_l
     tokens = batch * (logits_to_keep or q_len)
     rows = hidden if tokens == batch * q_len else View(hidden, tokens * table.numel // vocab)
     return ops.linear(e, rows, table, vocab, bias)
+
+
+def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, seq: int, chunks: int,
+                    softcap: bool = False) -> Sym:
+    """techniques/sequence.py `chunked_causal_lm_loss`: labels padded once, then per slice of the
+    sequence a checkpointed LM head + float32 cross-entropy (sum), the sums added, divided by the count."""
+    padded = e.new(batch * (seq + 1), "i64")          # F.pad(labels, (0, 1), value=-100)
+    step = -(-seq // chunks)                           # torch.chunk's slice length
+    hidden_per_token = hidden.numel // (batch * seq)
+    total = None
+    for start in range(0, seq, step):
+        size = min(step, seq - start)
+        part = e.checkpointed(partial(_slice_loss, e, table=table, vocab=vocab, batch=batch, tokens=size,
+                                      softcap=softcap, labels=padded), View(hidden, batch * size * hidden_per_token))
+        total = part if total is None else ops.add(e, total, part)
+    counted = e.new(batch * seq, "bool")               # targets != -100
+    count = e.new(1, "i64")
+    del counted
+    return ops.mul(e, total, count)                    # total / count
+
+
+def _slice_loss(e: Engine, hidden: Sym, *, table: Param, vocab: int, batch: int, tokens: int, softcap: bool,
+                labels: Sym) -> Sym:
+    rows = hidden if batch == 1 else ops.copy(e, hidden)    # a slice of (b, s, h) is contiguous only for b = 1
+    logits = ops.linear(e, rows, table, vocab)
+    del rows
+    if softcap:                                             # tanh(logits / cap) * cap
+        logits = ops.scalar_op(e, logits)
+        logits = ops.unary_saving_output(e, logits, "tanh")
+        logits = ops.scalar_op(e, logits)
+    logits32 = ops.cast(e, logits, "f32")
+    del logits
+    target = e.new(batch * tokens, "i64") if batch > 1 else None   # flatten() of a strided slice copies
+    log_probs = ops.softmax(e, ops.autocast_input(e, logits32, "cross_entropy"), "log_softmax")
+    del logits32
+    loss, total_weight = e.new(1, "f32"), e.new(1, "f32")
+    return e.record(loss, [log_probs], [log_probs, total_weight] + ([target] if target is not None else []))
 
 
 def dense(e: Engine, x: Sym, name: str, out_features: int) -> Sym:

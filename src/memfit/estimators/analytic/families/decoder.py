@@ -8,10 +8,11 @@ and Hugging Face's causal-LM loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Sym, View
-from memfit.estimators.analytic.families.common import generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
 
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma2")
 
@@ -35,6 +36,7 @@ class DecoderSpec:
     sliding_window: int | None = None
     sliding_pattern: tuple[bool, ...] = (False,)   # per layer in a period: uses the sliding window
     attn_dropout: float = 0.0
+    eager: bool = False                            # eager attention (scores materialised) instead of SDPA
 
     @classmethod
     def from_config(cls, cfg) -> DecoderSpec:
@@ -58,6 +60,7 @@ class DecoderSpec:
             experts=getattr(cfg, "num_local_experts", 0) or 0, top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
             sliding_window=window, sliding_pattern=pattern,
             attn_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
+            eager=mt == "gemma2" or getattr(cfg, "_attn_implementation", None) == "eager",
         )
 
     @property
@@ -156,8 +159,8 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
     mask = masks.get("sliding" if _is_sliding(d, layer) else "full")
     masked = mask is not None
     weights = None
-    if d.model_type == "gemma2":
-        out, weights = _eager_softcap_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
+    if d.eager:
+        out, weights = _eager_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
     else:
         if d.kv_heads != d.heads and (masked or d.head_dim > 256) and q_len > 1:
             k = ops.copy(e, View(k, k.numel * (d.heads // d.kv_heads)))   # repeat_kv
@@ -193,10 +196,10 @@ def _tokens(kv: Sym, d: DecoderSpec, batch: int) -> int:
     return kv.numel // (batch * d.kv_heads * d.head_dim)
 
 
-def _eager_softcap_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
-                             mask: Sym) -> tuple[Sym, Sym]:
-    """Gemma-2's eager attention: repeat_kv, scores, tanh soft-capping, float32 softmax, weights @ v.
-    Returns (output, attention weights): the caller keeps the weights until its layer returns."""
+def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
+                     mask: Sym | None) -> tuple[Sym, Sym]:
+    """transformers' eager attention: repeat_kv, scores (tanh soft-capped for Gemma-2), float32 softmax,
+    weights @ v. Returns (output, attention weights): the caller keeps the weights until its layer returns."""
     groups = d.heads // d.kv_heads
     k_r = ops.copy(e, View(k, k.numel * groups)) if groups > 1 else k
     v_r = ops.copy(e, View(v, v.numel * groups)) if groups > 1 else v
@@ -205,10 +208,12 @@ def _eager_softcap_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, 
     scores = ops.matmul(e, q, k_t, rows * kv_len)
     del k_t
     scores = ops.scalar_op(e, scores)           # * scaling
-    scores = ops.scalar_op(e, scores)           # / softcap
-    scores = ops.unary_saving_output(e, scores, "tanh")
-    scores = ops.scalar_op(e, scores)           # * softcap
-    scores = ops.add(e, scores, mask)
+    if d.model_type == "gemma2":
+        scores = ops.scalar_op(e, scores)           # / softcap
+        scores = ops.unary_saving_output(e, scores, "tanh")
+        scores = ops.scalar_op(e, scores)           # * softcap
+    if mask is not None:
+        scores = ops.add(e, scores, mask)
     weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="f32"), q.dtype)
     del scores
     out = ops.matmul(e, weights, v_r, rows * d.head_dim)
@@ -269,11 +274,11 @@ def _grouped_experts(e: Engine, x: Sym, weights: Sym, d: DecoderSpec, layer: int
     histc_input = e.new(tokens * k, "f32") if e.policy.backend == "cpu" else e.new(tokens * k, "i32")
     counts, offsets = e.new(d.experts, "f32"), e.new(d.experts, "i32")
     w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
-    proj = e.record(e.new(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up], [gathered, w_gate_up])
+    proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up], [gathered, w_gate_up])
     act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
     proj = ops.mul(e, act, View(proj, proj.numel // 2))
     del act
-    proj = e.record(e.new(tokens * k * h, w_down.dtype), [proj, w_down], [proj, w_down])
+    proj = e.record(e.op_output(tokens * k * h, w_down.dtype), [proj, w_down], [proj, w_down])
     weighted = ops.mul(e, proj, sample_w)
     inv_perm = e.new(tokens * k, "i64")
     positions = e.new(tokens * k, "i64")                                      # inv_perm[perm] = arange(...)
@@ -306,9 +311,11 @@ def attention_masks(e: Engine, d: DecoderSpec, batch: int, q_len: int, kv_len: i
     """Masks built once per forward. SDPA models rely on is_causal and need none, except a sliding
     window shorter than the keys (a boolean mask); Gemma-2's eager attention adds float masks."""
     masks = {}
-    if d.model_type == "gemma2":
-        masks["full"] = e.new(batch * q_len * kv_len, dtype)
-        masks["sliding"] = e.new(batch * q_len * kv_len, dtype)
+    if d.eager:
+        if q_len > 1 or d.model_type == "gemma2":
+            masks["full"] = e.new(batch * q_len * kv_len, dtype)
+        if d.sliding_window:
+            masks["sliding"] = e.new(batch * q_len * kv_len, dtype)
         return masks
     if d.sliding_window and kv_len >= d.sliding_window and q_len > 1:
         masks["sliding"] = e.new(batch * q_len * kv_len, "bool")
@@ -330,10 +337,17 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     masks = attention_masks(e, d, batch, q_len, kv_len, compute)
     for layer in range(num_layers):
         e.segment = (0, layer)
-        x = decoder_layer(e, x, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)
+        x = e.block(layer, partial(decoder_layer, e, cos=cos, sin=sin, d=d, layer=layer, batch=batch, q_len=q_len,
+                                   cache=cache, kv_len=kv_len, masks=masks), x)
     e.segment = "post"
     hidden = rms_norm(e, x, e.params["norm"], d)
     del x, cos, sin, masks, inputs_embeds
+    if labels and e.policy.loss_chunks:
+        e.input(batch * q_len, "i64")   # labels
+        loss = chunked_lm_loss(e, hidden, e.params["embed" if d.tied else "lm_head"], d.vocab, batch=batch, seq=q_len,
+                               chunks=e.policy.loss_chunks, softcap=d.model_type == "gemma2")
+        del hidden
+        return loss
     logits = lm_head(e, hidden, e.params["embed" if d.tied else "lm_head"], d.vocab, batch=batch, q_len=q_len,
                      logits_to_keep=logits_to_keep)
     if d.model_type == "gemma2":   # final logit soft-capping: / cap, tanh, * cap

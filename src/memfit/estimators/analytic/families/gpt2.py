@@ -3,10 +3,11 @@ written out in Python (NewGELU), dropout after embeddings, attention and MLP, ti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Sym, View
-from memfit.estimators.analytic.families.common import generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
 
 FAMILIES = ("gpt2",)
 
@@ -118,10 +119,16 @@ def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, 
     x = ops.dropout(e, x, d.embd_pdrop)
     for i in range(num_layers):
         e.segment = (0, i)
-        x = block(e, x, d, i, batch, q_len, cache, kv_len)
+        x = e.block(i, partial(block, e, d=d, i=i, batch=batch, q_len=q_len, cache=cache, kv_len=kv_len), x)
     e.segment = "post"
     hidden = ops.layer_norm(e, x, e.params["ln_f.w"], e.params["ln_f.b"], d.hidden)
     del x, inputs_embeds, position_embeds, positions
+    if labels and e.policy.loss_chunks:
+        e.input(batch * q_len, "i64")   # labels
+        loss = chunked_lm_loss(e, hidden, e.params["wte" if d.tied else "lm_head"], d.vocab, batch=batch, seq=q_len,
+                               chunks=e.policy.loss_chunks, softcap=False)
+        del hidden
+        return loss
     logits = lm_head(e, hidden, e.params["wte" if d.tied else "lm_head"], d.vocab, batch=batch, q_len=q_len,
                      logits_to_keep=logits_to_keep)
     if not labels:

@@ -4,6 +4,7 @@ cross-attention to the encoder output, tied LM head scaled by d_model**-0.5, Cro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Sym, View
@@ -166,9 +167,9 @@ def run_stack(e: Engine, d: T5Spec, stack: str, num_layers: int, ids: Sym, *, ba
     bias = cross_bias = None
     for i in range(num_layers):
         e.segment = (stack, i)
-        x, bias, cross_bias = block(e, x, d, stack, i, batch=batch, q_len=q_len, enc_len=enc_len, bias=bias,
-                                    cross_bias=cross_bias, encoder_out=encoder_out, cache=cache,
-                                    kv_len=kv_len or q_len)
+        x, bias, cross_bias = e.block(i, partial(block, e, d=d, stack=stack, i=i, batch=batch, q_len=q_len,
+                                                 enc_len=enc_len, bias=bias, cross_bias=cross_bias,
+                                                 encoder_out=encoder_out, cache=cache, kv_len=kv_len or q_len), x)
     e.segment = "post" if stack == "decoder" else "mid"
     x = layer_norm(e, x, e.params[stack + ".final_ln"])
     del bias, cross_bias, inputs_embeds

@@ -3,6 +3,7 @@ layers with SDPA, GELU MLP, final LayerNorm, a linear classifier on the class to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Sym, View
@@ -112,7 +113,7 @@ def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, l
     x = embedding_output
     for i in range(num_layers):
         e.segment = (0, i)
-        x = layer(e, x, d, i, batch, tokens)
+        x = e.block(i, partial(layer, e, d=d, i=i, batch=batch, tokens=tokens), x)
     e.segment = "post"
     sequence_output = ops.layer_norm(e, x, e.params["ln.w"], e.params["ln.b"], d.hidden)
     del x, embedding_output

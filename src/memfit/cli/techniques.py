@@ -1,0 +1,40 @@
+"""`memfit techniques`: every technique, what it does, its parameters and its accuracy-risk label."""
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.cli.common import print_json
+from memfit.techniques.base import REGISTRY, parse_technique
+from memfit.techniques.compose import ORDER, RULES
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("techniques", help="list the memory techniques (-t NAME[:key=value,...])")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    parse_technique("bf16")   # loads the catalog
+    stages = [stage for stage, _ in ORDER]
+    rows = sorted(REGISTRY.values(), key=lambda cls: (stages.index(cls.stage), cls.name))
+    if args.json:
+        print_json({"techniques": [{"name": c.name, "stage": c.stage, "risk": c.risk, "summary": c.summary,
+                                    "parameters": c.parameters(), "time_factor": c.time_factor} for c in rows],
+                    "order": [{"stage": s, "why": why} for s, why in ORDER],
+                    "rules": [{"techniques": sorted(r.names), "reason": r.reason, "fix": r.fix} for r in RULES]})
+        return 0
+    table = Table(title="memfit techniques (apply with -t NAME[:key=value,...]; applied in this order)",
+                  title_justify="left")
+    for column in ("name", "stage", "what it does", "parameters (defaults)", "risk"):
+        table.add_column(column)
+    for cls in rows:
+        table.add_row(cls.name, cls.stage, cls.summary, cls.parameters(), cls.risk)
+    console = Console()
+    console.print(table)
+    console.print("[dim]risk: lossless = same results; numerical = same up to floating-point rounding; "
+                  "lossy = results change[/dim]")
+    return 0

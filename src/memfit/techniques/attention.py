@@ -1,0 +1,89 @@
+"""Attention techniques for Hugging Face models: memory-efficient SDPA instead of eager attention, and
+local (sliding-window) attention.
+
+  sdpa                    torch.nn.functional.scaled_dot_product_attention instead of eager attention:
+                          the fused kernels (flash / memory-efficient on CUDA, flash on CPU) never
+                          materialise the `batch x heads x seq x seq` scores and probabilities that eager
+                          attention saves for backward (Korthikanti et al.'s 5as/h term; Dao et al., 2022).
+                          Same results up to rounding (numerical).
+  sliding-window:window=W each token attends to the previous W only (Mistral-style local attention): the
+                          KV cache of decoding stops growing at W tokens. With SDPA a window shorter than
+                          the sequence needs an explicit mask (b x s x s), so a training step can use
+                          *more* memory than causal SDPA unless a kernel with native windows is used.
+                          Changes results for sequences longer than W (lossy).
+Both change the model's config, so memfit's estimates and its real runs build the same model; on a
+user's already-built model `apply_` switches the live model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.core.errors import MemfitError
+from memfit.techniques.base import Technique, register
+from memfit.techniques.setup import StepSetup
+
+SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "phi3")
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Sdpa(Technique):
+    name = "sdpa"
+    risk = "numerical"
+    stage = "sequence"
+    summary = "fused scaled-dot-product attention instead of eager attention (no seq x seq scores saved)"
+    time_factor = 0.9
+
+    def config_overrides(self, source) -> dict:
+        return {"attn_implementation": "sdpa"} if source.is_hf else {}
+
+    def check(self, workload) -> None:
+        source = workload.source
+        if not source.is_hf:
+            raise MemfitError("-t sdpa switches a Hugging Face model's attention; a custom module computes its own "
+                              "(call torch.nn.functional.scaled_dot_product_attention in it).")
+        if source.model_type == "gemma2":
+            raise MemfitError("-t sdpa: Gemma-2's attention logit soft-capping needs eager attention.")
+        if source.hf_config.get("attn_implementation", "sdpa") == "sdpa":
+            raise MemfitError(f"{source.name} already uses SDPA attention; drop -t sdpa (set "
+                              "\"attn_implementation\": \"eager\" in its config.json to compare).")
+
+    def apply_(self, setup: StepSetup) -> None:
+        model = setup.model
+        if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+            model.set_attn_implementation("sdpa")
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindow(Technique):
+    name = "sliding-window"
+    risk = "lossy"
+    stage = "sequence"
+    summary = "local attention over the last `window` tokens (KV cache capped at the window)"
+    window: int = 4096
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise MemfitError(f"-t sliding-window: window must be a positive integer, got {self.window!r}.")
+
+    def config_overrides(self, source) -> dict:
+        if not source.is_hf or source.model_type not in SLIDING_WINDOW_TYPES:
+            return {}
+        overrides = {"sliding_window": self.window}
+        if source.model_type == "qwen2":
+            overrides.update(use_sliding_window=True, max_window_layers=0)
+        return overrides
+
+    def check(self, workload) -> None:
+        source = workload.source
+        if not source.is_hf or source.model_type not in SLIDING_WINDOW_TYPES:
+            raise MemfitError(f"-t sliding-window needs a model whose attention supports a window "
+                              f"({', '.join(SLIDING_WINDOW_TYPES)}); {source.name!r} is {source.model_type!r}.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        config = setup.model.config
+        if getattr(config, "sliding_window", None) != self.window:
+            config.sliding_window = self.window
+            if getattr(config, "layer_types", None):
+                config.layer_types = ["sliding_attention"] * len(config.layer_types)

@@ -1,0 +1,113 @@
+"""Activation checkpointing (torch.utils.checkpoint, non-reentrant): full per block, every n-th block,
+or selective per op.
+
+Mechanism: a checkpointed block keeps only its inputs during the forward; backward re-runs the
+block's forward (once, when it first needs a saved tensor) and then its backward. `every=n`
+checkpoints blocks 0, n, 2n, ... . `mode=selective` keeps the outputs of matmuls and attention
+kernels (the expensive ops) and recomputes the cheap ones (norms, activations, rotary, casts),
+via torch.utils.checkpoint.create_selective_checkpoint_contexts.
+Memory: saved activations of a checkpointed block drop to its inputs (Korthikanti et al., 2022:
+`2sbh` per layer for full recompute), and backward holds one block's activations at a time again.
+Time: one extra forward of the checkpointed blocks (about a third of a training step; ~20 % in the
+transformers performance guide), less for selective.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from memfit.core.errors import MemfitError
+from memfit.techniques.base import Technique, register
+from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.setup import StepSetup
+
+MODES = ("full", "selective")
+
+
+def _expensive_ops() -> set:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_grouped_mm")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = _expensive_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Checkpointing(Technique):
+    name = "checkpointing"
+    risk = "lossless"
+    stage = "checkpointing"
+    summary = "recompute block activations in backward: full per block, every n-th block, or selective per op"
+    time_factor = 1.33
+    every: int = 1
+    mode: str = "full"
+    blocks: str | None = None       # regular expression over module names; default: the repeated blocks
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise MemfitError(f"-t checkpointing: every must be a positive integer, got {self.every!r}.")
+        if self.mode not in MODES:
+            raise MemfitError(f"-t checkpointing: mode must be full or selective, got {self.mode!r}.")
+
+    def check(self, workload) -> None:
+        if workload.task != "train":
+            raise MemfitError("-t checkpointing trades recompute for saved activations, which only training "
+                              "keeps; drop it for --task inference.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        blocks = repeated_blocks(setup.model, self.blocks)
+        chosen = [block for index, block in blocks if index % self.every == 0]
+        checkpoint = step_checkpoint(setup, selective=self.mode == "selective")
+        for block in chosen:
+            checkpoint_block_(block, checkpoint)
+        setup.notes.append(f"checkpointed {len(chosen)} of {len(blocks)} blocks ({self.mode})")
+
+
+def step_checkpoint(setup: StepSetup, *, selective: bool = False):
+    """torch.utils.checkpoint (non-reentrant) for this step. The re-run happens inside backward, where
+    checkpoint restores torch.autocast but not Python torch-function modes; memfit's traces use such
+    modes (CUDA kernel and autocast emulation), so the re-run re-enters them and a fresh autocast region."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils.checkpoint import checkpoint
+
+    def context_fn():
+        forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
+        modes = [m for m in _get_current_function_mode_stack() if not getattr(m, "autocast_region", False)]
+        again = modes + ([setup.autocast()] if setup.autocast_fn is not None else [])
+        return (forward, _entered(recompute, *again)) if again else (forward, recompute)
+
+    return functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn)
+
+
+@contextmanager
+def _entered(*contexts):
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+def checkpoint_block_(block: torch.nn.Module, checkpoint) -> None:
+    """Make `block`'s forward a checkpoint of itself (module hooks and names unchanged)."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, **kwargs)
+
+    block.forward = checkpointed

@@ -1,0 +1,154 @@
+"""How techniques combine: one canonical order, one table of combinations that do not work, and the
+two entry points that apply them (to a workload's step, or to a user's own model and optimizer).
+
+Everything here runs before the model is touched: a bad combination or an unknown technique is a
+MemfitError and nothing has been changed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
+from memfit.techniques.base import Technique, parse_technique
+from memfit.techniques.setup import StepSetup, precision_of_model
+
+if TYPE_CHECKING:
+    from memfit.specs.workload import Workload
+
+# The canonical order (torchtitan's: quantize -> LoRA -> checkpoint -> compile -> shard), one step
+# per stage, each with the reason it comes where it does.
+ORDER: tuple[tuple[str, str], ...] = (
+    ("precision", "weights take their final dtype first: every later step wraps or copies the real weights"),
+    ("sequence", "the batch's shape is fixed before anything is sized from it"),
+    ("loss", "the loss head is replaced before blocks are wrapped, so checkpointing wraps the model's own blocks"),
+    ("checkpointing", "blocks are wrapped once the model is final and before it is sharded (torchtitan's order)"),
+    ("shard", "blocks are sharded (or the model replicated) after checkpointing wraps them, so each block's "
+              "all-gather surrounds its recompute too"),
+    ("optimizer", "the optimizer is built last, over the parameters as the steps above left them"),
+)
+_STAGE_INDEX = {stage: i for i, (stage, _) in enumerate(ORDER)}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Techniques `names` (all present), when `when(workload)` holds, do not work together."""
+
+    names: frozenset[str]
+    reason: str
+    fix: str
+    when: Callable[[Workload], bool] | None = None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(frozenset({"adamw8bit"}), "bitsandbytes keeps 8-bit states per whole tensor in blocks of 256, but "
+         "ZeRO-1/2 partitions one flat optimizer state across ranks",
+         "drop --zero, or keep the fp32 optimizer under ZeRO", lambda w: w.zero_stage >= 1),
+    Rule(frozenset({"adamw4bit"}), "torchao's 4-bit states are per whole tensor (or per DTensor shard), not "
+         "partitions of one flat ZeRO-1/2 state", "drop --zero", lambda w: w.zero_stage >= 1),
+    Rule(frozenset({"adamw8bit"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
+         "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
+    Rule(frozenset({"adamw4bit"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
+         "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
+    Rule(frozenset({"adafactor"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
+         "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
+    Rule(frozenset({"ddp", "fsdp2"}), "DDP replicates what FSDP2 shards", "use one of them"),
+    Rule(frozenset({"fsdp2", "adamw8bit"}), "bitsandbytes' 8-bit states are not DTensor-aware, and FSDP2 "
+         "parameters are DTensor shards", "use fp32 AdamW or adafactor with fsdp2"),
+    Rule(frozenset({"fsdp2", "adamw4bit"}), "memfit does not trace torchao's 4-bit states on DTensor shards yet",
+         "use fp32 AdamW or adafactor with fsdp2"),
+    Rule(frozenset({"ddp", "chunked-ce"}), "chunked-ce calls the base model directly, so DDP's forward (which "
+         "prepares the gradient all-reduce) never runs", "drop chunked-ce"),
+    Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
+         "module never all-gathers the LM head", "drop chunked-ce"),
+)
+
+
+def ordered(techniques: Iterable[Technique]) -> list[Technique]:
+    return sorted(techniques, key=lambda t: (_STAGE_INDEX[t.stage], t.name))
+
+
+def _parse_all(specs: Iterable[str | Technique]) -> list[Technique]:
+    parsed = [s if isinstance(s, Technique) else parse_technique(s) for s in specs]
+    seen: dict[str, Technique] = {}
+    for technique in parsed:
+        if technique.name in seen:
+            raise MemfitError(f"-t {technique.name} is given twice ({seen[technique.name].spec}, {technique.spec}); "
+                              "keep one.")
+        seen[technique.name] = technique
+    fields: dict[str, Technique] = {}
+    for technique in parsed:
+        field = technique.workload_field
+        if field and field in fields:
+            raise MemfitError(f"-t {fields[field].name} and -t {technique.name} both set the {field}; keep one.")
+        if field:
+            fields[field] = technique
+    return ordered(parsed)
+
+
+def check_rules(techniques: list[Technique], workload: Workload | None) -> None:
+    names = {t.name for t in techniques}
+    if workload is not None:
+        names |= {workload.precision, workload.optimizer}
+    for rule in RULES:
+        if rule.names <= names and (rule.when is None or (workload is not None and rule.when(workload))):
+            raise MemfitError(f"{' + '.join(sorted(rule.names))}: {rule.reason}; {rule.fix}.")
+
+
+def fold_into(workload: Workload, specs: Iterable[str | Technique]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Parse the workload's techniques: the field-setting ones become field values (precision, optimizer),
+    the rest canonical specs in the canonical order. Checked against the workload and the rules."""
+    techniques = _parse_all(specs)
+    fields: dict[str, str] = {}
+    for technique in techniques:
+        field = technique.workload_field
+        if field is None:
+            continue
+        current, default = getattr(workload, field), type(workload).__dataclass_fields__[field].default
+        if current not in (default, technique.name):
+            raise MemfitError(f"--{field} {current} and -t {technique.name} disagree; keep one.")
+        fields[field] = technique.name
+    return fields, tuple(t.spec for t in techniques if t.workload_field is None)
+
+
+def check_workload(workload: Workload) -> None:
+    techniques = workload.technique_configs
+    for technique in techniques:
+        technique.check(workload)
+    check_rules(techniques, workload)
+
+
+def prepare_step(model: nn.Module, workload: Workload, *, device_type: str, foreach: bool | None = None,
+                 autocast: Callable | None = None) -> StepSetup:
+    """The workload's step for `model` (built in the workload's precision), techniques applied in order."""
+    setup = StepSetup(model=model, precision=get_precision(workload.precision), device_type=device_type,
+                      optimizer_name=workload.optimizer, foreach=foreach, autocast_fn=autocast)
+    for technique in workload.technique_configs:
+        technique.apply_(setup)
+        setup.techniques.append(technique)
+    return setup
+
+
+def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+           techniques: Iterable[str | Technique] = (), *, device_type: str | None = None) -> StepSetup:
+    """Apply techniques to a user's own model (in place) and return what their loop needs: `setup.optimizer`
+    (rebuilt when an optimizer technique is given, with the given optimizer's learning rate),
+    `setup.autocast()`, `setup.loss(model, batch)`, `setup.prepare_batch(batch)` — or `setup.step(batch)`."""
+    configs = _parse_all(techniques)
+    check_rules(configs, None)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    setup = StepSetup(model=model, precision=precision_of_model(model), device_type=device_type or device.type,
+                      optimizer=optimizer)
+    for technique in configs:
+        technique.apply_(setup)
+        setup.techniques.append(technique)
+    if any(t.workload_field == "optimizer" for t in configs):
+        setup.lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        setup.optimizer = None
+        setup.build_optimizer()
+    return setup

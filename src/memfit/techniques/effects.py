@@ -1,0 +1,63 @@
+"""What a technique does to an estimate: `effect` (the estimate with the technique added) and the
+leave-one-out savings that `memfit estimate -t ...` prints for each technique it was given.
+
+Memory comes from the estimator (analytic by default: milliseconds, what the planner calls); the
+step-time factor is the technique's own cost-model figure, labelled `assumed` until
+benchmarks/technique_table.py has measured it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memfit.estimators.breakdown import MemoryEstimate
+from memfit.specs.workload import Workload
+from memfit.techniques.base import Technique, parse_technique
+
+
+def with_technique(workload: Workload, technique: Technique) -> Workload:
+    if technique.workload_field:
+        return replace(workload, **{technique.workload_field: technique.name})
+    return replace(workload, techniques=workload.techniques + (technique.spec,))
+
+
+def without_technique(workload: Workload, technique: Technique) -> Workload:
+    if technique.workload_field:
+        default = Workload.__dataclass_fields__[technique.workload_field].default
+        return replace(workload, **{technique.workload_field: default})
+    return replace(workload, techniques=tuple(s for s in workload.techniques if parse_technique(s).name != technique.name))
+
+
+def effect(technique: Technique | str, estimate: MemoryEstimate, workload: Workload, *, gpu=None,
+           method: str = "analytic") -> MemoryEstimate:
+    """The estimate of `workload` with `technique` added (`estimate` is the one without it): bytes per
+    category, and in `extra["effect"]` the bytes saved, the step-time factor, the accuracy-risk label."""
+    from memfit.estimators import estimate as run_estimate
+
+    technique = parse_technique(technique) if isinstance(technique, str) else technique
+    changed = run_estimate(with_technique(workload, technique), method=method, gpu=gpu)
+    changed.extra["effect"] = describe(technique, saved_bytes=estimate.peak_bytes - changed.peak_bytes)
+    return changed
+
+
+def describe(technique: Technique, *, saved_bytes: int) -> dict:
+    return {"technique": technique.spec, "risk": technique.risk, "saved_bytes": int(saved_bytes),
+            "time_factor": technique.time_factor, "time_factor_source": "assumed"}
+
+
+def all_techniques(workload: Workload) -> list[Technique]:
+    """Every technique the workload uses, the precision and optimizer ones included."""
+    from memfit.techniques.base import REGISTRY
+
+    fields = [REGISTRY[value]() for value in (workload.precision, workload.optimizer) if value in REGISTRY]
+    return fields + list(workload.technique_configs)
+
+
+def leave_one_out(workload: Workload, full: MemoryEstimate, *, gpu=None, method: str = "analytic") -> list[dict]:
+    """For each technique in the workload: the peak without it, minus the peak with everything."""
+    from memfit.estimators import estimate as run_estimate
+
+    rows = []
+    for technique in all_techniques(workload):
+        without = run_estimate(without_technique(workload, technique), method=method, gpu=gpu)
+        rows.append(describe(technique, saved_bytes=without.peak_bytes - full.peak_bytes) | {"method": method})
+    return rows

@@ -1,0 +1,56 @@
+"""Mixed precision (torch.amp): fp16 autocast with dynamic loss scaling, bf16 autocast, pure bf16.
+
+Mechanism: `fp16-mixed` and `bf16-mixed` keep float32 weights, gradients and optimizer states and
+run the forward under torch.autocast, which casts each weight to half once per region and caches
+the copy until the region ends (the "autocast cast cache"); activations saved by matmuls are half.
+`fp16-mixed` adds torch.amp.GradScaler: the loss is scaled, gradients unscaled before the step, and
+a step whose gradients overflowed is skipped (the scale backs off). `bf16` stores the weights
+themselves in bfloat16 (2 bytes each; gradients and Adam states follow the weights' dtype).
+Memory (per parameter, AdamW): mixed 16 bytes + a half copy of each weight while the forward runs;
+pure bf16 8 bytes. Source: PyTorch AMP docs; Micikevicius et al., "Mixed Precision Training", 2018.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.core.precision import get_precision
+from memfit.techniques.base import Technique, register
+from memfit.techniques.setup import StepSetup
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Precision(Technique):
+    stage = "precision"
+    workload_field = "precision"
+
+    def apply_(self, setup: StepSetup) -> None:
+        setup.precision = get_precision(self.name)
+        if setup.precision.param_dtype != next(setup.model.parameters()).dtype:
+            setup.model.to(setup.precision.param_dtype)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Fp16Mixed(_Precision):
+    name = "fp16-mixed"
+    risk = "numerical"
+    summary = "fp16 autocast with dynamic loss scaling (GradScaler skips steps whose gradients overflow)"
+    time_factor = 0.5
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Bf16Mixed(_Precision):
+    name = "bf16-mixed"
+    risk = "numerical"
+    summary = "bf16 autocast over fp32 weights (half activations, cached half copies of the weights)"
+    time_factor = 0.5
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PureBf16(_Precision):
+    name = "bf16"
+    risk = "numerical"
+    summary = "weights, gradients and optimizer states in bfloat16 (no fp32 master copy)"
+    time_factor = 0.5

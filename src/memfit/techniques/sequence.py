@@ -1,0 +1,167 @@
+"""Sequence-length techniques for causal language models: truncation, chunks of long inputs,
+chunked cross-entropy.
+
+  truncate:max_len=N      inputs cut to their first N tokens: activations shrink in proportion
+                          (attention scores quadratically); the rest of each sequence is lost (lossy).
+  sequence-chunks:window=W,stride=S
+                          a long sequence runs as windows of W tokens starting every S tokens, each
+                          its own forward and backward with gradients accumulated; the first W - S
+                          labels of every later window are masked so each token is learned once.
+                          Memory of a W-token step; no attention across windows (lossy).
+  chunked-ce:chunks=K     the LM head and cross-entropy run over K slices of the sequence, each
+                          under checkpoint, so the float32 `batch x seq x vocab` logits never exist
+                          at once: 1/K of them at a time, recomputed in backward (torchtune's
+                          chunked loss, with the head inside the chunk as Liger's fused loss does).
+                          Results equal up to summation order (numerical).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from memfit.core.errors import MemfitError
+from memfit.techniques.base import Technique, register
+from memfit.techniques.setup import StepSetup
+
+IGNORE_INDEX = -100
+
+
+def _require_causal_lm(workload, name: str) -> None:
+    if not workload.source.is_hf or workload.source.head != "causal-lm":
+        raise MemfitError(f"-t {name} works on causal language models (token batches); "
+                          f"{workload.source.name!r} is not one.")
+
+
+def _positive(value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MemfitError(f"{what} must be a positive integer, got {value!r}.")
+
+
+def _token_tensors(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Truncate(Technique):
+    name = "truncate"
+    risk = "lossy"
+    stage = "sequence"
+    summary = "cut every sequence to its first max_len tokens"
+    max_len: int = 512
+
+    def __post_init__(self) -> None:
+        _positive(self.max_len, "-t truncate: max_len")
+
+    def check(self, workload) -> None:
+        _require_causal_lm(workload, self.name)
+
+    def apply_(self, setup: StepSetup) -> None:
+        setup.batch_transform = functools.partial(_truncate, max_len=self.max_len)
+
+
+def _truncate(batch: dict, *, max_len: int) -> dict:
+    return {**batch, **{k: v[:, :max_len] for k, v in _token_tensors(batch).items()}}
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class SequenceChunks(Technique):
+    name = "sequence-chunks"
+    risk = "lossy"
+    stage = "sequence"
+    summary = "run a long sequence as windows of `window` tokens every `stride`, gradients accumulated"
+    window: int = 512
+    stride: int | None = None       # default: window (no overlap)
+
+    def __post_init__(self) -> None:
+        _positive(self.window, "-t sequence-chunks: window")
+        if self.stride is not None:
+            _positive(self.stride, "-t sequence-chunks: stride")
+            if self.stride > self.window:
+                raise MemfitError(f"-t sequence-chunks: stride {self.stride} is larger than window {self.window}; "
+                                  "tokens between windows would never be seen.")
+
+    def check(self, workload) -> None:
+        _require_causal_lm(workload, self.name)
+        if workload.task != "train":
+            raise MemfitError("-t sequence-chunks splits a training step; for inference use --seq-len.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        setup.micro_batches = functools.partial(sequence_windows, window=self.window,
+                                                stride=self.stride or self.window)
+
+
+def window_starts(seq_len: int, window: int, stride: int) -> list[int]:
+    starts = list(range(0, max(seq_len - window, 0) + 1, stride))
+    if starts[-1] + window < seq_len:
+        starts.append(seq_len - window)
+    return starts
+
+
+def sequence_windows(batch: dict, *, window: int, stride: int) -> list[dict]:
+    tokens = _token_tensors(batch)
+    seq_len = batch["input_ids"].shape[1]
+    chunks, covered = [], 0
+    for start in window_starts(seq_len, window, stride):
+        chunk = {**batch, **{k: v[:, start:start + window] for k, v in tokens.items()}}
+        if "labels" in chunk and covered > start:
+            labels = chunk["labels"].clone()
+            labels[:, :covered - start] = IGNORE_INDEX      # already learned in an earlier window
+            chunk["labels"] = labels
+        covered = start + window
+        chunks.append(chunk)
+    return chunks
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class ChunkedCrossEntropy(Technique):
+    name = "chunked-ce"
+    risk = "numerical"
+    stage = "loss"
+    summary = "LM head + cross-entropy over sequence slices under checkpoint: full logits never exist"
+    time_factor = 1.02
+    chunks: int = 8
+
+    def __post_init__(self) -> None:
+        _positive(self.chunks, "-t chunked-ce: chunks")
+
+    def check(self, workload) -> None:
+        _require_causal_lm(workload, self.name)
+        if workload.task != "train":
+            raise MemfitError("-t chunked-ce changes the training loss; inference keeps only the last logits already.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        from memfit.techniques.checkpointing import step_checkpoint
+
+        setup.loss = functools.partial(chunked_causal_lm_loss, chunks=self.chunks, checkpoint=step_checkpoint(setup))
+
+
+def chunked_causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, checkpoint=None) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (labels shifted left, -100 ignored, mean over the counted tokens),
+    computed slice by slice from the base model's last hidden state."""
+    if checkpoint is None:
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+        checkpoint = functools.partial(torch_checkpoint, use_reentrant=False)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.base_model(**inputs).last_hidden_state
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
+    total = None
+    for h, y in zip(hidden.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
+        part = checkpoint(_slice_loss, h, y, head, cap)
+        total = part if total is None else total + part
+    return total / (targets != IGNORE_INDEX).sum()
+
+
+def _slice_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, cap: float | None) -> torch.Tensor:
+    logits = head(hidden).float()
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
