@@ -2,7 +2,6 @@
 from memfit.techniques import (  # noqa: F401
     attention,
     checkpointing,
-    distributed,
     mixed_precision,
     optimizer_states,
     sequence,
