@@ -33,11 +33,12 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, *, foreach: 
 
 
 def _bitsandbytes_adamw8bit(params: list, lr: float) -> torch.optim.Optimizer:
-    # Built outside any FakeTensorMode: the constructor computes its quantization map from real values.
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    # Imported and built outside any tracking or fake mode: the import creates constant tables and the
+    # constructor computes its quantization maps from real values; neither is the step's memory.
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    bnb = _import("bitsandbytes", "adamw8bit")
-    with unset_fake_temporarily():
+    with _disable_current_modes():
+        bnb = _import("bitsandbytes", "adamw8bit")
         return bnb.optim.AdamW8bit(params, lr=lr)
 
 
