@@ -22,6 +22,7 @@ def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: st
     from memfit.techniques.compose import prepare_step  # techniques build on the steps package
 
     setup = prepare_step(model, workload, device_type=device_type, foreach=foreach, autocast=autocast)
+    hooks.mark("parameters", list(setup.model.parameters()))   # sharding replaces them with their shards
     if workload.task == "train":
         model.train()
         loop = TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)
