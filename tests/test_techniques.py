@@ -200,7 +200,8 @@ def test_bad_input_is_one_error_and_changes_nothing():
 
 
 def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
-    where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"}}
+    where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"},
+             "ddp": {"world_size": 2}, "fsdp2": {"world_size": 2}}
     for name, cls in REGISTRY.items():
         workload = Workload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
         base = memfit.estimate(workload, method="analytic")

@@ -14,13 +14,15 @@ DDP_BUCKET_NOTE = ("DDP keeps a flat copy of the gradients in its reduction buck
                    "(gradient_as_bucket_view=False, PyTorch's default): gradients counted twice (analytic)")
 
 
-def state_weights(workload: Workload) -> tuple[dict[str, int], int, list[str]]:
+def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
+    """`traced`: a trace of an FSDP2 step already holds one rank's shards, so it needs no weights."""
     n = workload.world_size
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
-    if n == 1 or workload.task != "train":
+    fsdp2 = workload.technique("fsdp2") is not None
+    if n == 1 or workload.task != "train" or (fsdp2 and traced):
         return {name: 1 for name in CATEGORIES}, 1, notes
-    stage = workload.zero_stage
+    stage = 3 if fsdp2 else workload.zero_stage
     if workload.engine == "pytorch" and stage <= 1:
         weights["gradients"] = 2 * n
         notes.append(DDP_BUCKET_NOTE)
@@ -31,7 +33,8 @@ def state_weights(workload: Workload) -> tuple[dict[str, int], int, list[str]]:
         weights["gradients"] = 1
     if stage >= 3:
         weights["parameters"] = 1
-        notes.append("ZeRO-3/FSDP all-gather buffers of the layer being computed are not included yet")
+        notes.append("ZeRO-3/FSDP all-gather buffers of the layer being computed are not included (analytic); "
+                     "--method traced runs FSDP2 itself")
     return weights, n, notes
 
 

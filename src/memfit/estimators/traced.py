@@ -11,6 +11,7 @@ oneDNN convolution and LSTM kernels allocate inside the kernel is probed (kernel
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -77,6 +78,29 @@ def build_fake(workload: Workload, num_layers: int | None, fake_mode: FakeTensor
 
 
 def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None) -> _Run:
+    if workload.distributed_technique:
+        with fake_process_group(workload.world_size):
+            return _trace_rank(workload, gpu, num_layers)
+    return _trace_rank(workload, gpu, num_layers)
+
+
+@contextmanager
+def fake_process_group(world_size: int):
+    """Rank 0 of `world_size` ranks, in this process: collectives return fake tensors of the right shape."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise MemfitError("a traced estimate of a distributed workload starts its own fake process group; "
+                          "run it outside torchrun.")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace_rank(workload: Workload, gpu: GPU | None, num_layers: int | None) -> _Run:
     source = workload.source
     precision = get_precision(workload.precision)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -109,7 +133,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
                           "--method analytic.")
     started = time.perf_counter()
     source = workload.source
-    weights, divisor, notes = state_weights(workload)
+    weights, divisor, notes = state_weights(workload, traced=True)
     depths = None if timeline or full_trace else extrapolation_depths(source.num_layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None

@@ -148,7 +148,15 @@ def measure(workload: Workload, *, device: str | None = None, snapshot_path: str
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
     predicted = {method: run_estimate(workload, method=method, gpu=gpu) for method in estimates}
     expected = max((e.peak_bytes for e in predicted.values()), default=0)
-    measured = measure_run(workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected)
+    if workload.distributed_technique:
+        from memfit.measurement.ranks import measure_ranks
+
+        if device.startswith("cuda"):
+            raise MemfitError("measuring several ranks runs on CPU (gloo) here; pass --device cpu.")
+        _check_room(workload, expected * workload.world_size, device)
+        measured = measure_ranks(workload)
+    else:
+        measured = measure_run(workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected)
     measured.extra["estimates"] = {method: e.to_json() for method, e in predicted.items()}
     measured.extra["ratios"] = {f"measured/{method}": measured.peak_bytes / e.peak_bytes
                                 for method, e in predicted.items() if e.peak_bytes}

@@ -79,6 +79,11 @@ class Workload:
 
         return [parse_technique(spec) for spec in self.techniques]
 
+    @property
+    def distributed_technique(self):
+        """The ddp or fsdp2 config when the workload runs over a process group, else None."""
+        return self.technique("fsdp2") or self.technique("ddp")
+
     def technique(self, name: str):
         """The config of technique `name`, or None."""
         return next((t for t in self.technique_configs if t.name == name), None)

@@ -2,6 +2,7 @@
 from memfit.techniques import (  # noqa: F401
     attention,
     checkpointing,
+    distributed,
     mixed_precision,
     optimizer_states,
     sequence,

@@ -28,6 +28,8 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("sequence", "the batch's shape is fixed before anything is sized from it"),
     ("loss", "the loss head is replaced before blocks are wrapped, so checkpointing wraps the model's own blocks"),
     ("checkpointing", "blocks are wrapped once the model is final and before it is sharded (torchtitan's order)"),
+    ("shard", "blocks are sharded (or the model replicated) after checkpointing wraps them, so each block's "
+              "all-gather surrounds its recompute too"),
     ("optimizer", "the optimizer is built last, over the parameters as the steps above left them"),
 )
 _STAGE_INDEX = {stage: i for i, (stage, _) in enumerate(ORDER)}
@@ -55,6 +57,15 @@ RULES: tuple[Rule, ...] = (
          "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
     Rule(frozenset({"adafactor"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
          "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
+    Rule(frozenset({"ddp", "fsdp2"}), "DDP replicates what FSDP2 shards", "use one of them"),
+    Rule(frozenset({"fsdp2", "adamw8bit"}), "bitsandbytes' 8-bit states are not DTensor-aware, and FSDP2 "
+         "parameters are DTensor shards", "use fp32 AdamW or adafactor with fsdp2"),
+    Rule(frozenset({"fsdp2", "adamw4bit"}), "memfit does not trace torchao's 4-bit states on DTensor shards yet",
+         "use fp32 AdamW or adafactor with fsdp2"),
+    Rule(frozenset({"ddp", "chunked-ce"}), "chunked-ce calls the base model directly, so DDP's forward (which "
+         "prepares the gradient all-reduce) never runs", "drop chunked-ce"),
+    Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
+         "module never all-gathers the LM head", "drop chunked-ce"),
 )
 
 
