@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -75,9 +75,11 @@ class Trace:
         weight = [step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
                   for c, s in zip(category, self.storages)]
         totals = zero_categories()
-        for index, storage in enumerate(self.storages):
-            if storage.born < self.start and (storage.died is None or storage.died >= self.start):
+        for index, storage in enumerate(self.storages):   # watched before tracking began
+            if storage.born == -1:
                 totals[category[index]] += storage.nbytes * weight[index]
+        for sid, delta in self.events[:self.start]:       # the warm-up step: births, deaths and resizes
+            totals[category[sid]] += delta * weight[sid]
         yield self.start - 1, totals
         for index in range(self.start, len(self.events)):
             sid, delta = self.events[index]
@@ -128,6 +130,7 @@ class MemoryTracker(TorchDispatchMode):
         self.block_marks: list[tuple[int, str, int, int, str]] = []
         self.start = 0
         self._recording = False
+        self._size: dict[int, int] = {}      # storages resized in place (FSDP2 frees by resizing to 0)
 
     # ---- the step's hooks -----------------------------------------------------------------
     def phase(self, name: str) -> None:
@@ -147,8 +150,9 @@ class MemoryTracker(TorchDispatchMode):
     def watch(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Tensors that exist before tracking starts (parameters, buffers, inputs)."""
         for tensor in tensors:
-            index = self._register(tensor, born=-1)
-            self.storages[index].category = self.storages[index].category or category
+            for plain in plain_tensors(tensor):
+                index = self._register(plain, born=-1)
+                self.storages[index].category = self.storages[index].category or category
 
     def watch_model(self, model: nn.Module) -> None:
         self.watch(model.parameters(), "parameters")
@@ -205,12 +209,28 @@ class MemoryTracker(TorchDispatchMode):
             return
         storage = self.storages[index]
         storage.died = len(self.events)
-        self.events.append((index, -storage.nbytes))
+        self.events.append((index, -self._size.pop(index, storage.nbytes)))
+
+    def _resized(self, storage, nbytes: int) -> None:
+        index = self._by_storage.get(storage)
+        if index is None:
+            return
+        if self.round_to > 1:
+            nbytes = -(-nbytes // self.round_to) * self.round_to
+        delta = nbytes - self._size.get(index, self.storages[index].nbytes)
+        if delta:
+            self._size[index] = nbytes
+            self.events.append((index, delta))
+
+    def live_bytes(self) -> int:
+        """Bytes of the tracked storages alive now."""
+        return sum(self._size.get(i, s.nbytes) for i, s in enumerate(self.storages) if s.died is None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
+            # a wrapper subclass (DTensor) owns no memory: its inner tensors are registered by their own ops
+            if isinstance(tensor, torch.Tensor) and not is_traceable_wrapper_subclass(tensor):
                 self._register(tensor, op=func.__name__)
         return out
 
@@ -227,10 +247,20 @@ class MemoryTracker(TorchDispatchMode):
 
         self._hook_handles = [module_mod.register_module_forward_pre_hook(pre),
                               module_mod.register_module_forward_hook(post)]
+        resize, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, nbytes):   # not a dispatched op: FSDP2 frees and refills its buffers this way
+            out = resize(storage, nbytes)
+            tracker._resized(storage, nbytes)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_
         self._recording = True
         return super().__enter__()
 
     def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
         self._recording = False
         for handle in self._hook_handles + self._stack_handles:
             handle.remove()

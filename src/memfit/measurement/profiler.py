@@ -59,10 +59,10 @@ def mark_phase(name: str) -> None:
 
 def allocator_events(prof: profile) -> tuple[list[tuple[int, int]], list[tuple[int, str]]]:
     """The CPU allocator's (time, +bytes | -bytes) events and the phase marks, each in time order."""
-    from torch.profiler._memory_profiler import _EventType
+    from torch.profiler._memory_profiler import OpTree, _EventType
 
     events, marks = [], []
-    for e in prof._memory_profile()._op_tree.dfs():
+    for e in OpTree(prof.profiler.kineto_results).dfs():   # the raw event tree: no data-flow analysis needed
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
             events.append((e.start_time_ns, e.typed[1].alloc_size))
         elif e.typed[0] == _EventType.TorchOp and e.name.startswith(PHASE_MARK):   # other names may not decode
@@ -93,7 +93,10 @@ def timeline_categories_at_peak(prof: profile) -> tuple[int, dict[str, int]]:
     """The profiler's memory timeline at its own peak: (total, bytes per memfit category)."""
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
 
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    try:
+        _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    except AssertionError:   # its data-flow analysis rejects some in-place storage tricks (FSDP2's resize_)
+        return 0, {}
     if not sizes:
         return 0, {}
     row = max(sizes, key=lambda r: sum(r[1:]))

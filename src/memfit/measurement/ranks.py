@@ -30,8 +30,10 @@ def measure_ranks(workload: Workload) -> MemoryEstimate:
         except subprocess.TimeoutExpired:
             raise MemfitError(f"the {n}-rank run did not finish in {RANK_TIMEOUT_S} s.") from None
         if done.returncode:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-            raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}):\n{tail}")
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            errors = [line for line in lines if "Error" in line or "error:" in line][-5:]
+            raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}):\n"
+                              + "\n".join(errors or lines[-15:]))
         results = []
         for rank in range(n):
             with open(os.path.join(out, f"rank{rank}.json")) as fh:

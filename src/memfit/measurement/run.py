@@ -82,7 +82,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 
     def before_measured_step() -> None:
         tracker.begin_measured_step()
-        state["baseline"] = sum(s.nbytes for s in tracker.storages if s.died is None)
+        state["baseline"] = tracker.live_bytes()
         if on_cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -81,8 +81,8 @@ class Workload:
 
     @property
     def distributed_technique(self):
-        """The ddp or fsdp2 config when the workload runs over a process group, else None."""
-        return self.technique("fsdp2") or self.technique("ddp")
+        """The fsdp2 config when the workload runs over a process group, else None."""
+        return self.technique("fsdp2")
 
     def technique(self, name: str):
         """The config of technique `name`, or None."""

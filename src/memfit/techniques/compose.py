@@ -57,13 +57,12 @@ RULES: tuple[Rule, ...] = (
          "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
     Rule(frozenset({"adafactor"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
          "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
-    Rule(frozenset({"ddp", "fsdp2"}), "DDP replicates what FSDP2 shards", "use one of them"),
     Rule(frozenset({"fsdp2", "adamw8bit"}), "bitsandbytes' 8-bit states are not DTensor-aware, and FSDP2 "
          "parameters are DTensor shards", "use fp32 AdamW or adafactor with fsdp2"),
     Rule(frozenset({"fsdp2", "adamw4bit"}), "memfit does not trace torchao's 4-bit states on DTensor shards yet",
          "use fp32 AdamW or adafactor with fsdp2"),
-    Rule(frozenset({"ddp", "chunked-ce"}), "chunked-ce calls the base model directly, so DDP's forward (which "
-         "prepares the gradient all-reduce) never runs", "drop chunked-ce"),
+    Rule(frozenset({"fsdp2", "adafactor"}), "torch.optim.Adafactor's in-place norm updates do not run on "
+         "DTensor shards", "use AdamW with fsdp2"),
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
          "module never all-gathers the LM head", "drop chunked-ce"),
 )

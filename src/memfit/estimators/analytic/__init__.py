@@ -39,6 +39,7 @@ def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
         checkpoint_every=checkpointing.every if checkpointing else 0,
         checkpoint_selective=bool(checkpointing) and checkpointing.mode == "selective",
         loss_chunks=chunked.chunks if (chunked := workload.technique("chunked-ce")) else 0,
+        fsdp=workload.technique("fsdp2") is not None,
     )
 
 

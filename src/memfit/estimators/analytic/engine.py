@@ -28,6 +28,7 @@ class Policy:
     checkpoint_every: int = 0   # activation checkpointing of blocks 0, n, 2n, ... (0: none)
     checkpoint_selective: bool = False   # keep matmul/attention outputs, recompute the rest
     loss_chunks: int = 0        # chunked cross-entropy: LM head + loss over this many sequence slices
+    fsdp: bool = False          # FSDP2: each block's parameters all-gathered while it runs (see _gather)
 
 
 _serial = itertools.count()
@@ -104,6 +105,14 @@ class Node:
     region: Region | None = None                  # the checkpointed block that recorded this node
 
 
+def _block_of(name: str) -> tuple[int, str | None] | None:
+    """(layer, stack name or None) of a parameter named `<stack>.<layer>.<rest>`; None outside the blocks."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1].isdigit():
+        return int(parts[1]), parts[0] if parts[0] in ("encoder", "decoder") else None
+    return None
+
+
 class _RecomputeDone(Exception):
     """Non-reentrant checkpoint stops re-running a block once every saved tensor is back."""
 
@@ -148,6 +157,9 @@ class Engine:
         self.log: list | None = None  # set to [] to record (phase, segment, category, +/-bytes, dtype, numel)
         self.inputs_are_views = False
         self.region: Region | None = None         # the checkpointed block being run, if any
+        self._gathered: tuple[object, Sym] | None = None   # FSDP2: (segment, its unsharded parameters)
+        self._root_gathered: Sym | None = None
+        self._unsharded_grads: list[tuple[Param, Sym]] = []
         self._rerun_left: int | None = None       # saving nodes still to record in a re-run
 
     # ---- accounting ------------------------------------------------------------------------
@@ -178,7 +190,42 @@ class Engine:
 
     def set_phase(self, phase: str, segment: object = "pre") -> None:
         self.phase, self.segment = phase, segment
+        if self.policy.fsdp and phase == "forward" and self._root_gathered is None:
+            # the root module (parameters outside the blocks) is unsharded for forward and backward
+            self._root_gathered = self.new(self._root_numel(), self.policy.param_dtype)
         self._observe()
+
+    # ---- FSDP2 all-gathers -----------------------------------------------------------------
+    def _block_numel(self, segment) -> int:
+        stack, layer = segment
+        return sum(p.numel for name, p in self.params.items()
+                   if _block_of(name) == (layer, stack if isinstance(stack, str) else None))
+
+    def _reduce_scatter(self) -> None:
+        """FSDP2's post-backward: the unsharded gradients are copied into one flat buffer, reduce-scattered
+        into this rank's shard (kept as .grad), and the unsharded ones freed."""
+        if not self._unsharded_grads:
+            return
+        flat = self.new(sum(p.numel for p, _ in self._unsharded_grads), self._unsharded_grads[0][1].dtype)
+        for param, _ in self._unsharded_grads:
+            if param.grad_sym is None:
+                param.grad_sym = self.new(param.numel, param.dtype, category="gradients")
+        self._unsharded_grads = []
+        del flat
+
+    def _root_numel(self) -> int:
+        return sum(p.numel for name, p in self.params.items() if _block_of(name) is None)
+
+    def _gather(self, segment) -> None:
+        """Hold `segment`'s unsharded parameters (none for a segment outside the blocks), freeing the last.
+        In backward, leaving a block reduce-scatters the gradients it produced."""
+        if self._gathered is not None and self._gathered[0] == segment:
+            return
+        if self._gathered is not None and self.phase == "backward":
+            self._reduce_scatter()
+        self._gathered = None
+        if isinstance(segment, tuple):
+            self._gathered = (segment, self.new(self._block_numel(segment), self.policy.param_dtype))
 
     # ---- creating symbols ------------------------------------------------------------------
     def param(self, name: str, shape: tuple[int, ...], trainable: bool = True) -> Param:
@@ -236,10 +283,16 @@ class Engine:
     # ---- checkpointing ---------------------------------------------------------------------
     def block(self, index: int, fn, x: Sym) -> Sym:
         """Run block `index` as `fn(x)`, checkpointed when the policy says so."""
+        if self.policy.fsdp:   # all-gathered before the block runs, freed after (reshard_after_forward)
+            self._gather(self.segment)
         every = self.policy.checkpoint_every
-        if not (every and index % every == 0):
-            return fn(x)
-        return self.checkpointed(fn, x, selective=self.policy.checkpoint_selective)
+        try:
+            if not (every and index % every == 0):
+                return fn(x)
+            return self.checkpointed(fn, x, selective=self.policy.checkpoint_selective)
+        finally:
+            if self.policy.fsdp:
+                self._gather(None)
 
     def checkpointed(self, fn, x: Sym, *, selective: bool = False):
         """`fn(x)` under torch.utils.checkpoint (non-reentrant)."""
@@ -292,9 +345,13 @@ class Engine:
                 if edge[3] is not None:
                     self._param_uses[edge[0]] = self._param_uses.get(edge[0], 0) + 1
         self._param_buffer: dict[int, Sym] = {}
+        if self.policy.fsdp:   # the last block is prefetched as backward starts
+            self._gather(next((n.segment for n in reversed(tape) if isinstance(n.segment, tuple)), None))
         while tape:
             node = tape.pop()
             self.segment = node.segment
+            if self.policy.fsdp and (isinstance(node.segment, tuple) or node.segment == "pre"):
+                self._gather(node.segment)
             grad_out = pending.pop(node.output, None)
             if node.region is not None and not node.region.done and node.saved and grad_out is not None:
                 first = len(tape)
@@ -311,6 +368,10 @@ class Engine:
             node.saved.clear()
             del node
         self.segment = "post"
+        if self.policy.fsdp:
+            self._gather(None)
+            self._reduce_scatter()          # the root's own gradients
+            self._root_gathered = None
 
     def _input_grad(self, node: Node, edge, grad_out: Sym) -> Sym:
         _, numel, dtype, _ = edge
@@ -332,6 +393,9 @@ class Engine:
                 del earlier
             if not final:
                 self._param_buffer[uid] = grad
+                return
+            if self.policy.fsdp:   # an unsharded gradient, until its block is reduce-scattered
+                self._unsharded_grads.append((param, grad))
                 return
             if first and grad.category != "gradients":   # AccumulateGrad steals the tensor as .grad
                 self._account(grad, -1)
