@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/memfit estimate llama-3.1-8b --task train --batch-size 1 --seq-len 4096 --precision bf16-mixed \
-  --gpu rtx-4090 --modules "$@"
+  -t checkpointing -t chunked-ce -t adamw8bit --gpu rtx-4090 --modules "$@"
