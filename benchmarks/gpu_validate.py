@@ -4,7 +4,7 @@ For each workload: the real step on CUDA (max_memory_allocated and max_memory_re
 steady-state step) beside memfit's traced and analytic estimates for that GPU, plus the device
 memory that lies outside PyTorch's allocator (CUDA context, library workspaces). The ratios it prints
 are what the `assumed` figures in estimators/gpu_overhead.py and gpus.json should be replaced with.
-Run:  python benchmarks/gpu_validate.py  (about 5 minutes on one H200)
+Run:  python benchmarks/gpu_validate.py  (about 7 minutes on one H200)
 Writes benchmarks/results/gpu_validate.{txt,json}.
 """
 from __future__ import annotations
@@ -35,6 +35,16 @@ WORKLOADS = [
     dict(model="vit-base-patch16-224", batch_size=64, seq_len=224, precision="bf16-mixed"),
     dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16", optimizer="sgd"),
     dict(model="llama-3.1-8b", task="inference", batch_size=8, seq_len=2048, new_tokens=64, precision="bf16"),
+    # techniques: what CUDA changes about them (foreach temporaries, fused kernels, the 8-bit optimizer's
+    # fused kernel, the CUDA autocast lists inside checkpoint re-runs)
+    dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("checkpointing",)),
+    dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed",
+         techniques=("checkpointing:mode=selective",)),
+    dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("chunked-ce",)),
+    dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("adamw8bit", "checkpointing")),
+    dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16", techniques=("adamw4bit",)),
+    dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16",
+         techniques=("checkpointing", "chunked-ce", "adamw8bit")),
 ]
 
 
@@ -67,7 +77,8 @@ def main() -> int:
         table.add_column(column, justify="left" if column == "workload" else "right")
     for row in rows:
         kw = row["workload"]
-        name = f"{kw['model']} {kw.get('task', 'train')} b{kw['batch_size']}×{kw['seq_len']} {kw['precision']}"
+        name = " ".join([kw["model"], kw.get("task", "train"), f"b{kw['batch_size']}×{kw['seq_len']}", kw["precision"],
+                         *kw.get("techniques", ())])
         if "error" in row:
             table.add_row(name, row["error"], "", "", "")
             continue

@@ -57,7 +57,25 @@ def test_measure_command(capsys):
     assert code == 0 and "measured / estimated" in out
 
 
+def test_techniques_on_the_command_line(capsys):
+    code, out, _ = run(capsys, "techniques", "--json")
+    listed = json.loads(out)
+    assert code == 0 and {"checkpointing", "adamw8bit", "chunked-ce", "fsdp2"} <= {t["name"] for t in listed["techniques"]}
+    assert [o["stage"] for o in listed["order"]][0] == "precision" and listed["rules"]
+    code, out, _ = run(capsys, "measure", *TINY, "-t", "bf16-mixed", "-t", "checkpointing", "-t", "adamw8bit", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["workload"]["precision"] == "bf16-mixed" and data["workload"]["optimizer"] == "adamw8bit"
+    assert data["workload"]["techniques"] == ["checkpointing"]
+    assert data["peak_bytes"] and data["estimates"]["traced"]["peak_bytes"] and data["estimates"]["analytic"]["peak_bytes"]
+    code, out, _ = run(capsys, "estimate", *TINY, "-t", "checkpointing", "-t", "chunked-ce")
+    assert code == 0 and "what each technique saves" in out
+
+
 @pytest.mark.parametrize("argv, fragment", [
+    (["estimate", "tiny-llama", "-t", "gradient-magic"], "unknown technique"),
+    (["estimate", "tiny-llama", "-t", "checkpointing:every=0"], "positive integer"),
+    (["estimate", "tiny-llama", "-t", "adamw8bit", "--world-size", "2", "--zero", "1"], "ZeRO-1/2"),
+    (["estimate", "tiny-llama", "-t", "fsdp2"], "--world-size"),
     (["estimate", "llama-3-8b"], "unknown model"),
     (["estimate", "tiny-llama", "--batch-size", "0"], "batch-size"),
     (["estimate", "tiny-llama", "--batch-size", "two"], "invalid int"),

@@ -58,9 +58,9 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"adafactor"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
          "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
     Rule(frozenset({"fsdp2", "adamw8bit"}), "bitsandbytes' 8-bit states are not DTensor-aware, and FSDP2 "
-         "parameters are DTensor shards", "use fp32 AdamW or adafactor with fsdp2"),
+         "parameters are DTensor shards", "use AdamW with fsdp2"),
     Rule(frozenset({"fsdp2", "adamw4bit"}), "memfit does not trace torchao's 4-bit states on DTensor shards yet",
-         "use fp32 AdamW or adafactor with fsdp2"),
+         "use AdamW with fsdp2"),
     Rule(frozenset({"fsdp2", "adafactor"}), "torch.optim.Adafactor's in-place norm updates do not run on "
          "DTensor shards", "use AdamW with fsdp2"),
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
