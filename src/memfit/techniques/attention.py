@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
 from memfit.techniques.setup import StepSetup
 
@@ -64,8 +64,7 @@ class SlidingWindow(Technique):
     window: int = 4096
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise MemfitError(f"-t sliding-window: window must be a positive integer, got {self.window!r}.")
+        require_positive_int(self.window, "-t sliding-window: window")
 
     def config_overrides(self, source) -> dict:
         if not source.is_hf or source.model_type not in SLIDING_WINDOW_TYPES:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.setup import StepSetup
@@ -60,8 +60,7 @@ class Checkpointing(Technique):
     blocks: str | None = None       # regular expression over module names; default: the repeated blocks
 
     def __post_init__(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise MemfitError(f"-t checkpointing: every must be a positive integer, got {self.every!r}.")
+        require_positive_int(self.every, "-t checkpointing: every")
         if self.mode not in MODES:
             raise MemfitError(f"-t checkpointing: mode must be full or selective, got {self.mode!r}.")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
 from memfit.techniques.setup import StepSetup
 
@@ -33,11 +33,6 @@ def _require_causal_lm(workload, name: str) -> None:
     if not workload.source.is_hf or workload.source.head != "causal-lm":
         raise MemfitError(f"-t {name} works on causal language models (token batches); "
                           f"{workload.source.name!r} is not one.")
-
-
-def _positive(value, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MemfitError(f"{what} must be a positive integer, got {value!r}.")
 
 
 def _token_tensors(batch: dict) -> dict:
@@ -54,7 +49,7 @@ class Truncate(Technique):
     max_len: int = 512
 
     def __post_init__(self) -> None:
-        _positive(self.max_len, "-t truncate: max_len")
+        require_positive_int(self.max_len, "-t truncate: max_len")
 
     def check(self, workload) -> None:
         _require_causal_lm(workload, self.name)
@@ -78,9 +73,9 @@ class SequenceChunks(Technique):
     stride: int | None = None       # default: window (no overlap)
 
     def __post_init__(self) -> None:
-        _positive(self.window, "-t sequence-chunks: window")
+        require_positive_int(self.window, "-t sequence-chunks: window")
         if self.stride is not None:
-            _positive(self.stride, "-t sequence-chunks: stride")
+            require_positive_int(self.stride, "-t sequence-chunks: stride")
             if self.stride > self.window:
                 raise MemfitError(f"-t sequence-chunks: stride {self.stride} is larger than window {self.window}; "
                                   "tokens between windows would never be seen.")
@@ -128,7 +123,7 @@ class ChunkedCrossEntropy(Technique):
     chunks: int = 8
 
     def __post_init__(self) -> None:
-        _positive(self.chunks, "-t chunked-ce: chunks")
+        require_positive_int(self.chunks, "-t chunked-ce: chunks")
 
     def check(self, workload) -> None:
         _require_causal_lm(workload, self.name)
