@@ -75,7 +75,6 @@ class Checkpointing(Technique):
         checkpoint = step_checkpoint(setup, selective=self.mode == "selective")
         for block in chosen:
             checkpoint_block_(block, checkpoint)
-        setup.notes.append(f"checkpointed {len(chosen)} of {len(blocks)} blocks ({self.mode})")
 
 
 def step_checkpoint(setup: StepSetup, *, selective: bool = False):

@@ -129,7 +129,6 @@ def prepare_step(model: nn.Module, workload: Workload, *, device_type: str, fore
                       optimizer_name=workload.optimizer, foreach=foreach, autocast_fn=autocast)
     for technique in workload.technique_configs:
         technique.apply_(setup)
-        setup.techniques.append(technique)
     return setup
 
 
@@ -145,7 +144,6 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                       optimizer=optimizer)
     for technique in configs:
         technique.apply_(setup)
-        setup.techniques.append(technique)
     if any(t.workload_field == "optimizer" for t in configs):
         setup.lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         setup.optimizer = None

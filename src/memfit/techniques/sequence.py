@@ -136,13 +136,10 @@ class ChunkedCrossEntropy(Technique):
         setup.loss = functools.partial(chunked_causal_lm_loss, chunks=self.chunks, checkpoint=step_checkpoint(setup))
 
 
-def chunked_causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, checkpoint=None) -> torch.Tensor:
+def chunked_causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, checkpoint) -> torch.Tensor:
     """Hugging Face's causal-LM loss (labels shifted left, -100 ignored, mean over the counted tokens),
-    computed slice by slice from the base model's last hidden state."""
-    if checkpoint is None:
-        from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-        checkpoint = functools.partial(torch_checkpoint, use_reentrant=False)
+    computed slice by slice from the base model's last hidden state; `checkpoint` is the step's
+    (checkpointing.step_checkpoint)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = model.base_model(**inputs).last_hidden_state
     head = model.get_output_embeddings()

@@ -8,7 +8,7 @@ memfit's own runs build one with `prepare_step` (for a workload); a user's loop 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,8 +42,6 @@ class StepSetup:
     batch_transform: Callable[[Any], Any] | None = None   # applied to the batch before it is split
     optimizer: torch.optim.Optimizer | None = None
     lr: float | None = None                           # None: memfit's default for the optimizer
-    techniques: list = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
     def autocast(self):
         return autocast_region(self.precision, self.device_type, self.autocast_fn)
