@@ -45,6 +45,14 @@ WORKLOADS = [
     dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16", techniques=("adamw4bit",)),
     dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16",
          techniques=("checkpointing", "chunked-ce", "adamw8bit")),
+    # offload: pinned host buffers, real device <-> host copies (the host column is memfit's own count)
+    dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed",
+         techniques=("checkpointing:mode=offload",)),
+    dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("cpu-offload",)),
+    dict(model="qwen2.5-7b", task="inference", batch_size=1, seq_len=2048, new_tokens=16, precision="bf16",
+         techniques=("stream-layers",)),
+    # the allocator setting is process-wide and stays on: this row comes last (reserved / allocated is its check)
+    dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("expandable-segments",)),
 ]
 
 
@@ -71,20 +79,21 @@ def main() -> int:
         est = m.extra["estimates"]
         rows.append({"workload": kw, "allocated": m.extra["max_memory_allocated"],
                      "reserved": m.extra["max_memory_reserved"], "traced": est["traced"]["peak_bytes"],
-                     "analytic": est.get("analytic", {}).get("peak_bytes"), "seconds": time.perf_counter() - started})
+                     "analytic": est.get("analytic", {}).get("peak_bytes"), "host": m.host_bytes,
+                     "seconds": time.perf_counter() - started})
     table = Table(title=f"{torch.cuda.get_device_name()}: measured vs memfit (GPU target)", title_justify="left")
-    for column in ("workload", "max allocated", "traced", "analytic", "reserved / allocated"):
+    for column in ("workload", "max allocated", "traced", "analytic", "reserved / allocated", "host RAM"):
         table.add_column(column, justify="left" if column == "workload" else "right")
     for row in rows:
         kw = row["workload"]
         name = " ".join([kw["model"], kw.get("task", "train"), f"b{kw['batch_size']}×{kw['seq_len']}", kw["precision"],
                          *kw.get("techniques", ())])
         if "error" in row:
-            table.add_row(name, row["error"], "", "", "")
+            table.add_row(name, row["error"], "", "", "", "")
             continue
         cell = (lambda v: "n/a" if v is None else f"{format_bytes(v)} ({row['allocated'] / v:.3f})")
         table.add_row(name, format_bytes(row["allocated"]), cell(row["traced"]), cell(row["analytic"]),
-                      f"{row['reserved'] / row['allocated']:.3f}")
+                      f"{row['reserved'] / row['allocated']:.3f}", format_bytes(row["host"]) if row["host"] else "")
     console = Console(width=180)
     console.print(table)
     console.print(f"memory outside PyTorch's allocator after init + first matmul: {format_bytes(context)} "

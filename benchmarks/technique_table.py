@@ -7,6 +7,8 @@ baseline's, measured in the same process one after the other; and the held-out l
 training (perplexity = exp(loss)) against the baseline's. All rows train from the same initial weights
 on the same batches with the same learning rate (Adafactor with its own). Step times are CPU times on
 this machine: they show recompute and extra work, not what a GPU would gain from half precision.
+Offload rows move memory to the host (the "host RAM" column): on the CPU the copies stay in one
+memory, so their step time shows the copying work, not a PCIe transfer.
 
 Run:  python benchmarks/technique_table.py [--steps N] [--quick]
 Writes benchmarks/results/technique_table.{txt,json}.
@@ -44,9 +46,11 @@ ROWS = [
     ("adamw8bit",), ("adamw4bit",), ("adafactor",),
     ("truncate:max_len=128",), ("sequence-chunks:window=64",), ("sequence-chunks:window=128,stride=64",),
     ("chunked-ce",),
+    ("checkpointing:mode=offload",), ("cpu-offload",),
     ("bf16-mixed", "checkpointing", "chunked-ce", "adamw8bit"),
+    ("bf16-mixed", "checkpointing:mode=offload", "cpu-offload", "chunked-ce"),
 ]
-QUICK = [0, 2, 4, 7, 13]
+QUICK = [0, 2, 4, 7, 15]
 
 
 def row(techniques: tuple[str, ...], batches, eval_batches, lr: float) -> dict:
@@ -59,7 +63,7 @@ def row(techniques: tuple[str, ...], batches, eval_batches, lr: float) -> dict:
     return {
         "techniques": list(techniques) or ["baseline"],
         "risk": "lossy" if "lossy" in risks else "numerical" if "numerical" in risks else "lossless",
-        "peak_bytes": measured.peak_bytes,
+        "peak_bytes": measured.peak_bytes, "host_bytes": measured.host_bytes,
         "traced_peak_bytes": measured.extra["estimates"]["traced"]["peak_bytes"],
         "analytic_peak_bytes": measured.extra["estimates"]["analytic"]["peak_bytes"],
         "lr": lr, "median_step_s": run.median_step_seconds, "first_loss": run.losses[0], "last_loss": run.losses[-1],
@@ -71,13 +75,14 @@ def render(rows: list[dict], steps: int) -> Table:
     base = rows[0]
     table = Table(title=f"techniques on {MODEL}, batch {BATCH} × seq {SEQ}, {steps} training steps on tinyshakespeare "
                         f"(held-out perplexity); measured side by side in one run", title_justify="left")
-    for column in ("technique", "risk", "peak", "peak Δ", "traced / measured", "analytic / measured",
+    for column in ("technique", "risk", "peak", "peak Δ", "host RAM", "traced / measured", "analytic / measured",
                    "step time ×", "lr", "held-out ppl", "ppl Δ"):
         table.add_column(column, justify="left" if column in ("technique", "risk") else "right")
     for r in rows:
         ppl, base_ppl = math.exp(r["eval_loss"]), math.exp(base["eval_loss"])
         table.add_row(" + ".join(r["techniques"]), r["risk"], format_bytes(r["peak_bytes"]),
                       f"{100 * (r['peak_bytes'] / base['peak_bytes'] - 1):+.1f} %",
+                      format_bytes(r["host_bytes"]) if r["host_bytes"] else "",
                       f"{r['traced_peak_bytes'] / r['peak_bytes']:.4f}",
                       f"{r['analytic_peak_bytes'] / r['peak_bytes']:.4f}",
                       f"{r['median_step_s'] / base['median_step_s']:.2f}", f"{r['lr']:g}",

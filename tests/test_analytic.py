@@ -103,4 +103,5 @@ def test_zero_stages_shard_pytorch_model_states():
     for name in single:
         assert stage3[name] == -(-single[name] // 8)
     ddp = analytic_estimate(Workload(**base, world_size=8)).model_state_bytes
-    assert ddp["gradients"] == 2 * single["gradients"]   # DDP's reduction buckets hold a second copy
+    # DDP's reduction buckets: a flat copy of the gradients, and a second while the buckets are rebuilt
+    assert ddp["gradients"] == 3 * single["gradients"]

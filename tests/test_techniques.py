@@ -32,6 +32,8 @@ MODES = [
     (("bf16-mixed",), ()),
     (("fp16-mixed",), ()),
     (("bf16",), ()),
+    (("checkpointing:mode=offload",), ()),
+    (("cpu-offload",), ()),
 ]
 
 
@@ -140,6 +142,7 @@ COMPOSITIONS = [
     ("truncate:max_len=192", "sequence-chunks:window=64", "checkpointing"),
     ("sequence-chunks:window=128", "chunked-ce", "adamw8bit"),
     ("bf16-mixed", "checkpointing", "chunked-ce", "adamw8bit"),
+    ("bf16-mixed", "checkpointing:mode=offload,every=2", "cpu-offload", "chunked-ce"),
 ]
 
 
@@ -151,17 +154,76 @@ def test_compositions_of_three_or_more(techniques):
     assert run.peak_bytes < base.peak_bytes
 
 
+def _host_predicted_as_measured(run) -> None:
+    for method, tolerance in (("traced", 0.03), ("analytic", 0.10)):
+        assert rel(run.extra["estimates"][method]["host_bytes"], run.host_bytes) < tolerance, method
+
+
+@pytest.mark.parametrize("techniques", [("checkpointing:mode=offload",), ("cpu-offload",), COMPOSITIONS[-1]])
+def test_offload_reports_the_host_ram_it_needs(techniques):
+    """Offload moves memory to the host: the run's host tensors against the predicted host RAM."""
+    run, base = measured(techniques), measured(())
+    assert base.host_bytes == 0 and run.host_bytes > 0.2 * base.peak_bytes
+    _host_predicted_as_measured(run)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("techniques", [("fsdp2",), ("fsdp2", "checkpointing", "bf16-mixed")])
-def test_fsdp2_on_two_real_ranks(techniques):
+@pytest.mark.parametrize("techniques", [("fsdp2",), ("fsdp2", "checkpointing", "bf16-mixed"), ("fsdp2:reshard=false",),
+                                        ("fsdp2", "cpu-offload"),
+                                        ("ddp",), ("ddp", "checkpointing", "bf16-mixed"),
+                                        ("tensor-parallel",), ("tensor-parallel", "checkpointing", "bf16-mixed")])
+def test_data_parallel_on_two_real_ranks(techniques):
     """torchrun starts 2 gloo ranks; each rank's peak against rank 0's trace (fake process group) and the
-    analytic model of FSDP2's shards, all-gathers and reduce-scatters."""
+    analytic model: FSDP2's shards, all-gathers and reduce-scatters (and CPUOffloadPolicy's host shards);
+    DDP's buckets, rebuilt in the second step; tensor parallel's split heads and MLP channels."""
     run = measure(Workload(**SHAPE, world_size=2, techniques=techniques), estimates=("traced", "analytic"))
     single = measured(techniques[1:])
     assert len(run.extra["rank_peak_bytes"]) == 2
     assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
     assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
-    assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
+    if techniques[0] != "ddp":
+        assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
+    else:
+        assert run.peak_bytes > single.peak_bytes, "DDP adds its gradient buckets to a whole model per rank"
+    if "cpu-offload" in techniques:
+        assert run.host_bytes > 0
+        _host_predicted_as_measured(run)
+
+
+def test_stream_layers_runs_inference_in_less_device_memory():
+    """Block weights in host RAM, each block's copied in while it runs: the device holds one block's."""
+    run, base = measured(("stream-layers",), task="inference"), measured((), task="inference")
+    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert run.peak_bytes < 0.8 * base.peak_bytes and run.host_bytes > 0
+    _host_predicted_as_measured(run)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = text_batches(batch_size=2, seq_len=32, num_batches=1)[0]["input_ids"] % 256
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+        memfit.apply_(model, None, ["stream-layers"])
+        assert all(p.device.type == "cpu" for p in model.model.layers.parameters())
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
+
+
+def test_allocator_techniques_change_only_the_cuda_reserve():
+    """expandable-segments and release-cache act on CUDA's caching allocator: the tensors' peak is the same,
+    the assumed reserve (labelled so) is smaller with expandable segments; on the CPU they change nothing."""
+    from memfit.specs.hardware import get_gpu
+
+    gpu = get_gpu("h100")
+    base = memfit.estimate(Workload(**SHAPE), method="analytic", gpu=gpu)
+    for name, fraction in (("expandable-segments", 0.02), ("release-cache", 0.10)):
+        run = memfit.estimate(Workload(**SHAPE, techniques=(name,)), method="analytic", gpu=gpu)
+        assert run.peak_bytes == base.peak_bytes and run.sources["allocator_reserve"] == "assumed"
+        assert run.overhead_detail["allocator_reserve"] == int(run.peak_bytes * fraction)
+        cpu = measured((name,))
+        assert cpu.peak_bytes == measured(()).peak_bytes
 
 
 def test_custom_module_blocks_are_found_or_named():
@@ -192,6 +254,27 @@ def test_apply_to_a_users_own_model_and_optimizer():
     assert got[-1] < got[0]
 
 
+def test_offload_in_a_users_own_loop_changes_no_result():
+    """cpu-offload rebuilds the user's optimizer (kind and settings) over host master weights; with the
+    saved activations offloaded too, training gives the same losses as without."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memfit.techniques.offload import HostOffloadOptimizer
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, use_cache=False)
+    batch = text_batches(batch_size=2, seq_len=64, num_batches=1)[0]
+    runs = []
+    for techniques in ((), ("checkpointing:mode=offload", "cpu-offload")):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        setup = memfit.apply_(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05), techniques)
+        runs.append([float(setup.step(batch)) for _ in range(4)])
+    assert isinstance(setup.optimizer, HostOffloadOptimizer)
+    assert type(setup.optimizer.inner) is torch.optim.AdamW and setup.optimizer.param_groups[0]["weight_decay"] == 0.05
+    assert runs[1] == runs[0] and runs[0][-1] < runs[0][0]
+
+
 def test_bad_input_is_one_error_and_changes_nothing():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -201,7 +284,8 @@ def test_bad_input_is_one_error_and_changes_nothing():
     for bad, fragment in ((["checkpointing", "nosuch"], "unknown technique"),
                           (["checkpointing", "checkpointing:every=2"], "given twice"),
                           (["adamw8bit", "adafactor"], "both set the optimizer"),
-                          (["checkpointing:mode=fast"], "full or selective"),
+                          (["checkpointing:mode=fast"], "full, selective, offload"),
+                          (["cpu-offload", "adamw8bit"], "float32 states"),
                           (["truncate:max_len=x"], "not a valid int")):
         with pytest.raises(MemfitError, match=fragment):
             memfit.apply_(model, None, bad)
@@ -210,10 +294,19 @@ def test_bad_input_is_one_error_and_changes_nothing():
         Workload(model="tiny-llama", world_size=2, zero_stage=1, techniques=("adamw8bit",))
     with pytest.raises(MemfitError, match="inference"):
         Workload(model="tiny-llama", task="inference", techniques=("checkpointing",))
+    with pytest.raises(MemfitError, match="bf16-mixed"):
+        Workload(model="tiny-llama", techniques=("cpu-offload", "fp16-mixed"))
+    with pytest.raises(MemfitError, match="other blocks"):
+        Workload(model="tiny-gpt2", world_size=2, techniques=("tensor-parallel",))
+    with pytest.raises(MemfitError, match="do not split over 3 ranks"):
+        Workload(model="tiny-llama", world_size=3, techniques=("tensor-parallel",))
+    with pytest.raises(MemfitError, match="drop chunked-ce"):   # --world-size N alone is DDP
+        Workload(model="tiny-llama", world_size=2, techniques=("chunked-ce",))
 
 
 def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
-    where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"}, "fsdp2": {"world_size": 2}}
+    where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"}, "fsdp2": {"world_size": 2},
+             "ddp": {"world_size": 2}, "tensor-parallel": {"world_size": 2}, "stream-layers": {"task": "inference"}}
     for name, cls in REGISTRY.items():
         workload = Workload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
         base = memfit.estimate(workload, method="analytic")

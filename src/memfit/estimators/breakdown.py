@@ -36,6 +36,7 @@ class MemoryEstimate:
     component_peaks: dict[str, int]
     model_state_bytes: dict[str, int]
     overhead_bytes: int = 0
+    host_bytes: int = 0                        # host RAM that offloaded tensors need at their peak
     fits: bool | None = None
     headroom_bytes: int | None = None
     elapsed_s: float = 0.0
@@ -69,7 +70,8 @@ class MemoryEstimate:
             "at_peak": {k: int(self.at_peak[k]) for k in CATEGORIES},
             "component_peaks": {k: int(self.component_peaks[k]) for k in CATEGORIES},
             "model_state_bytes": {k: int(self.model_state_bytes[k]) for k in MODEL_STATE_CATEGORIES},
-            "overhead_bytes": int(self.overhead_bytes), "fits": self.fits, "headroom_bytes": self.headroom_bytes,
+            "overhead_bytes": int(self.overhead_bytes), "host_bytes": int(self.host_bytes),
+            "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "elapsed_s": round(self.elapsed_s, 4), "device_memory_bytes": self.device_memory_bytes,
             "sources": self.sources, "overhead_detail": self.overhead_detail, "notes": self.notes,
         }

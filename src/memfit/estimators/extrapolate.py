@@ -128,6 +128,20 @@ def extrapolate(samples: dict[int, dict[tuple[str, int], RegionPeak]], layers: i
     return result
 
 
+def extrapolate_host(samples: dict[int, dict[str, int]], layers: int) -> int:
+    """Host RAM (offload) at `layers` depth: each phase's peak from its values at the three depths,
+    checked like the region peaks, then the largest (the phase that holds the most changes with depth)."""
+    (n1, a), (n2, b), (n3, c) = sorted(samples.items())
+    if set(a) != set(b) or set(b) != set(c):
+        raise NotLinear("the step's phases change with depth")
+    predicted = []
+    for phase in a:
+        if b[phase] + (b[phase] - a[phase]) != c[phase]:
+            raise NotLinear(f"host RAM in {phase}: {a[phase]}, {b[phase]}, {c[phase]}")
+        predicted.append(a[phase] + (b[phase] - a[phase]) * (layers - n1) // (n2 - n1))
+    return max(predicted, default=0)
+
+
 def peak_of(regions: dict[tuple[str, int], RegionPeak]) -> tuple[RegionPeak, dict[str, int], dict[str, int]]:
     """(the peak region, component peaks, peak total per phase)."""
     top = max(regions.values(), key=lambda r: r.total)

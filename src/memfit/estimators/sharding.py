@@ -20,8 +20,10 @@ def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
     fsdp2 = workload.technique("fsdp2") is not None
-    if n == 1 or workload.task != "train" or (fsdp2 and traced):
+    if n == 1 or workload.task != "train" or (workload.distributed_technique and traced):
         return {name: 1 for name in CATEGORIES}, 1, notes
+    if workload.technique("ddp") or workload.technique("tensor-parallel"):   # the engine runs one rank's part
+        return {name: 1 for name in CATEGORIES}, 1, notes                  # (DDP's buckets, TP's split blocks)
     stage = 3 if fsdp2 else workload.zero_stage
     if workload.engine == "pytorch" and stage <= 1:
         weights["gradients"] = 2 * n
@@ -31,6 +33,10 @@ def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str
         weights["optimizer_temporaries"] = 1   # the step runs on this rank's shard
     if stage >= 2:
         weights["gradients"] = 1
+    if fsdp2 and workload.technique("cpu-offload"):   # the shards, their gradients and the step live on the host
+        for name in ("parameters", "gradients", "optimizer_states", "optimizer_temporaries"):
+            weights[name] = 0
+        return weights, n, notes
     if stage >= 3:
         weights["parameters"] = 1
         notes.append("ZeRO-3/FSDP all-gather buffers of the layer being computed are not included (analytic); "

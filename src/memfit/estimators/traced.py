@@ -26,6 +26,7 @@ from memfit.estimators.extrapolate import (
     NotLinear,
     RegionPeak,
     extrapolate,
+    extrapolate_host,
     extrapolation_depths,
     peak_of,
     region_peaks,
@@ -141,6 +142,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         runs = {n: _trace_once(workload, gpu, n) for n in depths}
         try:
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
+            host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, source.num_layers)
             regions = extrapolate(samples, source.num_layers)
             notes.append(f"traced {', '.join(map(str, depths))} of {source.num_layers} layers and "
                          "extrapolated (linear in depth, checked exactly on the third trace)")
@@ -150,6 +152,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     if regions is None:
         run = _trace_once(workload, gpu, None)
         regions = region_peaks(run.trace, WHOLE_RUN, weights)
+        host_bytes = max(run.trace.host_peaks().values())
     if run.probed:
         notes.append("CPU kernel scratch probed on real tensors of the same shapes: " + ", ".join(sorted(run.probed)))
     if run.skipped:
@@ -162,13 +165,13 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         model=source.name, num_parameters=count_parameters(full_model), workload=workload.to_json(),
         method="traced", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
         peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
-        model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES},
+        model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES}, host_bytes=host_bytes,
         sources={name: "traced" for name in CATEGORIES}, notes=notes,
     )
     if DDP_BUCKET_NOTE in notes:
         estimate.sources["gradients"] = "traced+analytic"
     if gpu:
-        add_gpu_overheads(estimate, gpu)
+        add_gpu_overheads(estimate, gpu, workload)
     if modules:
         estimate.modules = module_rows(run.trace, run.model, run.stacks, source.num_layers)
     if timeline:

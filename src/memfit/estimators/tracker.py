@@ -10,6 +10,8 @@ however many tensors view it. Categories are decided after the run, from what th
   born in backward/optimizer  -> temporaries
 
 `round_to` rounds every storage up as an allocator would (CUDA's caching allocator: 512 bytes).
+Storages that offload code keeps in host RAM (steps/host.py) are counted apart: `walk` and `summary`
+are the device's, `host_peaks` the host's.
 """
 from __future__ import annotations
 
@@ -19,12 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.categories import CATEGORIES, zero_categories
 from memfit.steps.hooks import plain_tensors
+from memfit.steps.host import in_host_region, listening
 
 _FORWARD_PHASES = {"forward", "prefill", "decode", "setup"}
 
@@ -40,6 +47,7 @@ class _Storage:
     op: str = ""                  # the operator that created it ("" for watched tensors)
     shape: tuple = ()
     dtype: str = ""
+    host: bool = False            # kept in host RAM by an offload technique (not device memory)
 
 
 @dataclass
@@ -66,13 +74,15 @@ class Trace:
             return storage.category
         return "activations" if storage.phase in _FORWARD_PHASES else "temporaries"
 
-    def walk(self, weights: dict[str, int] | None = None):
+    def walk(self, weights: dict[str, int] | None = None, *, include_host: bool = False):
         """Yield (event index, category totals) after every event of the measured step.
-        `weights` multiplies each category (per-rank sharding, see sharding.py)."""
+        `weights` multiplies each category (per-rank sharding, see sharding.py); host storages count
+        only with `include_host` (a CPU run, where host and device share one allocator)."""
         weights = weights or {name: 1 for name in CATEGORIES}
         category = [self.category_of(s) for s in self.storages]
         step_weight = weights.get("optimizer_temporaries", weights["temporaries"])
-        weight = [step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
+        weight = [0 if s.host and not include_host
+                  else step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
                   for c, s in zip(category, self.storages)]
         totals = zero_categories()
         for index, storage in enumerate(self.storages):   # watched before tracking began
@@ -86,7 +96,25 @@ class Trace:
             totals[category[sid]] += delta * weight[sid]
             yield index, totals
 
-    def summary(self) -> tuple[PeakPoint, dict[str, int], dict[str, PeakPoint]]:
+    def host_peaks(self) -> dict[str, int]:
+        """Per phase of the measured step, the most host RAM the offloaded storages held at once."""
+        live = sum(s.nbytes for s in self.storages if s.host and s.born == -1)
+        live += sum(delta for sid, delta in self.events[:self.start] if self.storages[sid].host)
+        marks = [m for m in self.phase_marks if m[0] >= self.start]
+        phase = marks[0][1] if marks else "setup"
+        peaks = {phase: live}
+        next_mark = 0
+        for index in range(self.start, len(self.events)):
+            while next_mark < len(marks) and marks[next_mark][0] <= index:
+                phase = marks[next_mark][1]
+                next_mark += 1
+            sid, delta = self.events[index]
+            if self.storages[sid].host:
+                live += delta
+            peaks[phase] = max(peaks.get(phase, 0), live)
+        return peaks
+
+    def summary(self, *, include_host: bool = False) -> tuple[PeakPoint, dict[str, int], dict[str, PeakPoint]]:
         """(global peak, each category's own peak, each phase's peak) over the measured step."""
         marks = [m for m in self.phase_marks if m[0] >= self.start]
         phase = marks[0][1] if marks else "setup"
@@ -94,7 +122,7 @@ class Trace:
         component_peaks = zero_categories()
         phase_peaks: dict[str, PeakPoint] = {}
         next_mark = 0
-        for index, totals in self.walk():
+        for index, totals in self.walk(include_host=include_host):
             while next_mark < len(marks) and marks[next_mark][0] <= index:
                 phase = marks[next_mark][1]
                 next_mark += 1
@@ -141,6 +169,18 @@ class MemoryTracker(TorchDispatchMode):
         for tensor in tensors:
             for plain in plain_tensors(tensor):
                 self.storages[self._register(plain)].category = category
+
+    def mark_host(self, tensors: Iterable[torch.Tensor]) -> None:
+        """These tensors live in host RAM (steps/host.py calls this for offload code)."""
+        for tensor in tensors:
+            for plain in plain_tensors(tensor):
+                self.storages[self._register(plain)].host = True
+
+    def _noted(self, tensors: list[torch.Tensor], kind: str) -> None:
+        if kind == "host":
+            self.mark_host(tensors)
+        else:
+            self.mark(kind, tensors)
 
     def begin_measured_step(self) -> None:
         """Everything before this point was warm-up; the measured step starts here."""
@@ -197,7 +237,8 @@ class MemoryTracker(TorchDispatchMode):
         index = len(self.storages)
         module = next((m for m in reversed(self._module_stack) if m is not None), None)
         self.storages.append(_Storage(nbytes, self._phase, module, -1 if born == -1 else len(self.events),
-                                      op=op, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", "")))
+                                      op=op, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+                                      host=in_host_region()))
         self._by_storage[storage] = index
         if born != -1:
             self.events.append((index, nbytes))
@@ -223,10 +264,12 @@ class MemoryTracker(TorchDispatchMode):
             self.events.append((index, delta))
 
     def live_bytes(self) -> int:
-        """Bytes of the tracked storages alive now."""
+        """Bytes of the tracked storages alive now, host and device."""
         return sum(self._size.get(i, s.nbytes) for i, s in enumerate(self.storages) if s.died is None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented   # the subclass (DTensor) runs it, and its inner ops come back here
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             # a wrapper subclass (DTensor) owns no memory: its inner tensors are registered by their own ops
@@ -256,11 +299,14 @@ class MemoryTracker(TorchDispatchMode):
 
         self._resize = resize
         torch.UntypedStorage.resize_ = resize_
+        self._host_listener = listening(self._noted)
+        self._host_listener.__enter__()
         self._recording = True
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
+        self._host_listener.__exit__(None, None, None)
         self._recording = False
         for handle in self._hook_handles + self._stack_handles:
             handle.remove()

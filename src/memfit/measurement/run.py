@@ -120,7 +120,10 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     trace = tracker.trace()
     top, components, _ = trace.summary()
     at_peak = dict(top.at)
-    untracked = max(peak - top.total, 0)
+    # On CPU host and device share one allocator: the allocator's peak less the tracked peak (host
+    # storages included) is the kernel scratch no tensor accounts for.
+    tracked = top.total if on_cuda else trace.summary(include_host=True)[0].total
+    untracked = max(peak - tracked, 0)
     at_peak["temporaries"] += untracked
     extra["untracked_bytes"] = untracked
     extra["tracked_peak_bytes"] = top.total
@@ -129,6 +132,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
         workload=workload.to_json(), method="measured", device=device, peak_bytes=sum(at_peak.values()),
         peak_phase=allocator_phase or top.phase, at_peak=at_peak, component_peaks=dict(components),
         model_state_bytes={k: components[k] for k in ("parameters", "gradients", "optimizer_states")},
+        host_bytes=max(trace.host_peaks().values()),
         sources={name: "measured" for name in CATEGORIES},
         notes=["peak from the " + ("CUDA caching allocator" if on_cuda else "CPU allocator (profiler events)")
                + "; categories from tracking the same run's tensors"],

@@ -46,6 +46,9 @@ def estimate_table(estimate: MemoryEstimate) -> Table:
     if estimate.overhead_bytes:
         table.add_row("[bold]total on device[/bold]", f"[bold]{_fmt(estimate.peak_bytes + estimate.overhead_bytes)}[/bold]",
                       "", "")
+    if estimate.host_bytes:
+        table.add_section()
+        table.add_row("host RAM (offloaded)", _fmt(estimate.host_bytes), "", "at its own peak")
     return table
 
 
@@ -85,6 +88,9 @@ def measure_table(measured: MemoryEstimate) -> Table:
     table.add_row("[bold]peak[/bold]", f"[bold]{_fmt(measured.peak_bytes)}[/bold]",
                   *[f"[bold]{_fmt(e['peak_bytes'])}[/bold]" for e in estimates.values()])
     table.add_row("peak phase", measured.peak_phase, *[e["peak_phase"] for e in estimates.values()])
+    if measured.host_bytes or any(e.get("host_bytes") for e in estimates.values()):
+        table.add_row("host RAM (offloaded)", _fmt(measured.host_bytes),
+                      *[_fmt(e.get("host_bytes", 0)) for e in estimates.values()])
     table.add_row("measured / estimated", "", *[f"{measured.peak_bytes / e['peak_bytes']:.4f}"
                                                  for e in estimates.values() if e["peak_bytes"]])
     return table
@@ -109,11 +115,12 @@ def print_estimate(estimate: MemoryEstimate, console: Console | None = None) -> 
 def savings_table(rows: list[dict]) -> Table:
     table = Table(title="what each technique saves here (peak without it − peak with all; "
                         f"{rows[0]['method']})", title_justify="left")
-    for column in ("technique", "saves", "step time ×", "risk"):
+    for column in ("technique", "saves", "host RAM +", "step time ×", "risk"):
         table.add_column(column, justify="left" if column in ("technique", "risk") else "right")
     for row in rows:
-        saved = row["saved_bytes"]
+        saved, host = row["saved_bytes"], row["host_bytes"]
         table.add_row(row["technique"], ("−" if saved < 0 else "") + format_bytes(abs(saved)),
+                      ("−" if host < 0 else "") + format_bytes(abs(host)) if host else "",
                       f"{row['time_factor']:.2f} ({row['time_factor_source']})", row["risk"])
     return table
 

@@ -74,15 +74,21 @@ class Workload:
 
     @cached_property
     def technique_configs(self) -> list:
-        """The techniques (beyond precision and optimizer) as configs, in the canonical order."""
+        """The techniques (beyond precision and optimizer) as configs, in the canonical order; `--world-size N`
+        training with neither --zero nor a data-parallel technique is DDP (the `ddp` technique, implied)."""
         from memfit.techniques.base import parse_technique
+        from memfit.techniques.compose import ordered
 
-        return [parse_technique(spec) for spec in self.techniques]
+        configs = [parse_technique(spec) for spec in self.techniques]
+        if (self.task == "train" and self.world_size > 1 and not self.zero_stage and self.engine == "pytorch"
+                and not {c.name for c in configs} & {"ddp", "fsdp2", "tensor-parallel"}):
+            configs = ordered(configs + [parse_technique("ddp")])
+        return configs
 
     @property
     def distributed_technique(self):
-        """The fsdp2 config when the workload runs over a process group, else None."""
-        return self.technique("fsdp2")
+        """The ddp, fsdp2 or tensor-parallel config when the workload runs over a process group, else None."""
+        return self.technique("fsdp2") or self.technique("ddp") or self.technique("tensor-parallel")
 
     def technique(self, name: str):
         """The config of technique `name`, or None."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from memfit.core.precision import Precision
 from memfit.steps.hooks import NullHooks, StepHooks
+from memfit.steps.host import note_host, on_host
 from memfit.steps.optim import optimizer_state_tensors
 
 if TYPE_CHECKING:
@@ -78,17 +79,36 @@ class TrainLoop:
         micro_batches = setup.prepare_batch(batch)
         total = None
         for micro_batch in micro_batches:
-            hooks.phase("forward")
+            self._phase("forward")
             with setup.autocast():
                 loss = setup.loss(self.model, micro_batch)
             if len(micro_batches) > 1:
                 loss = loss / len(micro_batches)
-            hooks.phase("backward")
+            self._phase("backward")
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
             del loss
-        hooks.mark("gradients", [p.grad for p in self.params if p.grad is not None])
-        hooks.phase("optimizer")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        hooks.mark("gradients", grads)
+        host_step = setup.offload == "fsdp2"   # FSDP2's CPUOffloadPolicy: gradient shards, states and step on the host
+        if host_step:
+            note_host(grads)
+        self._phase("optimizer")
+        with on_host() if host_step else contextlib.nullcontext():
+            self._optimizer_step()
+        states = optimizer_state_tensors(self.optimizer)
+        hooks.mark("optimizer_states", states + self.scaler_state())
+        if host_step:
+            note_host(states)
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def _phase(self, name: str) -> None:
+        self.hooks.phase(name)
+        for callback in self.setup.phase_callbacks:
+            callback(name)
+
+    def _optimizer_step(self) -> None:
         if self.scaler is None:
             self.optimizer.step()
         elif self.trace_safe:
@@ -101,9 +121,6 @@ class TrainLoop:
             self.scaler.update()
             if self.scaler.get_scale() < scale:     # the scaler backs off only after skipping a step
                 self.skipped_steps += 1
-        hooks.mark("optimizer_states", optimizer_state_tensors(self.optimizer) + self.scaler_state())
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
 
     def scaler_state(self) -> list[torch.Tensor]:
         if self.scaler is None:

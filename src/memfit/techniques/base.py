@@ -32,6 +32,10 @@ class Technique:
     # until benchmarks/technique_table.py measures it.
     time_factor: ClassVar[float] = 1.0
 
+    def step_time_factor(self) -> float:
+        """This configuration's step-time factor (the class's `time_factor` unless a parameter changes it)."""
+        return self.time_factor
+
     def check(self, workload: Workload) -> None:
         """Raise MemfitError when this technique cannot apply to `workload`."""
 

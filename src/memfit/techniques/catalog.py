@@ -1,9 +1,11 @@
 """Imports every technique module so that each registers itself."""
 from memfit.techniques import (  # noqa: F401
+    allocator,
     attention,
     checkpointing,
     distributed,
     mixed_precision,
+    offload,
     optimizer_states,
     sequence,
 )

@@ -1,5 +1,6 @@
 """Activation checkpointing (torch.utils.checkpoint, non-reentrant): full per block, every n-th block,
-or selective per op.
+or selective per op; or, instead of recomputing, the blocks' saved tensors offloaded to host RAM
+(`mode=offload`, offload.py).
 
 Mechanism: a checkpointed block keeps only its inputs during the forward; backward re-runs the
 block's forward (once, when it first needs a saved tensor) and then its backward. `every=n`
@@ -25,7 +26,7 @@ from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.setup import StepSetup
 
-MODES = ("full", "selective")
+MODES = ("full", "selective", "offload")
 
 
 def _expensive_ops() -> set:
@@ -53,7 +54,8 @@ class Checkpointing(Technique):
     name = "checkpointing"
     risk = "lossless"
     stage = "checkpointing"
-    summary = "recompute block activations in backward: full per block, every n-th block, or selective per op"
+    summary = ("recompute block activations in backward: full per block, every n-th block, selective per op; "
+               "or offload them to host RAM (mode=offload)")
     time_factor = 1.33
     every: int = 1
     mode: str = "full"
@@ -62,7 +64,11 @@ class Checkpointing(Technique):
     def __post_init__(self) -> None:
         require_positive_int(self.every, "-t checkpointing: every")
         if self.mode not in MODES:
-            raise MemfitError(f"-t checkpointing: mode must be full or selective, got {self.mode!r}.")
+            raise MemfitError(f"-t checkpointing: mode must be one of {', '.join(MODES)}, got {self.mode!r}.")
+
+    def step_time_factor(self) -> float:
+        # offload: device <-> host copies of the saved tensors instead of a re-run (overlapped on a GPU)
+        return {"full": self.time_factor, "selective": 1.1, "offload": 1.1}[self.mode]
 
     def check(self, workload) -> None:
         if workload.task != "train":
@@ -72,6 +78,13 @@ class Checkpointing(Technique):
     def apply_(self, setup: StepSetup) -> None:
         blocks = repeated_blocks(setup.model, self.blocks)
         chosen = [block for index, block in blocks if index % self.every == 0]
+        if self.mode == "offload":
+            from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
+
+            keep = parameter_storages(setup.model)
+            for block in chosen:
+                offload_saved_tensors_(block, keep)
+            return
         checkpoint = step_checkpoint(setup, selective=self.mode == "selective")
         for block in chosen:
             checkpoint_block_(block, checkpoint)

@@ -6,6 +6,7 @@ MemfitError and nothing has been changed.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 # The canonical order (torchtitan's: quantize -> LoRA -> checkpoint -> compile -> shard), one step
 # per stage, each with the reason it comes where it does.
 ORDER: tuple[tuple[str, str], ...] = (
+    ("memory", "allocator settings come before the first device allocation they should govern"),
     ("precision", "weights take their final dtype first: every later step wraps or copies the real weights"),
     ("sequence", "the batch's shape is fixed before anything is sized from it"),
     ("loss", "the loss head is replaced before blocks are wrapped, so checkpointing wraps the model's own blocks"),
@@ -51,21 +53,37 @@ RULES: tuple[Rule, ...] = (
          "drop --zero, or keep the fp32 optimizer under ZeRO", lambda w: w.zero_stage >= 1),
     Rule(frozenset({"adamw4bit"}), "torchao's 4-bit states are per whole tensor (or per DTensor shard), not "
          "partitions of one flat ZeRO-1/2 state", "drop --zero", lambda w: w.zero_stage >= 1),
-    Rule(frozenset({"adamw8bit"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
-         "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
-    Rule(frozenset({"adamw4bit"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
-         "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
-    Rule(frozenset({"adafactor"}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per "
-         "parameter)", "use --engine pytorch", lambda w: w.engine == "deepspeed"),
-    Rule(frozenset({"fsdp2", "adamw8bit"}), "bitsandbytes' 8-bit states are not DTensor-aware, and FSDP2 "
-         "parameters are DTensor shards", "use AdamW with fsdp2"),
-    Rule(frozenset({"fsdp2", "adamw4bit"}), "memfit does not trace torchao's 4-bit states on DTensor shards yet",
-         "use AdamW with fsdp2"),
-    Rule(frozenset({"fsdp2", "adafactor"}), "torch.optim.Adafactor's in-place norm updates do not run on "
-         "DTensor shards", "use AdamW with fsdp2"),
+    Rule(frozenset({"cpu-offload", "fp16-mixed"}), "the loss scaler unscales and checks the gradients on the "
+         "device, but cpu-offload moves each one to the host as it arrives", "use bf16-mixed with cpu-offload"),
+    Rule(frozenset({"ddp", "fsdp2"}), "DDP replicates the model that FSDP2 shards; one data-parallel wrapper "
+         "per model", "keep one of -t ddp and -t fsdp2"),
+    Rule(frozenset({"ddp", "chunked-ce"}), "chunked-ce calls the base model directly, around DDP's forward, "
+         "so DDP would never prepare its gradient reduction", "drop chunked-ce"),
+    Rule(frozenset({"ddp", "cpu-offload"}), "cpu-offload takes each gradient off the device as it arrives, "
+         "before DDP's bucket reduction reads it", "use -t fsdp2 -t cpu-offload"),
+    Rule(frozenset({"tensor-parallel", "ddp"}), "memfit runs tensor parallel over every rank (no 2-D mesh yet)",
+         "drop -t ddp"),
+    Rule(frozenset({"tensor-parallel", "fsdp2"}), "memfit runs tensor parallel over every rank (no 2-D mesh yet)",
+         "drop -t fsdp2"),
+    Rule(frozenset({"tensor-parallel", "cpu-offload"}), "the host optimizer copies plain tensors, and tensor "
+         "parallel's weights are DTensor shards", "drop cpu-offload"),
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
          "module never all-gathers the LM head", "drop chunked-ce"),
-)
+) + tuple(
+    Rule(frozenset({optimizer}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per parameter)",
+         "use --engine pytorch", lambda w: w.engine == "deepspeed")
+    for optimizer in ("adamw8bit", "adamw4bit", "adafactor")
+) + tuple(
+    Rule(frozenset({"cpu-offload", optimizer}), "the host optimizer keeps float32 states (DeepSpeed's CPU Adam "
+         "does too); 8- and 4-bit states are kernels for the device", "use AdamW or Adafactor with cpu-offload")
+    for optimizer in ("adamw8bit", "adamw4bit")
+) + tuple(   # fsdp2's and tensor parallel's parameters are DTensor shards
+    Rule(frozenset({sharding, optimizer}), reason, f"use AdamW with {sharding}")
+    for sharding in ("fsdp2", "tensor-parallel")
+    for optimizer, reason in (("adamw8bit", "bitsandbytes' 8-bit states are not DTensor-aware"),
+                              ("adamw4bit", "memfit does not trace torchao's 4-bit states on DTensor shards yet"),
+                              ("adafactor", "torch.optim.Adafactor's in-place norm updates do not run on DTensor "
+                                            "shards")))
 
 
 def ordered(techniques: Iterable[Technique]) -> list[Technique]:
@@ -135,7 +153,8 @@ def prepare_step(model: nn.Module, workload: Workload, *, device_type: str, fore
 def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
            techniques: Iterable[str | Technique] = (), *, device_type: str | None = None) -> StepSetup:
     """Apply techniques to a user's own model (in place) and return what their loop needs: `setup.optimizer`
-    (rebuilt when an optimizer technique is given, with the given optimizer's learning rate),
+    (rebuilt when an optimizer technique is given, with the given optimizer's learning rate; with
+    cpu-offload, the given optimizer's kind and settings over host master weights — drop the old one),
     `setup.autocast()`, `setup.loss(model, batch)`, `setup.prepare_batch(batch)` — or `setup.step(batch)`."""
     configs = _parse_all(techniques)
     check_rules(configs, None)
@@ -148,4 +167,11 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         setup.lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         setup.optimizer = None
         setup.build_optimizer()
+    elif setup.offload == "optimizer":   # the user's optimizer, rebuilt over host master weights
+        if optimizer is None:
+            raise MemfitError("-t cpu-offload needs the optimizer to move to the host: pass it to apply_.")
+        kind = type(setup.optimizer)
+        accepted = inspect.signature(kind.__init__).parameters
+        settings = {k: v for k, v in setup.optimizer.defaults.items() if k in accepted and k != "capturable"}
+        setup.optimizer = setup.offloaded(lambda masters: kind(masters, **settings))   # capturable: CUDA only
     return setup

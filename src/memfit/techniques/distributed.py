@@ -1,8 +1,9 @@
-"""Fully sharded data parallel training (FSDP2, ZeRO-3) over ranks.
+"""Training over ranks: fully sharded (FSDP2, ZeRO-3), replicated (DDP), or each block split (tensor
+parallel).
 
-`memfit measure --world-size N -t fsdp2` starts N real ranks with torchrun (gloo on CPU) and reports the
+`memfit measure --world-size N -t NAME` starts N real ranks with torchrun (gloo on CPU) and reports the
 highest per-rank peak; the traced estimate runs rank 0 in one process with PyTorch's fake process group
-(collectives return fake tensors of the right shape), so it runs FSDP2's own code.
+(collectives return fake tensors of the right shape), so it runs the real wrappers' own code.
 
   fsdp2   torch.distributed.fsdp.fully_shard on every repeated block, then on the root. Parameters,
           gradients and optimizer states are sharded over the ranks (1/N each). A block's parameters are
@@ -11,20 +12,119 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
           backward; the last block is prefetched when backward starts; after a block's backward its
           unsharded gradients are copied into one flat buffer and reduce-scattered into this rank's shard.
           Memory per rank: 16 Psi / N of model states (fp32 AdamW) + one block's unsharded parameters and
-          gradients + the root's parameters + activations of the rank's micro-batch.
-          Rajbhandari et al., 2020 (ZeRO-3); Zhao et al., 2023 (PyTorch FSDP).
-
-DDP (a whole model per rank plus a flat copy of the gradients in its buckets) is modelled by
-`--world-size N` without -t fsdp2 (sharding.py); it is not run for real yet.
+          gradients + the root's parameters + activations of the rank's micro-batch. `reshard=false`
+          (FSDP's SHARD_GRAD_OP, ZeRO-2-like) keeps each block's gathered parameters from its forward until
+          its backward is done: no second all-gather, but every block's parameters whole at the start of
+          backward. With -t cpu-offload
+          (offload.py) the shards, their gradients and the optimizer step live in host RAM
+          (CPUOffloadPolicy). Rajbhandari et al., 2020 (ZeRO-3); Zhao et al., 2023 (PyTorch FSDP).
+  ddp     torch.nn.parallel.DistributedDataParallel: a whole model per rank; gradients are all-reduced in
+          buckets of ~25 MB as backward produces them. The buckets are one flat copy of every gradient,
+          allocated when DDP is built and kept (gradient_as_bucket_view=False, PyTorch's default); with
+          `bucket_view=true` the gradients are views into the buckets, so each gradient autograd makes is
+          copied in and freed. The second step rebuilds the buckets in the order gradients arrived and
+          holds both sets through that step (measured; later steps hold one): memfit reports that step,
+          the highest. Memory per rank: the single-process step + 2 x the gradients. `--world-size N`
+          alone (no --zero, no fsdp2) trains with ddp. Li et al., 2020 (PyTorch Distributed).
+  tensor-parallel  torch.distributed.tensor.parallel on every repeated block (Megatron-LM's layout,
+          Shoeybi et al., 2019): q/k/v and gate/up projections split by output features (each rank
+          computes its heads and channels), o and down projections by input features with their outputs
+          all-reduced. Every rank sees the whole batch. Memory per rank: the blocks' weights, gradients,
+          optimizer states and attention/MLP activations / N; the residual stream, the norms, the
+          embeddings and the head whole. Training and inference (the KV cache splits by heads too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError
+from memfit.steps.host import note_category, note_host
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.setup import StepSetup
+
+
+def _require_process_group(name: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise MemfitError(f"-t {name} needs a process group: run under torchrun (or `memfit measure "
+                          "--world-size N`, which starts one).")
+
+
+def _check_data_parallel(name: str, workload) -> None:
+    if workload.world_size < 2:
+        raise MemfitError(f"-t {name} runs over several ranks; pass --world-size N (N >= 2).")
+    if workload.task != "train":
+        raise MemfitError(f"-t {name} is for training; drop it for --task inference.")
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Ddp(Technique):
+    name = "ddp"
+    risk = "numerical"     # gradients are averaged across ranks in buckets: a different summation order
+    stage = "shard"
+    summary = "DistributedDataParallel: a whole model per rank, gradients all-reduced in buckets"
+    bucket_view: bool = False
+
+    def check(self, workload) -> None:
+        _check_data_parallel(self.name, workload)
+
+    def apply_(self, setup: StepSetup) -> None:
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.nn.parallel import DistributedDataParallel
+
+        _require_process_group(self.name)
+        # init_sync checks every rank's shapes and broadcasts rank 0's weights: values a trace does not have
+        traced = any(is_fake(p) for p in setup.model.parameters())
+        setup.model = DistributedDataParallel(setup.model, gradient_as_bucket_view=self.bucket_view,
+                                              init_sync=not traced)
+        setup.model.register_comm_hook(None, _traced_all_reduce if traced else _all_reduce)
+        if traced:
+            setup.model.reducer = _KeepBuckets(setup.model.reducer, list(setup.model.parameters()))
+
+
+def _all_reduce(state, bucket):
+    """DDP's default hook (all-reduce, then average, in place), with the bucket noted as gradients."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    note_category([bucket.buffer()], "gradients")
+    return allreduce_hook(state, bucket)
+
+
+def _traced_all_reduce(_state, bucket):
+    """A trace's fake process group completes with no value: the bucket comes back as it is."""
+    import torch
+
+    note_category([bucket.buffer()], "gradients")
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+class _KeepBuckets:
+    """A trace's DDP reducer. The real one rebuilds its buckets in gradient order at the second forward,
+    which broadcasts bucket indices (values a trace does not have), and holds the old and the new
+    buckets through that step (measured on 2 gloo ranks: +1x the gradients' bytes; later steps hold one
+    set). The trace keeps the first buckets and allocates the second set where the real one does."""
+
+    def __init__(self, reducer, params: list) -> None:
+        self._reducer, self._params, self._forwards = reducer, params, 0
+        self.rebuilt = None
+
+    def _rebuild_buckets(self) -> bool:
+        import torch
+
+        self._forwards += 1
+        if self._forwards == 2:
+            nbytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
+            self.rebuilt = torch.empty(nbytes, dtype=torch.uint8, device=self._params[0].device)
+            note_category([self.rebuilt], "gradients")
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
 
 
 @register
@@ -33,27 +133,77 @@ class Fsdp2(Technique):
     name = "fsdp2"
     risk = "numerical"
     stage = "shard"
-    summary = "fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks"
+    summary = ("fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks; "
+               "reshard=false keeps each block gathered from its forward to its backward (ZeRO-2-like)")
+    reshard: bool = True
 
     def check(self, workload) -> None:
-        if workload.world_size < 2:
-            raise MemfitError("-t fsdp2 shards over several ranks; pass --world-size N (N >= 2).")
+        _check_data_parallel(self.name, workload)
         if workload.zero_stage:
             raise MemfitError(f"-t fsdp2 is ZeRO-3 already; drop --zero {workload.zero_stage}.")
-        if workload.task != "train":
-            raise MemfitError("-t fsdp2 is for training; drop it for --task inference.")
 
     def apply_(self, setup: StepSetup) -> None:
         import torch.distributed as dist
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        if not dist.is_initialized():
-            raise MemfitError("-t fsdp2 needs a process group: run under torchrun (or `memfit measure "
-                              "--world-size N`, which starts one).")
+        _require_process_group(self.name)
         with unset_fake_temporarily():   # the mesh reads real values
             mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard}
+        if setup.offload:   # -t cpu-offload: shards, gradients and optimizer states in host RAM
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=setup.device_type == "cuda")
+            setup.offload = "fsdp2"
         for _, block in repeated_blocks(setup.model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(setup.model, mesh=mesh)
+            fully_shard(block, **options)
+        fully_shard(setup.model, **options)
+        if setup.offload:
+            note_host(setup.model.parameters())
+
+
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # output features split over the ranks
+ROWWISE = ("o_proj", "down_proj")                                   # input features split; outputs all-reduced
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class TensorParallel(Technique):
+    name = "tensor-parallel"
+    risk = "numerical"      # each rank sums a part of every row-parallel matmul; the all-reduce adds them
+    stage = "shard"
+    summary = "Megatron-style tensor parallel (DTensor): attention heads and MLP channels split over the ranks"
+
+    def check(self, workload) -> None:
+        if workload.world_size < 2:
+            raise MemfitError(f"-t {self.name} splits each block over several ranks; pass --world-size N (N >= 2).")
+        if workload.zero_stage:
+            raise MemfitError(f"-t {self.name} does not combine with --zero yet; drop --zero.")
+        source = workload.source
+        if not source.is_hf or source.model_type not in TP_MODEL_TYPES:
+            raise MemfitError(f"-t {self.name} splits q/k/v/o and gate/up/down projections "
+                              f"({', '.join(TP_MODEL_TYPES)} layouts); {workload.model} has other blocks.")
+        config = source.config()
+        heads, intermediate = config.num_attention_heads, config.intermediate_size
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads),
+                            ("MLP channels", intermediate)):
+            if count % workload.world_size:
+                raise MemfitError(f"-t {self.name}: {count} {what} do not split over {workload.world_size} ranks.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        import torch.distributed as dist
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        _require_process_group(self.name)
+        with unset_fake_temporarily():
+            mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
+        for _, block in repeated_blocks(setup.model):
+            plan = {name: ColwiseParallel() if name.rsplit(".", 1)[-1] in COLWISE else RowwiseParallel()
+                    for name, _ in block.named_modules() if name.rsplit(".", 1)[-1] in COLWISE + ROWWISE}
+            if not plan:
+                raise MemfitError(f"-t {self.name}: no {', '.join(COLWISE + ROWWISE)} modules in the blocks.")
+            parallelize_module(block, mesh, plan)

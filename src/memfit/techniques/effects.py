@@ -30,18 +30,22 @@ def without_technique(workload: Workload, technique: Technique) -> Workload:
 def effect(technique: Technique | str, estimate: MemoryEstimate, workload: Workload, *, gpu=None,
            method: str = "analytic") -> MemoryEstimate:
     """The estimate of `workload` with `technique` added (`estimate` is the one without it): bytes per
-    category, and in `extra["effect"]` the bytes saved, the step-time factor, the accuracy-risk label."""
+    category, and in `extra["effect"]` the bytes saved, the host RAM added, the step-time factor and
+    the accuracy-risk label."""
     from memfit.estimators import estimate as run_estimate
 
     technique = parse_technique(technique) if isinstance(technique, str) else technique
     changed = run_estimate(with_technique(workload, technique), method=method, gpu=gpu)
-    changed.extra["effect"] = describe(technique, saved_bytes=estimate.peak_bytes - changed.peak_bytes)
+    changed.extra["effect"] = describe(technique, without=estimate, with_it=changed)
     return changed
 
 
-def describe(technique: Technique, *, saved_bytes: int) -> dict:
-    return {"technique": technique.spec, "risk": technique.risk, "saved_bytes": int(saved_bytes),
-            "time_factor": technique.time_factor, "time_factor_source": "assumed"}
+def describe(technique: Technique, *, without: MemoryEstimate, with_it: MemoryEstimate) -> dict:
+    """Device bytes saved, host RAM added (offload), the step-time factor and the risk label."""
+    return {"technique": technique.spec, "risk": technique.risk,
+            "saved_bytes": int(without.peak_bytes - with_it.peak_bytes),
+            "host_bytes": int(with_it.host_bytes - without.host_bytes),
+            "time_factor": technique.step_time_factor(), "time_factor_source": "assumed"}
 
 
 def all_techniques(workload: Workload) -> list[Technique]:
@@ -59,5 +63,5 @@ def leave_one_out(workload: Workload, full: MemoryEstimate, *, gpu=None, method:
     rows = []
     for technique in all_techniques(workload):
         without = run_estimate(without_technique(workload, technique), method=method, gpu=gpu)
-        rows.append(describe(technique, saved_bytes=without.peak_bytes - full.peak_bytes) | {"method": method})
+        rows.append(describe(technique, without=without, with_it=full) | {"method": method})
     return rows

@@ -8,7 +8,7 @@ memfit's own runs build one with `prepare_step` (for a workload); a user's loop 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,10 @@ class StepSetup:
     batch_transform: Callable[[Any], Any] | None = None   # applied to the batch before it is split
     optimizer: torch.optim.Optimizer | None = None
     lr: float | None = None                           # None: memfit's default for the optimizer
+    # cpu-offload (offload.py): "optimizer" when the optimizer steps in host RAM on master weights,
+    # "fsdp2" when FSDP2 keeps its shards, gradients and optimizer states there itself
+    offload: str | None = None
+    phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
 
     def autocast(self):
         return autocast_region(self.precision, self.device_type, self.autocast_fn)
@@ -50,9 +54,18 @@ class StepSetup:
         from memfit.steps.optim import make_optimizer
 
         if self.optimizer is None:
-            self.optimizer = make_optimizer(self.model.parameters(), self.optimizer_name, foreach=self.foreach,
-                                            lr=self.lr)
+            if self.offload == "optimizer":   # the host optimizer steps on the CPU: the CPU's kernels
+                self.optimizer = self.offloaded(lambda masters: make_optimizer(masters, self.optimizer_name,
+                                                                               lr=self.lr))
+            else:
+                self.optimizer = make_optimizer(self.model.parameters(), self.optimizer_name,
+                                                foreach=self.foreach, lr=self.lr)
         return self.optimizer
+
+    def offloaded(self, build: Callable[[list], torch.optim.Optimizer]):
+        from memfit.techniques.offload import HostOffloadOptimizer
+
+        return HostOffloadOptimizer(self.model.parameters(), build)
 
     def step(self, batch):
         """One training step (forward and backward per micro-batch, optimizer step, zero_grad); the loss."""

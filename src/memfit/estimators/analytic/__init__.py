@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES, zero_categories
 from memfit.core.errors import MemfitError
@@ -19,7 +19,14 @@ from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.estimators.extrapolate import NotLinear, RegionPeak, extrapolate, extrapolation_depths, peak_of
+from memfit.estimators.extrapolate import (
+    NotLinear,
+    RegionPeak,
+    extrapolate,
+    extrapolate_host,
+    extrapolation_depths,
+    peak_of,
+)
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads
 from memfit.estimators.sharding import per_rank, state_weights
 from memfit.specs.hardware import GPU
@@ -38,9 +45,18 @@ def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
         checkpoint_every=checkpointing.every if checkpointing else 0,
         checkpoint_selective=bool(checkpointing) and checkpointing.mode == "selective",
+        checkpoint_offload=bool(checkpointing) and checkpointing.mode == "offload",
         loss_chunks=chunked.chunks if (chunked := workload.technique("chunked-ce")) else 0,
-        fsdp=workload.technique("fsdp2") is not None,
+        fsdp=(fsdp2 := workload.technique("fsdp2")) is not None,
+        fsdp_reshard=not fsdp2 or fsdp2.reshard,
+        grads_leave=host_optimizer(workload) or bool((ddp := workload.technique("ddp")) and ddp.bucket_view),
+        stream_blocks=workload.technique("stream-layers") is not None,
     )
+
+
+def host_optimizer(workload: Workload) -> bool:
+    """cpu-offload in one process: the optimizer, its states and the gradients live on the host."""
+    return workload.technique("cpu-offload") is not None and workload.technique("fsdp2") is None
 
 
 def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None) -> Engine:
@@ -57,9 +73,14 @@ def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict
 
 def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None) -> Engine:
     family, spec = registry.family_of(workload.source)
+    if workload.technique("tensor-parallel"):   # one rank's blocks: its share of the heads and MLP channels
+        n = workload.world_size
+        spec = replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n, intermediate=spec.intermediate // n)
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     family.declare_params(e, spec, num_layers)
+    if e.policy.stream_blocks:
+        e.stream_from_host()
     e.keep += family.declare_buffers(e, spec)
     batch, seq = workload.batch_size, workload.effective_seq_len
     windows = sequence_windows(workload)
@@ -67,7 +88,12 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
         e.keep += [e.input(batch * seq, "i64") for _ in range(2 if workload.task == "train" else 1)]
         e.inputs_are_views = True
     if workload.task == "train":
-        e.keep += create_states(e, workload.optimizer)
+        if workload.technique("ddp"):   # DDP's reduction buckets: a flat copy of every gradient, built with
+            # DDP, and rebuilt in gradient order in the second step, which holds both sets (techniques/distributed.py)
+            trainable = sum(p.numel for p in e.params.values() if p.grad)
+            e.keep += [e.new(trainable, e.policy.param_dtype, category="gradients") for _ in range(2)]
+        if not host_optimizer(workload):
+            e.keep += create_states(e, workload.optimizer)
         if get_precision(workload.precision).loss_scaling:
             e.keep += [e.new(1, "f32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
         for window in range(min(windows.count, 2)):   # the second window runs with the gradients alive
@@ -80,10 +106,38 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
             del loss, relabelled
         e.set_phase("optimizer")
         shards = workload.world_size if workload.zero_stage >= 1 else 1   # the step runs on this rank's shard
-        step_temporaries(e, workload.optimizer, foreach=gpu is not None, shards=shards)
+        if not host_optimizer(workload):
+            step_temporaries(e, workload.optimizer, foreach=gpu is not None, shards=shards)
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
     return e
+
+
+def offload_host_bytes(workload: Workload) -> tuple[int, int]:
+    """Host RAM under cpu-offload (techniques/offload.py), from the closed forms of the device's states:
+    (held all step: float32 master weights, their gradients and the optimizer's states — with fsdp2 the
+    shards in the model's dtype, / N; held in the step only: the CPU step's temporaries and the cast
+    back to a half-precision model)."""
+    if workload.technique("cpu-offload") is None or workload.task != "train":
+        return 0, 0
+    family, spec = registry.family_of(workload.source)
+    model_dtype = _DTYPE[str(get_precision(workload.precision).param_dtype)]
+    one_process = host_optimizer(workload)
+    e = Engine(Policy("f32" if one_process else model_dtype, None, "cpu", train=True))
+    e.set_phase("setup")
+    family.declare_params(e, spec, workload.source.num_layers)
+    trainable = [p for p in e.params.values() if p.grad]
+    held = [e.new(p.numel, p.dtype, category="gradients") for p in trainable]
+    held += create_states(e, workload.optimizer)
+    persistent = e.total
+    e.set_phase("optimizer")
+    step_temporaries(e, workload.optimizer, foreach=False)
+    if one_process and model_dtype != "f32" and trainable:
+        cast = e.new(max(p.numel for p in trainable), model_dtype)
+        del cast
+    step = e.peaks[("optimizer", "pre")].total - persistent
+    ranks = 1 if one_process else workload.world_size
+    return -(-persistent // ranks), -(-step // ranks)
 
 
 @dataclass(frozen=True)
@@ -153,18 +207,25 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     weights, divisor, notes = state_weights(workload)
     depths = extrapolation_depths(layers, period)
     if depths:
-        samples = {n: _regions(simulate(workload, gpu, n, weights), n, period) for n in depths}
+        engines = {n: simulate(workload, gpu, n, weights) for n in depths}
+        samples = {n: _regions(e, n, period) for n, e in engines.items()}
         try:
             regions = extrapolate(samples, layers)
+            saved = extrapolate_host({n: {"step": e.host_peak} for n, e in engines.items()}, layers)
         except NotLinear as exc:   # not expected for these programs; fall back to the full depth
             notes.append(f"depth extrapolation failed ({exc}); simulated every layer")
-            regions = _regions(simulate(workload, gpu, layers, weights), layers, layers)
-    else:
-        regions = _regions(simulate(workload, gpu, layers, weights), layers, layers)
+            depths = None
+        del engines
+    if not depths:
+        engine = simulate(workload, gpu, layers, weights)
+        regions, saved = _regions(engine, layers, layers), engine.host_peak
+        del engine
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)
     num_parameters = count_parameters(workload)
+    held, step = offload_host_bytes(workload)   # the engine's host bytes (saved activations, streamed
+    # weights) are held outside the optimizer step
     if workload.engine == "deepspeed":
         at_peak, component_peaks = _deepspeed_states(num_parameters, weights, divisor, at_peak, component_peaks)
         notes.append("engine deepspeed: half parameters and gradients, fp32 master weights + Adam moments "
@@ -174,10 +235,10 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         method="analytic", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
         peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
         model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES},
-        sources={name: "analytic" for name in CATEGORIES}, notes=notes,
+        host_bytes=held + max(saved, step), sources={name: "analytic" for name in CATEGORIES}, notes=notes,
     )
     if gpu:
-        add_gpu_overheads(estimate, gpu)
+        add_gpu_overheads(estimate, gpu, workload)
     estimate.elapsed_s = time.perf_counter() - started
     return estimate
 

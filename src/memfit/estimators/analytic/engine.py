@@ -29,6 +29,11 @@ class Policy:
     checkpoint_selective: bool = False   # keep matmul/attention outputs, recompute the rest
     loss_chunks: int = 0        # chunked cross-entropy: LM head + loss over this many sequence slices
     fsdp: bool = False          # FSDP2: each block's parameters all-gathered while it runs (see _gather)
+    fsdp_reshard: bool = True   # FSDP2 frees a block's gathered parameters after its forward (else after backward)
+    grads_leave: bool = False   # each gradient is freed once accumulated: copied to the host (cpu-offload) or
+    #                             into DDP's buckets (ddp:bucket_view=true)
+    checkpoint_offload: bool = False   # checkpointing:mode=offload: the blocks' saved tensors go to the host
+    stream_blocks: bool = False  # stream-layers: block weights live on the host, copied in while a block runs
 
 
 _serial = itertools.count()
@@ -89,6 +94,30 @@ class Alias(Sym):
     def __init__(self, base: Sym, numel: int, dtype: str) -> None:
         super().__init__(base.eng, numel, dtype, False, base.category, counted=False)
         self.base = base
+
+
+class Offloaded:
+    """A saved tensor copied to host RAM (activation offload): counted in the engine's host bytes while
+    a node still holds it; backward brings a device copy back for the node that uses it."""
+
+    __slots__ = ("eng", "numel", "dtype", "nbytes")
+
+    def __init__(self, sym: Sym) -> None:
+        self.eng, self.numel, self.dtype = sym.eng, sym.numel, sym.dtype
+        self.nbytes = sym.numel * DTYPE_BYTES[sym.dtype]
+        self.eng._host(+self.nbytes)
+
+    def __del__(self):
+        try:
+            self.eng._host(-self.nbytes)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _is_parameter(sym: Sym) -> bool:
+    while isinstance(sym, View):
+        sym = sym.base
+    return isinstance(sym, Param)
 
 
 @dataclass
@@ -159,8 +188,12 @@ class Engine:
         self.region: Region | None = None         # the checkpointed block being run, if any
         self._gathered: tuple[object, Sym] | None = None   # FSDP2: (segment, its unsharded parameters)
         self._root_gathered: Sym | None = None
+        self._kept_gathered: dict[object, Sym] = {}        # FSDP2 without resharding: gathered until backward
         self._unsharded_grads: list[tuple[Param, Sym]] = []
         self._rerun_left: int | None = None       # saving nodes still to record in a re-run
+        self._offloading: dict[int, Offloaded] | None = None   # in an offloaded block: its host copies by uid
+        self.host_live = 0
+        self.host_peak = 0
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
@@ -171,6 +204,10 @@ class Engine:
             self.log.append((self.phase, self.segment, sym.category, sign * nbytes, sym.dtype, sym.numel))
         if sign > 0:
             self._observe(sym.category)
+
+    def _host(self, nbytes: int) -> None:
+        self.host_live += nbytes
+        self.host_peak = max(self.host_peak, self.host_live)
 
     def _observe(self, category: str | None = None) -> None:
         key = (self.phase, self.segment)
@@ -223,9 +260,23 @@ class Engine:
             return
         if self._gathered is not None and self.phase == "backward":
             self._reduce_scatter()
+            self._kept_gathered.pop(self._gathered[0], None)   # resharded once its backward is done
         self._gathered = None
         if isinstance(segment, tuple):
-            self._gathered = (segment, self.new(self._block_numel(segment), self.policy.param_dtype))
+            gathered = self._kept_gathered.get(segment)
+            if gathered is None:
+                gathered = self.new(self._block_numel(segment), self.policy.param_dtype)
+                if not self.policy.fsdp_reshard:
+                    self._kept_gathered[segment] = gathered
+            self._gathered = (segment, gathered)
+
+    def stream_from_host(self) -> None:
+        """stream-layers: the blocks' declared weights move to host RAM (counted there, not on the device)."""
+        for name, param in self.params.items():
+            if _block_of(name) is not None and param.counted:
+                self._account(param, -1)
+                param.counted = False
+                self._host(param.nbytes)
 
     # ---- creating symbols ------------------------------------------------------------------
     def param(self, name: str, shape: tuple[int, ...], trainable: bool = True) -> Param:
@@ -260,8 +311,10 @@ class Engine:
             output.grad = True
             dtypes = grad_dtypes or [x.dtype for x in needs]
             edges = [(x.uid, x.numel, dtype, x if isinstance(x, Param) else None) for x, dtype in zip(needs, dtypes)]
-            node = Node(output.uid, edges, [s for s in saved if isinstance(s, Sym)], self.segment,
-                        scratch or [], passthrough, self.region)
+            kept = [s for s in saved if isinstance(s, Sym)]
+            if self._offloading is not None:   # the pack hook: a host copy of all but the parameters
+                kept = [s if _is_parameter(s) else self._offloading.setdefault(s.uid, Offloaded(s)) for s in kept]
+            node = Node(output.uid, edges, kept, self.segment, scratch or [], passthrough, self.region)
             self.tape.append(node)
             if self._rerun_left is not None and node.saved:
                 self._rerun_left -= 1
@@ -285,14 +338,30 @@ class Engine:
         """Run block `index` as `fn(x)`, checkpointed when the policy says so."""
         if self.policy.fsdp:   # all-gathered before the block runs, freed after (reshard_after_forward)
             self._gather(self.segment)
+        if self.policy.stream_blocks:   # copied in from the host before the block runs, dropped after
+            streamed = self.new(self._block_numel(self.segment), self.policy.param_dtype, category="parameters")
         every = self.policy.checkpoint_every
         try:
             if not (every and index % every == 0):
                 return fn(x)
+            if self.policy.checkpoint_offload:
+                return self.offloaded(fn, x)
             return self.checkpointed(fn, x, selective=self.policy.checkpoint_selective)
         finally:
             if self.policy.fsdp:
                 self._gather(None)
+            if self.policy.stream_blocks:
+                del streamed
+
+    def offloaded(self, fn, x: Sym) -> Sym:
+        """`fn(x)` with its saved tensors copied to the host as they are saved (one copy per tensor)."""
+        if not self.policy.train:
+            return fn(x)
+        self._offloading = {}
+        try:
+            return fn(x)
+        finally:
+            self._offloading = None
 
     def checkpointed(self, fn, x: Sym, *, selective: bool = False):
         """`fn(x)` under torch.utils.checkpoint (non-reentrant)."""
@@ -359,7 +428,9 @@ class Engine:
                     first -= 1
                 self._recompute(node.region, tape[first:] + [node])
             if grad_out is not None:
-                scratch = [self.new(n, dt) for n, dt in node.scratch]
+                # offloaded saved tensors come back as device copies for this node only (the unpack hook)
+                scratch = [self.new(s.numel, s.dtype) for s in node.saved if isinstance(s, Offloaded)]
+                scratch += [self.new(n, dt) for n, dt in node.scratch]
                 produced = [(edge, self._input_grad(node, edge, grad_out)) for edge in node.inputs]
                 del scratch, grad_out
                 for edge, grad in produced:
@@ -401,7 +472,7 @@ class Engine:
                 self._account(grad, -1)
                 grad.category = "gradients"
                 self._account(grad, +1)
-            if first:
+            if first and not self.policy.grads_leave:
                 param.grad_sym = grad
             return
         if uid not in pending:

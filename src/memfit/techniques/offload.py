@@ -1,0 +1,211 @@
+"""CPU offload (memory extension): gradients and optimizer states (`cpu-offload`), the weights of an
+inference model larger than the device (`stream-layers`), and the tensors autograd saves
+(`checkpointing:mode=offload`, see checkpointing.py).
+
+  cpu-offload            one process: ZeRO-Offload (Ren et al., 2021). The optimizer keeps float32
+                         master weights, their gradients and its states in host RAM and steps there;
+                         each gradient is copied to the host as soon as autograd has accumulated it
+                         and freed on the device; after the step the updated weights are copied back.
+                         Device: the model's parameters and activations, one gradient at a time, no
+                         optimizer state. Host: 4 (master) + 4 (gradient) + the optimizer's states in
+                         float32 per parameter (AdamW: 8), plus the CPU step's temporaries.
+  cpu-offload + fsdp2    FSDP2's CPUOffloadPolicy: the sharded parameters, gradients and optimizer
+                         states live on the host and the optimizer steps there; each block's
+                         parameters are copied to the device and all-gathered before it runs.
+                         Device: the gathered blocks, the root's parameters and the activations.
+                         Host: (parameters + gradients + states) / N.
+
+  stream-layers          inference of a model larger than the device: each repeated block's weights
+                         live in host RAM and are copied to the device just before the block runs,
+                         and dropped after (accelerate's CPU offload; no prefetch here). Device: the
+                         root's weights (embeddings, head), one block's weights, the activations and
+                         the KV cache. Host: the blocks' weights. Time: every forward (each decoded
+                         token too) copies the blocks' weights over PCIe.
+  checkpointing:mode=offload   each chosen block's saved tensors (its parameters excepted) are copied to
+                         the host as autograd saves them, and back to the device, one node's at a time,
+                         when backward needs them (torch.autograd.graph.save_on_cpu, one copy per
+                         tensor). Device: as checkpointing, without the recompute; host: the saved
+                         activations of the offloaded blocks.
+
+Gradient and weight copies here are synchronous (on a GPU, at least 2 x the model's bytes cross PCIe
+every step); DeepSpeed overlaps them with backward. The step-time factors are `assumed` until measured
+on a GPU. On the CPU the copies stay in one memory; memfit still counts the host tensors apart
+(steps/host.py).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.core.errors import MemfitError
+from memfit.steps.host import host_copy, note_category, note_host, on_host
+from memfit.techniques.base import Technique, register
+from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.setup import StepSetup
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class CpuOffload(Technique):
+    name = "cpu-offload"
+    risk = "lossless"
+    # In the shard stage and, by name, before fsdp2: fsdp2 reads `setup.offload` to offload its shards.
+    stage = "shard"
+    summary = "gradients, optimizer states (and with fsdp2 the parameter shards) in host RAM; the step runs there"
+    time_factor = 1.3
+
+    def check(self, workload) -> None:
+        if workload.task != "train":
+            raise MemfitError("-t cpu-offload moves gradients and optimizer states, which only training has; "
+                              "drop it for --task inference.")
+        if workload.zero_stage:
+            raise MemfitError("-t cpu-offload with --zero: memfit offloads sharded states through FSDP2; use "
+                              "--world-size N -t fsdp2 -t cpu-offload.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        setup.offload = "optimizer"
+
+
+class HostOffloadOptimizer:
+    """An optimizer whose step runs in host RAM on float32 master weights (ZeRO-Offload in one process).
+
+    `build(masters)` makes the real optimizer over the host copies. Used like any optimizer:
+    `step()`, `zero_grad()`, `param_groups` and `state` (the host optimizer's)."""
+
+    def __init__(self, params, build: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [host_copy(p, torch.float32).requires_grad_() for p in self.params]
+        self.grads = [torch.zeros_like(m) for m in self.masters]
+        note_host(self.grads)
+        self._empty = [True] * len(self.params)    # no gradient arrived for it since zero_grad
+        self.inner = build(self.masters)
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(self._to_host(index))
+
+    def _to_host(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            arrived = param.grad.to("cpu")      # device -> host (nothing moves when the step runs on the CPU)
+            if self._empty[index]:
+                self.grads[index].copy_(arrived)
+            else:                               # gradient accumulation: later micro-batches add on the host
+                self.grads[index].add_(arrived)
+            self._empty[index] = False
+            del arrived
+            param.grad = None                   # freed on the device as soon as it is on the host
+        return hook
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise MemfitError("cpu-offload's optimizer takes no closure.")
+        for master, grad, empty in zip(self.masters, self.grads, self._empty):
+            master.grad = None if empty else grad
+        with on_host():                         # the states, the step's temporaries, the casts back
+            self.inner.step()
+            with torch.no_grad():
+                for param, master in zip(self.params, self.masters):
+                    param.copy_(master if param.dtype == master.dtype else master.to(param.dtype))  # -> device
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._empty = [True] * len(self.params)
+        for param in self.params:
+            param.grad = None
+
+
+def offload_saved_tensors_(block: torch.nn.Module, keep: WeakIdKeyDictionary) -> None:
+    """Make `block`'s forward copy every tensor autograd saves to host RAM (its parameters excepted:
+    storages in `keep`), and bring each back to the device only when backward uses it: torch's
+    `save_on_cpu`, with one host copy per saved tensor and the parameters left where they are."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def offloaded(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(*_offload_hooks(keep)):
+            return forward(*args, **kwargs)
+
+    block.forward = offloaded
+
+
+def _offload_hooks(keep: WeakIdKeyDictionary):
+    copies = WeakIdKeyDictionary()      # this forward's host copies: storage -> {view: copy}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        if storage in keep:
+            return tensor
+        views = copies.setdefault(storage, {})   # ops save fresh views of one tensor (linear's 2-D input)
+        view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if view not in views:
+            views[view] = host_copy(tensor)
+        return tensor.device, views[view]
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=host.is_pinned(), copy=True)
+
+    return pack, unpack
+
+
+def parameter_storages(model: torch.nn.Module) -> WeakIdKeyDictionary:
+    keep = WeakIdKeyDictionary()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        keep[tensor.untyped_storage()] = True
+    return keep
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class StreamLayers(Technique):
+    name = "stream-layers"
+    risk = "lossless"
+    stage = "shard"
+    summary = "inference larger than the device: block weights in host RAM, each copied in just before it runs"
+    time_factor = 3.0     # PCIe-bound: the whole model crosses the bus every forward (assumed)
+
+    def check(self, workload) -> None:
+        if workload.task != "inference":
+            raise MemfitError("-t stream-layers swaps weights between forwards, which backward would need; it is "
+                              "for --task inference (use -t cpu-offload or fsdp2 for training).")
+
+    def apply_(self, setup: StepSetup) -> None:
+        for _, block in repeated_blocks(setup.model):
+            stream_block_(block)
+
+
+def stream_block_(block: torch.nn.Module) -> None:
+    """Keep `block`'s weights in host RAM; a device copy exists only while its forward runs."""
+    device = next(block.parameters()).device
+    slots = []
+    for module in block.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(host_copy(param), requires_grad=False)
+                slots.append((module, name, module._parameters[name]))
+
+    def bring_in(_module, _args):
+        copies = [host.to(device, non_blocking=host.is_pinned(), copy=True) for _, _, host in slots]
+        note_category(copies, "parameters")
+        for (module, name, _), copy in zip(slots, copies):
+            module._parameters[name] = torch.nn.Parameter(copy, requires_grad=False)
+
+    def send_back(_module, _args, _output):
+        for module, name, host in slots:
+            module._parameters[name] = host
+
+    block.register_forward_pre_hook(bring_in)
+    block.register_forward_hook(send_back)
