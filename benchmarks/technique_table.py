@@ -77,7 +77,8 @@ def render(rows: list[dict], steps: int) -> Table:
                         f"(held-out perplexity); measured side by side in one run", title_justify="left")
     for column in ("technique", "risk", "peak", "peak Δ", "host RAM", "traced / measured", "analytic / measured",
                    "step time ×", "lr", "held-out ppl", "ppl Δ"):
-        table.add_column(column, justify="left" if column in ("technique", "risk") else "right")
+        table.add_column(column, justify="left" if column in ("technique", "risk") else "right",
+                         no_wrap=column != "technique", min_width=36 if column == "technique" else None)
     for r in rows:
         ppl, base_ppl = math.exp(r["eval_loss"]), math.exp(base["eval_loss"])
         table.add_row(" + ".join(r["techniques"]), r["risk"], format_bytes(r["peak_bytes"]),
@@ -101,7 +102,7 @@ def main() -> None:
     batches = text_batches(batch_size=BATCH, seq_len=SEQ, num_batches=args.steps)
     eval_batches = text_batches(batch_size=BATCH, seq_len=SEQ, num_batches=8, split="held-out", seed=1)
     chosen = [ROWS[i] for i in QUICK] if args.quick else ROWS
-    console = Console(width=160)
+    console = Console(width=200)
     rows = []
     for techniques in chosen:
         started = time.perf_counter()
@@ -113,7 +114,7 @@ def main() -> None:
               f"· {torch.get_num_threads()} threads · python benchmarks/technique_table.py --steps {args.steps}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".txt", "w") as fh:
-        file_console = Console(file=fh, width=160)
+        file_console = Console(file=fh, width=200)
         file_console.print(header)
         file_console.print(table)
     with open(args.out + ".json", "w") as fh:

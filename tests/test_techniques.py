@@ -254,6 +254,12 @@ def test_apply_to_a_users_own_model_and_optimizer():
     assert got[-1] < got[0]
 
 
+def test_cpu_offload_accumulates_micro_batches_on_the_host():
+    """With gradient accumulation (sequence windows) the host adds each micro-batch's gradient: same losses."""
+    windows = ("sequence-chunks:window=64",)
+    assert losses(windows + ("cpu-offload",)) == losses(windows)
+
+
 def test_offload_in_a_users_own_loop_changes_no_result():
     """cpu-offload rebuilds the user's optimizer (kind and settings) over host master weights; with the
     saved activations offloaded too, training gives the same losses as without."""
