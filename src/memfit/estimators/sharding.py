@@ -3,15 +3,13 @@
 Bytes on one rank = sum over categories of weight[c] * bytes[c] / divisor, in integers, so that a
 sharded timeline can be re-peaked exactly. Stage 1 shards optimizer states (and the optimizer
 step's temporaries, key "optimizer_temporaries"), stage 2 also gradients, stage 3 also parameters,
-each over `world_size` ranks.
+each over `world_size` ranks. DDP (stages 0 and 1 with the PyTorch engine: the `ddp` technique) adds
+its gradient buckets in the analytic engine itself; a trace of a distributed technique runs it for real.
 """
 from __future__ import annotations
 
 from memfit.core.categories import CATEGORIES
 from memfit.specs.workload import Workload
-
-DDP_BUCKET_NOTE = ("DDP keeps a flat copy of the gradients in its reduction buckets "
-                   "(gradient_as_bucket_view=False, PyTorch's default): gradients counted twice (analytic)")
 
 
 def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
@@ -22,12 +20,10 @@ def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str
     fsdp2 = workload.technique("fsdp2") is not None
     if n == 1 or workload.task != "train" or (workload.distributed_technique and traced):
         return {name: 1 for name in CATEGORIES}, 1, notes
-    if workload.technique("ddp") or workload.technique("tensor-parallel"):   # the engine runs one rank's part
-        return {name: 1 for name in CATEGORIES}, 1, notes                  # (DDP's buckets, TP's split blocks)
     stage = 3 if fsdp2 else workload.zero_stage
-    if workload.engine == "pytorch" and stage <= 1:
-        weights["gradients"] = 2 * n
-        notes.append(DDP_BUCKET_NOTE)
+    ddp = workload.technique("ddp") is not None   # the engine adds DDP's buckets itself
+    if (ddp and stage == 0) or workload.technique("tensor-parallel"):   # the engine runs one rank's part
+        return {name: 1 for name in CATEGORIES}, 1, notes
     if stage >= 1:
         weights["optimizer_states"] = 1
         weights["optimizer_temporaries"] = 1   # the step runs on this rank's shard

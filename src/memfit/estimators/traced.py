@@ -35,7 +35,7 @@ from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads
 from memfit.estimators.kernel_probe import KernelScratchProbe
 from memfit.estimators.modules import module_rows
-from memfit.estimators.sharding import DDP_BUCKET_NOTE, per_rank, state_weights
+from memfit.estimators.sharding import per_rank, state_weights
 from memfit.estimators.timeline import timeline_of
 from memfit.estimators.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
@@ -168,8 +168,6 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES}, host_bytes=host_bytes,
         sources={name: "traced" for name in CATEGORIES}, notes=notes,
     )
-    if DDP_BUCKET_NOTE in notes:
-        estimate.sources["gradients"] = "traced+analytic"
     if gpu:
         add_gpu_overheads(estimate, gpu, workload)
     if modules:

@@ -75,12 +75,13 @@ class Workload:
     @cached_property
     def technique_configs(self) -> list:
         """The techniques (beyond precision and optimizer) as configs, in the canonical order; `--world-size N`
-        training with neither --zero nor a data-parallel technique is DDP (the `ddp` technique, implied)."""
+        training with no data-parallel technique and --zero 0 or 1 is DDP (the `ddp` technique, implied; with
+        --zero 1 its optimizer is ZeroRedundancyOptimizer)."""
         from memfit.techniques.base import parse_technique
         from memfit.techniques.compose import ordered
 
         configs = [parse_technique(spec) for spec in self.techniques]
-        if (self.task == "train" and self.world_size > 1 and not self.zero_stage and self.engine == "pytorch"
+        if (self.task == "train" and self.world_size > 1 and self.zero_stage <= 1 and self.engine == "pytorch"
                 and not {c.name for c in configs} & {"ddp", "fsdp2", "tensor-parallel"}):
             configs = ordered(configs + [parse_technique("ddp")])
         return configs

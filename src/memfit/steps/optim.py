@@ -13,20 +13,25 @@ DEFAULT_LR = {"adamw": 1e-4, "adam": 1e-4, "sgd": 1e-3, "adafactor": 1e-2, "adam
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, *, foreach: bool | None = None,
-                   lr: float | None = None) -> torch.optim.Optimizer:
-    """`foreach=None` keeps PyTorch's default for the device (per-tensor on CPU, foreach on CUDA)."""
+                   lr: float | None = None, shard: bool = False) -> torch.optim.Optimizer:
+    """`foreach=None` keeps PyTorch's default for the device (per-tensor on CPU, foreach on CUDA).
+    `shard`: ZeRO-1 over the process group (torch.distributed.optim.ZeroRedundancyOptimizer): each rank
+    keeps the states of its share of the parameters, steps them and broadcasts them to the others."""
     params = [p for p in params if p.requires_grad]
     if name not in DEFAULT_LR:
         raise MemfitError(f"unknown optimizer {name!r}.")
     lr = DEFAULT_LR[name] if lr is None else lr
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
-    if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=lr, foreach=foreach)
+    torch_optimizers = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}),
+                        "sgd": (torch.optim.SGD, {"momentum": 0.9}), "adafactor": (torch.optim.Adafactor, {})}
+    if name in torch_optimizers:
+        kind, settings = torch_optimizers[name]
+        if shard:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, optimizer_class=kind, lr=lr, foreach=foreach, **settings)
+        return kind(params, lr=lr, foreach=foreach, **settings)
+    if shard:
+        raise MemfitError(f"--zero 1 shards torch.optim optimizers; {name} keeps its own state layout.")
     if name == "adamw8bit":
         return _bitsandbytes_adamw8bit(params, lr)
     return _torchao_adamw4bit(params, lr)
@@ -79,7 +84,11 @@ def _import(module: str, technique: str):
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every state tensor; tensor subclasses (torchao's quantized states, DTensor shards) as their inner tensors."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     from memfit.steps.hooks import plain_tensors
 
+    if isinstance(optimizer, ZeroRedundancyOptimizer):   # ZeRO-1: this rank's states are its local optimizer's
+        optimizer = optimizer.optim
     return [t for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
             for t in plain_tensors(v)]

@@ -144,7 +144,8 @@ def prepare_step(model: nn.Module, workload: Workload, *, device_type: str, fore
                  autocast: Callable | None = None) -> StepSetup:
     """The workload's step for `model` (built in the workload's precision), techniques applied in order."""
     setup = StepSetup(model=model, precision=get_precision(workload.precision), device_type=device_type,
-                      optimizer_name=workload.optimizer, foreach=foreach, autocast_fn=autocast)
+                      optimizer_name=workload.optimizer, foreach=foreach, autocast_fn=autocast,
+                      shard_optimizer=workload.zero_stage == 1)
     for technique in workload.technique_configs:
         technique.apply_(setup)
     return setup

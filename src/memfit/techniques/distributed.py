@@ -25,7 +25,9 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
           copied in and freed. The second step rebuilds the buckets in the order gradients arrived and
           holds both sets through that step (measured; later steps hold one): memfit reports that step,
           the highest. Memory per rank: the single-process step + 2 x the gradients. `--world-size N`
-          alone (no --zero, no fsdp2) trains with ddp. Li et al., 2020 (PyTorch Distributed).
+          alone trains with ddp; with `--zero 1` its optimizer is ZeroRedundancyOptimizer (ZeRO-1: each rank
+          keeps and steps the states of its share of the parameters, then broadcasts them).
+          Li et al., 2020 (PyTorch Distributed).
   tensor-parallel  torch.distributed.tensor.parallel on every repeated block (Megatron-LM's layout,
           Shoeybi et al., 2019): q/k/v and gate/up projections split by output features (each rank
           computes its heads and channels), o and down projections by input features with their outputs
@@ -70,6 +72,9 @@ class Ddp(Technique):
 
     def check(self, workload) -> None:
         _check_data_parallel(self.name, workload)
+        if workload.zero_stage >= 2:
+            raise MemfitError(f"-t ddp with --zero {workload.zero_stage} is modelled only; for sharded gradients "
+                              "run -t fsdp2 (reshard=false is ZeRO-2-like).")
 
     def apply_(self, setup: StepSetup) -> None:
         from torch._subclasses.fake_tensor import is_fake

@@ -45,6 +45,7 @@ class StepSetup:
     # cpu-offload (offload.py): "optimizer" when the optimizer steps in host RAM on master weights,
     # "fsdp2" when FSDP2 keeps its shards, gradients and optimizer states there itself
     offload: str | None = None
+    shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
     phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
 
     def autocast(self):
@@ -59,7 +60,7 @@ class StepSetup:
                                                                                lr=self.lr))
             else:
                 self.optimizer = make_optimizer(self.model.parameters(), self.optimizer_name,
-                                                foreach=self.foreach, lr=self.lr)
+                                                foreach=self.foreach, lr=self.lr, shard=self.shard_optimizer)
         return self.optimizer
 
     def offloaded(self, build: Callable[[list], torch.optim.Optimizer]):
