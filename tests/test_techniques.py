@@ -295,6 +295,7 @@ def test_bad_input_is_one_error_and_changes_nothing():
                           (["adamw8bit", "adafactor"], "both set the optimizer"),
                           (["checkpointing:mode=fast"], "full, selective, offload"),
                           (["cpu-offload", "adamw8bit"], "float32 states"),
+                          (["checkpointing", "cpu-offload"], "pass your optimizer"),
                           (["truncate:max_len=x"], "not a valid int")):
         with pytest.raises(MemfitError, match=fragment):
             memfit.apply_(model, None, bad)

@@ -159,18 +159,19 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     `setup.autocast()`, `setup.loss(model, batch)`, `setup.prepare_batch(batch)` — or `setup.step(batch)`."""
     configs = _parse_all(techniques)
     check_rules(configs, None)
+    new_optimizer = any(t.workload_field == "optimizer" for t in configs)
+    if optimizer is None and not new_optimizer and any(t.name == "cpu-offload" for t in configs):
+        raise MemfitError("-t cpu-offload moves the optimizer to the host: pass your optimizer to apply_.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     setup = StepSetup(model=model, precision=precision_of_model(model), device_type=device_type or device.type,
                       optimizer=optimizer)
     for technique in configs:
         technique.apply_(setup)
-    if any(t.workload_field == "optimizer" for t in configs):
+    if new_optimizer:
         setup.lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         setup.optimizer = None
         setup.build_optimizer()
     elif setup.offload == "optimizer":   # the user's optimizer, rebuilt over host master weights
-        if optimizer is None:
-            raise MemfitError("-t cpu-offload needs the optimizer to move to the host: pass it to apply_.")
         kind = type(setup.optimizer)
         accepted = inspect.signature(kind.__init__).parameters
         settings = {k: v for k, v in setup.optimizer.defaults.items() if k in accepted and k != "capturable"}
