@@ -193,6 +193,22 @@ def test_data_parallel_on_two_real_ranks(techniques, zero):
         _host_predicted_as_measured(run)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("techniques,zero", [(("ddp",), 0), ((), 1), (("fsdp2",), 0), (("fsdp2", "cpu-offload"), 0),
+                                             (("tensor-parallel",), 0)])
+def test_data_parallel_results_equal_one_process(techniques, zero):
+    """Every rank trains on the same batches, so the averaged gradients are one process's: the losses
+    agree within numerics (the all-reduce sums in another order), on both ranks."""
+    from memfit.measurement.ranks import train_ranks
+
+    workload = Workload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2, zero_stage=zero,
+                        techniques=techniques)
+    ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
+    for got in ranks:
+        assert rel(got[0], base[0]) < 1e-3 and all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
+    assert rel(ranks[0][-1], ranks[1][-1]) < 1e-4 and ranks[0][-1] < ranks[0][0] - 0.1
+
+
 def test_stream_layers_runs_inference_in_less_device_memory():
     """Block weights in host RAM, each block's copied in while it runs: the device holds one block's."""
     run, base = measured(("stream-layers",), task="inference"), measured((), task="inference")

@@ -2,7 +2,9 @@
 on CPU), each runs the same measured step with its own allocator and profiler and writes its result;
 the rank with the highest peak is reported, every rank's peak beside it.
 
-`python -m memfit.measurement.ranks OUT_DIR WORKLOAD_JSON` is the per-rank entry point.
+`python -m memfit.measurement.ranks OUT_DIR WORKLOAD_JSON JOB_JSON` is the per-rank entry point; the job
+is a measured step (`measure_ranks`) or a short training run whose losses are compared with one
+process's (`train_ranks`).
 """
 from __future__ import annotations
 
@@ -20,10 +22,24 @@ RANK_TIMEOUT_S = 1800
 
 
 def measure_ranks(workload: Workload) -> MemoryEstimate:
+    results = [MemoryEstimate.from_json(r) for r in _run_ranks(workload, {"job": "measure"})]
+    top = max(results, key=lambda r: r.peak_bytes)
+    top.extra["rank_peak_bytes"] = [r.peak_bytes for r in results]
+    top.notes.append(f"measured on {workload.world_size} ranks (torchrun, gloo); the highest per-rank peak is shown")
+    return top
+
+
+def train_ranks(workload: Workload, *, steps: int, lr: float | None = None) -> list[list[float]]:
+    """Train the workload on `world_size` real ranks for `steps` steps of the bundled text, every rank on
+    the same batches (so the result is comparable with one process); each rank's losses."""
+    return [r["losses"] for r in _run_ranks(workload, {"job": "train", "steps": steps, "lr": lr})]
+
+
+def _run_ranks(workload: Workload, job: dict) -> list[dict]:
     n = workload.world_size
     with tempfile.TemporaryDirectory(prefix="memfit-ranks-") as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   "-m", "memfit.measurement.ranks", out, json.dumps(workload.to_json())]
+                   "-m", "memfit.measurement.ranks", out, json.dumps(workload.to_json()), json.dumps(job)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
@@ -37,26 +53,31 @@ def measure_ranks(workload: Workload) -> MemoryEstimate:
         results = []
         for rank in range(n):
             with open(os.path.join(out, f"rank{rank}.json")) as fh:
-                results.append(MemoryEstimate.from_json(json.load(fh)))
-    top = max(results, key=lambda r: r.peak_bytes)
-    top.extra["rank_peak_bytes"] = [r.peak_bytes for r in results]
-    top.notes.append(f"measured on {n} ranks (torchrun, gloo); the highest per-rank peak is shown")
-    return top
+                results.append(json.load(fh))
+    return results
 
 
-def _rank_main(out: str, workload_json: str) -> None:
+def _rank_main(out: str, workload_json: str, job_json: str) -> None:
     import torch.distributed as dist
 
-    from memfit.measurement.run import measure_run
-
+    workload, job = Workload.from_json(json.loads(workload_json)), json.loads(job_json)
     dist.init_process_group("gloo")
     try:
-        result = measure_run(Workload.from_json(json.loads(workload_json)), device="cpu")
+        if job["job"] == "measure":
+            from memfit.measurement.run import measure_run
+
+            result = measure_run(workload, device="cpu").to_json()
+        else:
+            from memfit.measurement.training import text_batches, train_run
+
+            batches = text_batches(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
+                                   num_batches=job["steps"])
+            result = {"losses": train_run(workload, batches, lr=job["lr"]).losses}
         with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as fh:
-            json.dump(result.to_json(), fh)
+            json.dump(result, fh)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2])
+    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3])
