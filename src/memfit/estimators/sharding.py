@@ -13,7 +13,8 @@ from memfit.specs.workload import Workload
 
 
 def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
-    """`traced`: a trace of an FSDP2 step already holds one rank's shards, so it needs no weights."""
+    """`traced`: a trace of a distributed technique (ddp, fsdp2, tensor-parallel) runs rank 0's real step,
+    so it needs no weights."""
     n = workload.world_size
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
