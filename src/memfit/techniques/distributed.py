@@ -15,9 +15,8 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
           gradients + the root's parameters + activations of the rank's micro-batch. `reshard=false`
           (FSDP's SHARD_GRAD_OP, ZeRO-2-like) keeps each block's gathered parameters from its forward until
           its backward is done: no second all-gather, but every block's parameters whole at the start of
-          backward. With -t cpu-offload
-          (offload.py) the shards, their gradients and the optimizer step live in host RAM
-          (CPUOffloadPolicy). Rajbhandari et al., 2020 (ZeRO-3); Zhao et al., 2023 (PyTorch FSDP).
+          backward. With -t cpu-offload (offload.py) the shards, their gradients and the optimizer step
+          live in host RAM (CPUOffloadPolicy). Rajbhandari et al., 2020 (ZeRO-3); Zhao et al., 2023 (PyTorch FSDP).
   ddp     torch.nn.parallel.DistributedDataParallel: a whole model per rank; gradients are all-reduced in
           buckets of ~25 MB as backward produces them. The buckets are one flat copy of every gradient,
           allocated when DDP is built and kept (gradient_as_bucket_view=False, PyTorch's default); with
@@ -38,6 +37,8 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from memfit.core.errors import MemfitError
 from memfit.steps.host import note_category, note_host
@@ -100,8 +101,6 @@ def _all_reduce(state, bucket):
 
 def _traced_all_reduce(_state, bucket):
     """A trace's fake process group completes with no value: the bucket comes back as it is."""
-    import torch
-
     note_category([bucket.buffer()], "gradients")
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
@@ -119,8 +118,6 @@ class _KeepBuckets:
         self.rebuilt = None
 
     def _rebuild_buckets(self) -> bool:
-        import torch
-
         self._forwards += 1
         if self._forwards == 2:
             nbytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
