@@ -209,6 +209,49 @@ def test_data_parallel_results_equal_one_process(techniques, zero):
     assert rel(ranks[0][-1], ranks[1][-1]) < 1e-4 and ranks[0][-1] < ranks[0][0] - 0.1
 
 
+DEEPSPEED = {**SHAPE, "world_size": 2, "engine": "deepspeed", "precision": "bf16-mixed"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero,techniques", [(1, ()), (2, ()), (3, ()), (2, ("cpu-offload",)),
+                                             (3, ("cpu-offload",)), (2, ("checkpointing",))])
+def test_deepspeed_engine_on_two_real_ranks(zero, techniques):
+    """DeepSpeed's ZeRO optimizers (and ZeRO-Offload) run on 2 gloo ranks; the analytic model of its states
+    and buffers against the measured peak, and the host RAM offload needs. A 1M-element reduction bucket
+    (2 MB) keeps the bucket from dominating the peak (see the default-bucket test)."""
+    run = measure(Workload(**DEEPSPEED, zero_stage=zero, reduce_bucket=1_000_000, techniques=techniques),
+                  estimates=("analytic",))
+    assert len(run.extra["rank_peak_bytes"]) == 2
+    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    if "cpu-offload" in techniques:    # float32 masters, moments and gradients: 16 bytes per parameter / N
+        assert run.host_bytes >= 16 * run.num_parameters // 2
+        assert rel(run.extra["estimates"]["analytic"]["host_bytes"], run.host_bytes) < 0.10
+    else:
+        assert run.host_bytes == 0
+
+
+@pytest.mark.distributed
+def test_deepspeed_default_bucket_is_a_gigabyte_per_rank():
+    """DeepSpeed's default reduce_bucket_size (5e8 elements) is a 1 GB half-precision buffer on every rank,
+    ten times this model's whole step: memfit predicts it (and --reduce-bucket sizes it)."""
+    run = measure(Workload(**DEEPSPEED, zero_stage=2), estimates=("analytic",))
+    assert run.peak_bytes > 1e9
+    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.03
+
+
+@pytest.mark.distributed
+def test_deepspeed_results_match_one_process():
+    """DeepSpeed trains the bf16 weights from float32 masters: the same batches give one float32 process's
+    losses within bf16 numerics, on both ranks."""
+    from memfit.measurement.ranks import train_ranks
+
+    workload = Workload(**{**DEEPSPEED, "seq_len": 192}, zero_stage=2, reduce_bucket=1_000_000)
+    ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
+    for got in ranks:
+        assert all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
+    assert ranks[0] == ranks[1] and ranks[0][-1] < ranks[0][0] - 1
+
+
 def test_stream_layers_runs_inference_in_less_device_memory():
     """Block weights in host RAM, each block's copied in while it runs: the device holds one block's."""
     run, base = measured(("stream-layers",), task="inference"), measured((), task="inference")

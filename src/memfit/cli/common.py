@@ -7,7 +7,7 @@ import json
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
 from memfit.specs.hardware import GPU, get_gpu
-from memfit.specs.workload import ENGINES, OPTIMIZERS, TASKS, Workload
+from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, OPTIMIZERS, TASKS, Workload
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 over --world-size")
-    parser.add_argument("--engine", default="pytorch", help=f"allocation modelled: {' or '.join(ENGINES)}")
+    parser.add_argument("--engine", default="pytorch", help=f"training engine: {' or '.join(ENGINES)}")
+    parser.add_argument("--reduce-bucket", type=int, default=DEEPSPEED_REDUCE_BUCKET, metavar="ELEMENTS",
+                        help="--engine deepspeed: ZeRO's reduce_bucket_size (default %(default)s, DeepSpeed's; "
+                             "a buffer of this many half-precision elements per rank)")
     parser.add_argument("--allow-long-seq", action="store_true",
                         help="allow a sequence longer than the model's maximum (positions are extended)")
     parser.add_argument("-t", "--technique", action="append", default=[], dest="techniques", metavar="NAME[:k=v,...]",
@@ -36,7 +39,8 @@ def workload_from(args: argparse.Namespace) -> Workload:
     return Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
                     seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
                     optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
-                    engine=args.engine, allow_long_seq=args.allow_long_seq, techniques=tuple(args.techniques))
+                    engine=args.engine, reduce_bucket=args.reduce_bucket, allow_long_seq=args.allow_long_seq,
+                    techniques=tuple(args.techniques))
 
 
 def gpu_from(name: str | None) -> GPU | None:

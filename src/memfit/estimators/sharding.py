@@ -19,7 +19,8 @@ def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
     fsdp2 = workload.technique("fsdp2") is not None
-    if n == 1 or workload.task != "train" or (workload.distributed_technique and traced):
+    if (n == 1 or workload.task != "train" or (workload.distributed_technique and traced)
+            or workload.engine == "deepspeed"):   # the analytic estimator shards DeepSpeed's states itself
         return {name: 1 for name in CATEGORIES}, 1, notes
     stage = 3 if fsdp2 else workload.zero_stage
     ddp = workload.technique("ddp") is not None   # the engine adds DDP's buckets itself

@@ -74,6 +74,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     model = source.build(device=device, dtype=precision.param_dtype)
     batch = source.make_batch(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
                               task=workload.task, dtype=precision.param_dtype, device=device)
+    num_parameters = sum(p.numel() for p in model.parameters())   # before sharding empties them
     on_cuda = device.startswith("cuda")
     tracker = MemoryTracker(round_to=CUDA_ALLOCATION_ROUND_BYTES if on_cuda else 1)
     tracker.watch_model(model)
@@ -128,7 +129,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     extra["untracked_bytes"] = untracked
     extra["tracked_peak_bytes"] = top.total
     estimate = MemoryEstimate(
-        model=source.name, num_parameters=sum(p.numel() for p in model.parameters()),
+        model=source.name, num_parameters=num_parameters,
         workload=workload.to_json(), method="measured", device=device, peak_bytes=sum(at_peak.values()),
         peak_phase=allocator_phase or top.phase, at_peak=at_peak, component_peaks=dict(components),
         model_state_bytes={k: components[k] for k in ("parameters", "gradients", "optimizer_states")},
@@ -152,7 +153,7 @@ def measure(workload: Workload, *, device: str | None = None, snapshot_path: str
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
     predicted = {method: run_estimate(workload, method=method, gpu=gpu) for method in estimates}
     expected = max((e.peak_bytes for e in predicted.values()), default=0)
-    if workload.distributed_technique:
+    if workload.runs_on_ranks:
         from memfit.measurement.ranks import measure_ranks
 
         if device.startswith("cuda"):

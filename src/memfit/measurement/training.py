@@ -15,7 +15,7 @@ import torch
 
 from memfit.core.precision import get_precision
 from memfit.specs.workload import Workload
-from memfit.steps.train import TrainLoop
+from memfit.steps.runner import train_loop
 from memfit.techniques.compose import prepare_step
 
 HELD_OUT_FRACTION = 0.1
@@ -65,7 +65,7 @@ def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: flo
     model.train()
     setup = prepare_step(model, workload, device_type="cpu")
     setup.lr = lr
-    loop = TrainLoop(setup)
+    loop = train_loop(setup, workload)
     run = TrainRun()
     for batch in batches:
         started = time.perf_counter()

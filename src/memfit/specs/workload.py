@@ -11,6 +11,7 @@ from memfit.specs.model_source import ModelSource, resolve_source
 TASKS = ("train", "inference")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit", "adamw4bit")
 ENGINES = ("pytorch", "deepspeed")
+DEEPSPEED_REDUCE_BUCKET = 500_000_000   # elements: DeepSpeed's default reduce_bucket_size (1 GB in half precision)
 DEFAULT_SEQ_LEN = 512
 
 
@@ -27,6 +28,7 @@ class Workload:
     world_size: int = 1
     zero_stage: int = 0
     engine: str = "pytorch"
+    reduce_bucket: int = DEEPSPEED_REDUCE_BUCKET   # --engine deepspeed: ZeRO's gradient reduction bucket, elements
     allow_long_seq: bool = False
     techniques: tuple[str, ...] = ()    # NAME[:key=value,...] (memfit techniques); see techniques/compose.py
 
@@ -67,6 +69,11 @@ class Workload:
                 f"bf16-mixed or fp16-mixed, not {self.precision}.")
         if self.task == "inference" and (self.zero_stage or self.engine != "pytorch"):
             raise MemfitError("--zero and --engine describe training; drop them for --task inference.")
+        require_positive_int(self.reduce_bucket, "--reduce-bucket")
+        if self.engine != "deepspeed" and self.reduce_bucket != DEEPSPEED_REDUCE_BUCKET:
+            raise MemfitError("--reduce-bucket sizes DeepSpeed's gradient bucket; pass --engine deepspeed or drop it.")
+        if self.engine == "deepspeed" and not self.zero_stage:
+            raise MemfitError("--engine deepspeed runs a ZeRO optimizer: pass --zero 1, 2 or 3 with --world-size N.")
         self._check_seq_len()
         from memfit.techniques.compose import check_workload
 
@@ -90,6 +97,11 @@ class Workload:
     def distributed_technique(self):
         """The ddp, fsdp2 or tensor-parallel config when the workload runs over a process group, else None."""
         return self.technique("fsdp2") or self.technique("ddp") or self.technique("tensor-parallel")
+
+    @property
+    def runs_on_ranks(self) -> bool:
+        """Measured with torchrun: a distributed technique or DeepSpeed's engine."""
+        return bool(self.distributed_technique) or self.engine == "deepspeed"
 
     def technique(self, name: str):
         """The config of technique `name`, or None."""

@@ -16,21 +16,32 @@ from memfit.steps.inference import run_inference
 from memfit.steps.train import TrainLoop
 
 
+def train_loop(setup, workload: Workload, *, hooks: StepHooks | None = None, trace_safe: bool = False):
+    """The workload's training loop: PyTorch's (TrainLoop) or DeepSpeed's engine, which casts and shards
+    the weights itself."""
+    if workload.engine == "deepspeed":
+        from memfit.steps.deepspeed_loop import DeepSpeedLoop
+
+        return DeepSpeedLoop(setup, workload, hooks=hooks)
+    return TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)
+
+
 def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: str, hooks: StepHooks,
                  before_measured_step: Callable[[], None], trace_safe: bool = False,
                  foreach: bool | None = None, autocast: Callable | None = None) -> None:
     from memfit.techniques.compose import prepare_step  # techniques build on the steps package
 
     setup = prepare_step(model, workload, device_type=device_type, foreach=foreach, autocast=autocast)
-    hooks.mark("parameters", list(setup.model.parameters()))   # sharding replaces them with their shards
     if workload.task == "train":
         model.train()
-        loop = TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)
+        loop = train_loop(setup, workload, hooks=hooks, trace_safe=trace_safe)
+        hooks.mark("parameters", loop.parameter_tensors())   # sharding replaces them with their shards
         loop.step(batch)
         gc.collect()
         before_measured_step()
         loop.step(batch)
         return
+    hooks.mark("parameters", list(setup.model.parameters()))
     model.eval()
     gc.collect()
     if setup.batch_transform is not None:

@@ -74,6 +74,9 @@ class TrainLoop:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.skipped_steps = 0        # fp16: steps the scaler skipped because a gradient overflowed
 
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
     def step(self, batch: dict | tuple) -> torch.Tensor:
         hooks, setup = self.hooks, self.setup
         micro_batches = setup.prepare_batch(batch)

@@ -54,7 +54,8 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"adamw4bit"}), "torchao's 4-bit states are per whole tensor (or per DTensor shard), not "
          "partitions of one flat ZeRO-1/2 state", "drop --zero", lambda w: w.zero_stage >= 1),
     Rule(frozenset({"cpu-offload", "fp16-mixed"}), "the loss scaler unscales and checks the gradients on the "
-         "device, but cpu-offload moves each one to the host as it arrives", "use bf16-mixed with cpu-offload"),
+         "device, but cpu-offload moves each one to the host as it arrives", "use bf16-mixed with cpu-offload",
+         lambda w: w.engine == "pytorch"),
     Rule(frozenset({"ddp", "fsdp2"}), "DDP replicates the model that FSDP2 shards; one data-parallel wrapper "
          "per model", "keep one of -t ddp and -t fsdp2"),
     Rule(frozenset({"ddp", "chunked-ce"}), "chunked-ce calls the base model directly, around DDP's forward, "
@@ -70,9 +71,15 @@ RULES: tuple[Rule, ...] = (
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
          "module never all-gathers the LM head", "drop chunked-ce"),
 ) + tuple(
-    Rule(frozenset({optimizer}), "--engine deepspeed models DeepSpeed's own fp32 Adam (K = 12 bytes per parameter)",
-         "use --engine pytorch", lambda w: w.engine == "deepspeed")
-    for optimizer in ("adamw8bit", "adamw4bit", "adafactor")
+    Rule(frozenset({name}), f"--engine deepspeed {reason}", fix, lambda w: w.engine == "deepspeed")
+    for name, reason, fix in (
+        *((optimizer, "runs DeepSpeed's own AdamW (float32 master weights and moments)", "use --engine pytorch")
+          for optimizer in ("adamw8bit", "adamw4bit", "adafactor")),
+        *((wrapper, "wraps the model itself (ZeRO data parallel)", f"drop -t {wrapper}")
+          for wrapper in ("ddp", "fsdp2", "tensor-parallel")),
+        ("chunked-ce", "runs its forward around the model; chunked-ce would call the model past it",
+         "drop chunked-ce"),
+        ("sequence-chunks", "runs one micro-batch per step here", "drop sequence-chunks"))
 ) + tuple(
     Rule(frozenset({"cpu-offload", optimizer}), "the host optimizer keeps float32 states (DeepSpeed's CPU Adam "
          "does too); 8- and 4-bit states are kernels for the device", "use AdamW or Adafactor with cpu-offload")

@@ -52,7 +52,9 @@ def all_techniques(workload: Workload) -> list[Technique]:
     """Every technique the workload uses, the precision and optimizer ones included."""
     from memfit.techniques.base import REGISTRY
 
-    fields = [REGISTRY[value]() for value in (workload.precision, workload.optimizer) if value in REGISTRY]
+    # DeepSpeed's engine needs its half precision: there is no "without" to compare with
+    values = (workload.optimizer,) if workload.engine == "deepspeed" else (workload.precision, workload.optimizer)
+    fields = [REGISTRY[value]() for value in values if value in REGISTRY]
     return fields + list(workload.technique_configs)
 
 

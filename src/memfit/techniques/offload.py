@@ -14,6 +14,9 @@ inference model larger than the device (`stream-layers`), and the tensors autogr
                          parameters are copied to the device and all-gathered before it runs.
                          Device: the gathered blocks, the root's parameters and the activations.
                          Host: (parameters + gradients + states) / N.
+  cpu-offload + --engine deepspeed   ZeRO-Offload run by DeepSpeed itself (steps/deepspeed_loop.py):
+                         float32 masters, moments and gradients of each rank's partition in host RAM,
+                         stepped by DeepSpeed's CPU Adam; at stage 3 the weights' partitions too.
 
   stream-layers          inference of a model larger than the device: each repeated block's weights
                          live in host RAM and are copied to the device just before the block runs,
@@ -62,9 +65,9 @@ class CpuOffload(Technique):
         if workload.task != "train":
             raise MemfitError("-t cpu-offload moves gradients and optimizer states, which only training has; "
                               "drop it for --task inference.")
-        if workload.zero_stage:
-            raise MemfitError("-t cpu-offload with --zero: memfit offloads sharded states through FSDP2; use "
-                              "--world-size N -t fsdp2 -t cpu-offload.")
+        if workload.zero_stage and workload.engine != "deepspeed":
+            raise MemfitError("-t cpu-offload with --zero: memfit offloads sharded states through FSDP2 or "
+                              "DeepSpeed; use --world-size N -t fsdp2 -t cpu-offload, or --engine deepspeed.")
 
     def apply_(self, setup: StepSetup) -> None:
         setup.offload = "optimizer"

@@ -3,8 +3,7 @@
 Instant at any size (no tensors, real or fake): the program is run at three small depths and
 extrapolated exactly to the model's depth, like the traced estimator. Model states follow the
 optimizer's implementation (optimizer.py) and the ZeRO stages (sharding.py); `--engine deepspeed`
-uses the ZeRO paper's accounting (half parameters and gradients, K = 12 bytes of fp32 master
-weights and Adam moments per parameter).
+runs the model in half precision with DeepSpeed's own states and buffers (`deepspeed_states`).
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import gc
 import time
 from dataclasses import dataclass, replace
 
-from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES, zero_categories
+from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
@@ -38,9 +37,11 @@ _DTYPE = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f1
 def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
     precision = get_precision(workload.precision)
     checkpointing = workload.technique("checkpointing")
+    deepspeed = workload.engine == "deepspeed"   # DeepSpeed casts the model to the half type, no autocast
+    autocast = _DTYPE[str(precision.autocast_dtype)] if precision.autocast_dtype else None
     return Policy(
-        param_dtype=_DTYPE[str(precision.param_dtype)],
-        autocast_dtype=_DTYPE[str(precision.autocast_dtype)] if precision.autocast_dtype else None,
+        param_dtype=autocast if deepspeed else _DTYPE[str(precision.param_dtype)],
+        autocast_dtype=None if deepspeed else autocast,
         backend="cuda" if gpu else "cpu", train=workload.task == "train",
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
         checkpoint_every=checkpointing.every if checkpointing else 0,
@@ -49,7 +50,9 @@ def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
         loss_chunks=chunked.chunks if (chunked := workload.technique("chunked-ce")) else 0,
         fsdp=(fsdp2 := workload.technique("fsdp2")) is not None,
         fsdp_reshard=not fsdp2 or fsdp2.reshard,
-        grads_leave=host_optimizer(workload) or bool((ddp := workload.technique("ddp")) and ddp.bucket_view),
+        grads_leave=host_optimizer(workload) or bool((ddp := workload.technique("ddp")) and ddp.bucket_view)
+        or deepspeed,   # DeepSpeed copies each gradient into its reduction bucket and frees it
+        grad_bucket=workload.reduce_bucket if deepspeed and workload.zero_stage < 3 else 0,
         stream_blocks=workload.technique("stream-layers") is not None,
     )
 
@@ -87,14 +90,17 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     if windows.tokens != seq or windows.count > 1:   # the whole batch exists; the model sees views of it
         e.keep += [e.input(batch * seq, "i64") for _ in range(2 if workload.task == "train" else 1)]
         e.inputs_are_views = True
+    deepspeed = workload.engine == "deepspeed"
     if workload.task == "train":
+        if deepspeed and workload.zero_stage == 3:   # stage 3 allocates its reduction bucket at start-up
+            e.keep.append(e.new(workload.reduce_bucket, e.policy.param_dtype, category="gradients"))
         if workload.technique("ddp"):   # DDP's reduction buckets: a flat copy of every gradient, built with
             # DDP, and rebuilt in gradient order in the second step, which holds both sets (techniques/distributed.py)
             trainable = sum(p.numel for p in e.params.values() if p.grad)
             e.keep += [e.new(trainable, e.policy.param_dtype, category="gradients") for _ in range(2)]
-        if not host_optimizer(workload):
+        if not host_optimizer(workload) and not deepspeed:   # DeepSpeed's states: deepspeed_states
             e.keep += create_states(e, workload.optimizer)
-        if get_precision(workload.precision).loss_scaling:
+        if get_precision(workload.precision).loss_scaling and not deepspeed:
             e.keep += [e.new(1, "f32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
         for window in range(min(windows.count, 2)):   # the second window runs with the gradients alive
             e.set_phase("forward")
@@ -106,7 +112,7 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
             del loss, relabelled
         e.set_phase("optimizer")
         shards = workload.world_size if workload.zero_stage >= 1 else 1   # the step runs on this rank's shard
-        if not host_optimizer(workload):
+        if not host_optimizer(workload) and not deepspeed:   # DeepSpeed's fused Adam: no temporaries
             step_temporaries(e, workload.optimizer, foreach=gpu is not None, shards=shards)
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
@@ -227,9 +233,12 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     held, step = offload_host_bytes(workload)   # the engine's host bytes (saved activations, streamed
     # weights) are held outside the optimizer step
     if workload.engine == "deepspeed":
-        at_peak, component_peaks = _deepspeed_states(num_parameters, weights, divisor, at_peak, component_peaks)
-        notes.append("engine deepspeed: half parameters and gradients, fp32 master weights + Adam moments "
-                     "(K = 12 bytes per parameter, the ZeRO paper's accounting)")
+        at_peak, component_peaks, held = deepspeed_states(workload, num_parameters, at_peak, component_peaks)
+        step = 0   # DeepSpeed's CPU Adam steps in place
+        notes.append(f"engine deepspeed (ZeRO-{workload.zero_stage}): half weights, float32 master weights, Adam "
+                     f"moments and gradient partition, a reduction bucket of {workload.reduce_bucket:,} elements"
+                     + (" (stage 3: the gathered weights of the running module are not included)"
+                        if workload.zero_stage == 3 else ""))
     estimate = MemoryEstimate(
         model=source.name, num_parameters=num_parameters, workload=workload.to_json(),
         method="analytic", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
@@ -244,20 +253,45 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
 
 
 def count_parameters(workload: Workload) -> int:
+    return sum(parameter_sizes(workload))
+
+
+def parameter_sizes(workload: Workload) -> list[int]:
     family, spec = registry.family_of(workload.source)
     e = Engine(Policy("f32", None, "cpu", False))
     family.declare_params(e, spec, workload.source.num_layers)
-    return sum(p.numel for p in e.params.values())
+    return [p.numel for p in e.params.values()]
 
 
-def _deepspeed_states(psi: int, weights: dict[str, int], divisor: int, at_peak: dict[str, int],
-                      component_peaks: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    """Replace PyTorch's model states by DeepSpeed's: 2 + 2 + 12 bytes per parameter, sharded by stage
-    (`weights` and `divisor` from state_weights of the deepspeed workload)."""
-    states = {**zero_categories(), "parameters": 2 * psi, "gradients": 2 * psi, "optimizer_states": 12 * psi}
-    states = per_rank({name: value * weights[name] for name, value in states.items()}, divisor)
+def deepspeed_states(workload: Workload, psi: int, at_peak: dict[str, int], component_peaks: dict[str, int]
+                     ) -> tuple[dict[str, int], dict[str, int], int]:
+    """DeepSpeed's model states on one rank (read from DeepSpeed 0.19's ZeRO optimizers and measured on 2 gloo
+    ranks): its half weights (stage 3: this rank's partition), float32 master weights and Adam moments of
+    the partition (12 bytes per parameter / N), a float32 gradient partition (4 / N), at stage 3 also a half
+    one (2 / N). The simulated step (half weights, each gradient copied into the bucket and freed) gives
+    the rest. With -t cpu-offload (ZeRO-Offload) masters, moments and float32 gradients live in host RAM,
+    at stage 3 the weights' partitions and the half gradient partition too; the device still holds a
+    float32 partition-sized buffer (measured, not traced to its owner) and at stages 1-2 a half copy of
+    the partition for the weights' way back and two largest-parameter gradient staging buffers.
+    Returns the device's peak and component vectors and the host bytes."""
+    n, stage = workload.world_size, workload.zero_stage
+
+    def part(nbytes: int) -> int:
+        return -(-nbytes * psi // n)
+
+    states = {"parameters": part(2) if stage == 3 else 2 * psi, "optimizer_states": part(12),
+              "gradients": part(4) + (part(2) if stage == 3 else 0)}
+    host = 0
+    if workload.technique("cpu-offload"):
+        for name in ("optimizer_states", "gradients") + (("parameters",) if stage == 3 else ()):
+            host, states[name] = host + states[name], 0
+        states["gradients"] = part(4)
+        if stage < 3:
+            states["parameters"] += part(2)
+            states["gradients"] += 2 * 2 * max(parameter_sizes(workload))
     at, comp = dict(at_peak), dict(component_peaks)
-    for name in MODEL_STATE_CATEGORIES:
-        at[name] = states[name] if at[name] else 0
-        comp[name] = states[name]
-    return at, comp
+    at["parameters"], comp["parameters"] = states["parameters"], states["parameters"]
+    at["optimizer_states"] = comp["optimizer_states"] = states["optimizer_states"]
+    at["gradients"] += states["gradients"]           # the simulated ones: the bucket and gradients in flight
+    comp["gradients"] += states["gradients"]
+    return at, comp, host

@@ -34,6 +34,8 @@ class Policy:
     #                             into DDP's buckets (ddp:bucket_view=true)
     checkpoint_offload: bool = False   # checkpointing:mode=offload: the blocks' saved tensors go to the host
     stream_blocks: bool = False  # stream-layers: block weights live on the host, copied in while a block runs
+    grad_bucket: int = 0        # DeepSpeed ZeRO-1/2: a reduction bucket of this many elements, allocated when
+    #                             the first gradient arrives and kept
 
 
 _serial = itertools.count()
@@ -194,6 +196,7 @@ class Engine:
         self._offloading: dict[int, Offloaded] | None = None   # in an offloaded block: its host copies by uid
         self.host_live = 0
         self.host_peak = 0
+        self._bucket: Sym | None = None
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
@@ -474,6 +477,8 @@ class Engine:
                 self._account(grad, +1)
             if first and not self.policy.grads_leave:
                 param.grad_sym = grad
+            if self.policy.grad_bucket and self._bucket is None:
+                self._bucket = self.new(self.policy.grad_bucket, self.policy.param_dtype, category="gradients")
             return
         if uid not in pending:
             pending[uid] = grad           # a second gradient for the same tensor is added in place

@@ -1,0 +1,125 @@
+"""`--engine deepspeed`: the training step run by DeepSpeed's engine (ZeRO stages 1-3, ZeRO-Offload).
+
+DeepSpeed runs the model itself in half precision: `deepspeed.initialize` casts the module's weights
+to bf16 (or fp16, with its dynamic loss scaler), keeps float32 master weights in the optimizer and
+shards by `--zero` stage over the process group: 1 the master weights and Adam moments, 2 also the
+gradients (reduced into each rank's partition through a bucket), 3 also the half-precision weights
+(gathered per module as it runs). `-t cpu-offload` is ZeRO-Offload: master weights, moments and
+float32 gradients in host RAM, stepped by DeepSpeed's CPU Adam; at stage 3 the weights' partitions too.
+The optimizer is DeepSpeed's own AdamW (fused on the device, CPU Adam when offloaded).
+
+The techniques that change the model (checkpointing, attention, sequence, loss) apply before the
+engine wraps it; mixed precision, optimizer and sharding are DeepSpeed's.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from memfit.core.errors import MemfitError
+from memfit.steps.hooks import NullHooks, StepHooks, tensors_in
+from memfit.steps.host import note_host
+from memfit.steps.optim import DEFAULT_LR
+
+
+def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
+    zero: dict = {"stage": workload.zero_stage, "reduce_bucket_size": workload.reduce_bucket}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if workload.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": workload.batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": workload.precision == "bf16-mixed"},
+        "fp16": {"enabled": workload.precision == "fp16-mixed"},
+        "optimizer": {"type": "AdamW", "params": {"lr": DEFAULT_LR["adamw"] if lr is None else lr,
+                                                  "weight_decay": 0.01}},   # torch.optim.AdamW's default
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError:
+        raise MemfitError("--engine deepspeed needs DeepSpeed: pip install 'memfit[deepspeed]'.") from None
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+class DeepSpeedLoop:
+    """TrainLoop's interface (`step(batch)` -> loss) over a DeepSpeed engine built from `setup` (the
+    techniques applied to the model) and the workload's precision, --zero stage and offload."""
+
+    def __init__(self, setup, workload, *, hooks: StepHooks | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise MemfitError("--engine deepspeed needs a process group: run under torchrun (or `memfit measure "
+                              "--world-size N`, which starts one).")
+        deepspeed = _import_deepspeed()
+        self.setup, self.hooks = setup, hooks or NullHooks()
+        self.offload, self.stage = setup.offload is not None, workload.zero_stage
+        config = deepspeed_config(workload, lr=setup.lr, offload=self.offload)
+        params = [p for p in setup.model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=setup.model, model_parameters=params,
+                                                                 config=config)
+        self.model = self.engine
+        setup_buckets = getattr(self.optimizer, "setup_buckets", None)
+        if setup_buckets is not None:   # ZeRO-1/2 allocate their reduction buckets at the first gradient
+
+            def marked_setup_buckets() -> None:
+                setup_buckets()
+                self.hooks.mark("gradients", self._buckets())
+
+            self.optimizer.setup_buckets = marked_setup_buckets
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16: steps DeepSpeed's loss scaler skipped on overflow."""
+        return self.engine.skipped_steps
+
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """The half-precision weights (at stage 3 each parameter's partition, `ds_tensor`)."""
+        return [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]
+
+    def step(self, batch) -> torch.Tensor:
+        setup = self.setup
+        (batch,) = setup.prepare_batch(batch)     # sequence-chunks is refused (compose.RULES)
+        self._phase("forward")
+        loss = setup.loss(self.engine, batch)
+        self._phase("backward")
+        self.engine.backward(loss)
+        total = loss.detach()
+        del loss
+        self._phase("optimizer")
+        self.engine.step()
+        self._mark_states()
+        return total
+
+    def _phase(self, name: str) -> None:
+        self.hooks.phase(name)
+        for callback in self.setup.phase_callbacks:
+            callback(name)
+
+    def _buckets(self) -> list[torch.Tensor]:
+        return [t for bucket in getattr(self.optimizer, "ipg_buckets", {}).values() for t in tensors_in(bucket)]
+
+    def _mark_states(self) -> None:
+        """Name DeepSpeed's buffers for the tracker: the gradient partitions (stage 3: and bucket), the
+        float32 master partitions and the moments; with offload the ones DeepSpeed keeps in host RAM."""
+        zero = self.optimizer
+        masters = [t for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+                   for t in tensors_in(getattr(zero, name, None))]
+        inner = getattr(zero, "optimizer", zero)
+        states = masters + [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        partitions = [m.grad for m in masters if m.grad is not None] + tensors_in(
+            [getattr(zero, name, None) for name in ("averaged_gradients", "grads_in_partition")])
+        flat = tensors_in(getattr(zero, "grad_partitions_flat_buffer", None))
+        self.hooks.mark("gradients", self._buckets() + partitions + flat)
+        self.hooks.mark("optimizer_states", states)
+        if self.offload:
+            note_host(states + partitions + (flat + self.parameter_tensors() if self.stage == 3 else []))
