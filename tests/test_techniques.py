@@ -171,7 +171,9 @@ def test_offload_reports_the_host_ram_it_needs(techniques):
 @pytest.mark.parametrize("techniques,zero", [
     (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0), (("fsdp2:reshard=false",), 0),
     (("fsdp2", "cpu-offload"), 0), (("ddp",), 0), (("ddp", "checkpointing", "bf16-mixed"), 0), ((), 1),
-    (("tensor-parallel",), 0), (("tensor-parallel", "checkpointing", "bf16-mixed"), 0)])
+    (("tensor-parallel",), 0), (("tensor-parallel", "checkpointing", "bf16-mixed"), 0),
+    (("pipeline-parallel",), 0),
+    (("pipeline-parallel:schedule=gpipe,microbatches=4", "checkpointing", "bf16-mixed"), 0)])
 def test_data_parallel_on_two_real_ranks(techniques, zero):
     """torchrun starts 2 gloo ranks; each rank's peak against rank 0's trace (fake process group) and the
     analytic model: FSDP2's shards, all-gathers and reduce-scatters (and CPUOffloadPolicy's host shards);
@@ -179,7 +181,7 @@ def test_data_parallel_on_two_real_ranks(techniques, zero):
     states); tensor parallel's split heads and MLP channels."""
     run = measure(Workload(**SHAPE, world_size=2, zero_stage=zero, techniques=techniques),
                   estimates=("traced", "analytic"))
-    sharded = bool(techniques) and techniques[0].partition(":")[0] in ("fsdp2", "tensor-parallel")
+    sharded = bool(techniques) and techniques[0].partition(":")[0] in ("fsdp2", "tensor-parallel", "pipeline-parallel")
     single = measured(techniques[1:] if sharded or techniques[:1] == ("ddp",) else techniques)
     assert len(run.extra["rank_peak_bytes"]) == 2
     assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
@@ -195,7 +197,7 @@ def test_data_parallel_on_two_real_ranks(techniques, zero):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("techniques,zero", [(("ddp",), 0), ((), 1), (("fsdp2",), 0), (("fsdp2", "cpu-offload"), 0),
-                                             (("tensor-parallel",), 0)])
+                                             (("tensor-parallel",), 0), (("pipeline-parallel",), 0)])
 def test_data_parallel_results_equal_one_process(techniques, zero):
     """Every rank trains on the same batches, so the averaged gradients are one process's: the losses
     agree within numerics (the all-reduce sums in another order), on both ranks."""
@@ -369,13 +371,22 @@ def test_bad_input_is_one_error_and_changes_nothing():
         Workload(model="tiny-gpt2", world_size=2, techniques=("tensor-parallel",))
     with pytest.raises(MemfitError, match="do not split over 3 ranks"):
         Workload(model="tiny-llama", world_size=3, techniques=("tensor-parallel",))
+    for techniques, fragment in ((("pipeline-parallel:microbatches=3",), "does not split into 3"),
+                                 (("pipeline-parallel:microbatches=1",), "at least as many micro-batches"),
+                                 (("pipeline-parallel:schedule=zb",), "1f1b, gpipe"),
+                                 (("pipeline-parallel", "fsdp2"), "no 2-D mesh")):
+        with pytest.raises(MemfitError, match=fragment):
+            Workload(model="tiny-llama", batch_size=4, world_size=2, techniques=techniques)
+    with pytest.raises(MemfitError, match="ties its embeddings"):
+        Workload(model="tiny-qwen2", world_size=2, techniques=("pipeline-parallel",))
     with pytest.raises(MemfitError, match="drop chunked-ce"):   # --world-size N alone is DDP
         Workload(model="tiny-llama", world_size=2, techniques=("chunked-ce",))
 
 
 def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
     where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"}, "fsdp2": {"world_size": 2},
-             "ddp": {"world_size": 2}, "tensor-parallel": {"world_size": 2}, "stream-layers": {"task": "inference"}}
+             "ddp": {"world_size": 2}, "tensor-parallel": {"world_size": 2}, "stream-layers": {"task": "inference"},
+             "pipeline-parallel": {"world_size": 2}}
     for name, cls in REGISTRY.items():
         workload = Workload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
         base = memfit.estimate(workload, method="analytic")

@@ -24,7 +24,8 @@ def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str
         return {name: 1 for name in CATEGORIES}, 1, notes
     stage = 3 if fsdp2 else workload.zero_stage
     ddp = workload.technique("ddp") is not None   # the engine adds DDP's buckets itself
-    if (ddp and stage == 0) or workload.technique("tensor-parallel"):   # the engine runs one rank's part
+    if (ddp and stage == 0) or workload.technique("tensor-parallel") or workload.technique("pipeline-parallel"):
+        # the engine runs one rank's part
         return {name: 1 for name in CATEGORIES}, 1, notes
     if stage >= 1:
         weights["optimizer_states"] = 1

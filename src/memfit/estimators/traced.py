@@ -78,23 +78,29 @@ def build_fake(workload: Workload, num_layers: int | None, fake_mode: FakeTensor
     return model
 
 
-def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None) -> _Run:
+def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None, rank: int = 0) -> _Run:
     if workload.distributed_technique:
-        with fake_process_group(workload.world_size):
+        with fake_process_group(workload.world_size, rank):
             return _trace_rank(workload, gpu, num_layers)
     return _trace_rank(workload, gpu, num_layers)
 
 
+def traced_ranks(workload: Workload) -> range:
+    """The ranks whose step differs: every pipeline stage holds other blocks; data and tensor parallel
+    ranks are alike, so rank 0 stands for all."""
+    return range(workload.world_size if workload.technique("pipeline-parallel") else 1)
+
+
 @contextmanager
-def fake_process_group(world_size: int):
-    """Rank 0 of `world_size` ranks, in this process: collectives return fake tensors of the right shape."""
+def fake_process_group(world_size: int, rank: int = 0):
+    """Rank `rank` of `world_size` ranks, in this process: collectives return fake tensors of the right shape."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise MemfitError("a traced estimate of a distributed workload starts its own fake process group; "
                           "run it outside torchrun.")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -112,7 +118,9 @@ def _trace_rank(workload: Workload, gpu: GPU | None, num_layers: int | None) -> 
         tracker = MemoryTracker(round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1)
         tracker.watch_model(model)
         tracker.watch(tensors_in(batch), "inputs")
-        stacks = repeated_stacks(model, num_layers or source.num_layers)
+        # a pipeline stage drops the other ranks' blocks: holding the whole stack would keep them alive
+        pipeline = workload.technique("pipeline-parallel") is not None
+        stacks = [] if pipeline else repeated_stacks(model, num_layers or source.num_layers)
         tracker.watch_stacks(stacks)
         device_kernels = CudaKernels() if gpu else KernelScratchProbe()
         with FakeKernelFixes(), tracker, real_data_decisions(), device_kernels:
@@ -135,7 +143,9 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     started = time.perf_counter()
     source = workload.source
     weights, divisor, notes = state_weights(workload, traced=True)
-    depths = None if timeline or full_trace else extrapolation_depths(source.num_layers, source.layer_period)
+    # pipeline stages split the blocks by rank: traced at full depth, every rank
+    whole = timeline or full_trace or workload.technique("pipeline-parallel") is not None
+    depths = None if whole else extrapolation_depths(source.num_layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
     if depths:
@@ -150,8 +160,12 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         except NotLinear as exc:
             notes.append(f"extrapolation check failed ({exc}); traced every layer instead")
     if regions is None:
-        run = _trace_once(workload, gpu, None)
-        regions = region_peaks(run.trace, WHOLE_RUN, weights)
+        runs = [_trace_once(workload, gpu, None, rank) for rank in traced_ranks(workload)]
+        by_rank = [region_peaks(r.trace, WHOLE_RUN, weights) for r in runs]
+        highest = max(range(len(runs)), key=lambda i: peak_of(by_rank[i])[0].total)
+        run, regions = runs[highest], by_rank[highest]
+        if len(runs) > 1:
+            notes.append(f"traced each of {len(runs)} ranks; rank {highest} has the highest peak")
         host_bytes = max(run.trace.host_peaks().values())
     if run.probed:
         notes.append("CPU kernel scratch probed on real tensors of the same shapes: " + ", ".join(sorted(run.probed)))

@@ -13,6 +13,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit", "adamw4bit")
 ENGINES = ("pytorch", "deepspeed")
 DEEPSPEED_REDUCE_BUCKET = 500_000_000   # elements: DeepSpeed's default reduce_bucket_size (1 GB in half precision)
 DEFAULT_SEQ_LEN = 512
+DISTRIBUTED_TECHNIQUES = ("fsdp2", "ddp", "tensor-parallel", "pipeline-parallel")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,14 +90,15 @@ class Workload:
 
         configs = [parse_technique(spec) for spec in self.techniques]
         if (self.task == "train" and self.world_size > 1 and self.zero_stage <= 1 and self.engine == "pytorch"
-                and not {c.name for c in configs} & {"ddp", "fsdp2", "tensor-parallel"}):
+                and not {c.name for c in configs} & set(DISTRIBUTED_TECHNIQUES)):
             configs = ordered(configs + [parse_technique("ddp")])
         return configs
 
     @property
     def distributed_technique(self):
-        """The ddp, fsdp2 or tensor-parallel config when the workload runs over a process group, else None."""
-        return self.technique("fsdp2") or self.technique("ddp") or self.technique("tensor-parallel")
+        """The ddp, fsdp2, tensor-parallel or pipeline-parallel config when the workload runs over a process
+        group, else None."""
+        return next((t for t in self.technique_configs if t.name in DISTRIBUTED_TECHNIQUES), None)
 
     @property
     def runs_on_ranks(self) -> bool:

@@ -81,6 +81,12 @@ class TrainLoop:
         hooks, setup = self.hooks, self.setup
         micro_batches = setup.prepare_batch(batch)
         total = None
+        if setup.pipeline is not None:   # the schedule runs every micro-batch's forward and backward
+            self._phase("forward")
+            (batch,) = micro_batches
+            with setup.autocast():
+                total = setup.pipeline.step(batch)
+            micro_batches = []
         for micro_batch in micro_batches:
             self._phase("forward")
             with setup.autocast():

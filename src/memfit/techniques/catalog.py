@@ -7,5 +7,6 @@ from memfit.techniques import (  # noqa: F401
     mixed_precision,
     offload,
     optimizer_states,
+    pipeline,
     sequence,
 )

@@ -68,6 +68,14 @@ RULES: tuple[Rule, ...] = (
          "drop -t fsdp2"),
     Rule(frozenset({"tensor-parallel", "cpu-offload"}), "the host optimizer copies plain tensors, and tensor "
          "parallel's weights are DTensor shards", "drop cpu-offload"),
+    *(Rule(frozenset({"pipeline-parallel", other}), reason, fix) for other, reason, fix in (
+        ("ddp", "memfit runs the pipeline over every rank (no 2-D mesh yet)", "drop -t ddp"),
+        ("fsdp2", "memfit runs the pipeline over every rank (no 2-D mesh yet)", "drop -t fsdp2"),
+        ("tensor-parallel", "memfit runs the pipeline over every rank (no 2-D mesh yet)", "drop one of them"),
+        ("cpu-offload", "the pipeline schedule runs its own backward; cpu-offload's host optimizer is not wired "
+         "into it", "drop cpu-offload"),
+        ("chunked-ce", "the last stage computes the loss from the logits it sends", "drop chunked-ce"),
+        ("sequence-chunks", "the schedule splits the batch into micro-batches itself", "drop sequence-chunks"))),
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
          "module never all-gathers the LM head", "drop chunked-ce"),
 ) + tuple(
@@ -76,7 +84,7 @@ RULES: tuple[Rule, ...] = (
         *((optimizer, "runs DeepSpeed's own AdamW (float32 master weights and moments)", "use --engine pytorch")
           for optimizer in ("adamw8bit", "adamw4bit", "adafactor")),
         *((wrapper, "wraps the model itself (ZeRO data parallel)", f"drop -t {wrapper}")
-          for wrapper in ("ddp", "fsdp2", "tensor-parallel")),
+          for wrapper in ("ddp", "fsdp2", "tensor-parallel", "pipeline-parallel")),
         ("chunked-ce", "runs its forward around the model; chunked-ce would call the model past it",
          "drop chunked-ce"),
         ("sequence-chunks", "runs one micro-batch per step here", "drop sequence-chunks"))

@@ -46,6 +46,7 @@ class StepSetup:
     # "fsdp2" when FSDP2 keeps its shards, gradients and optimizer states there itself
     offload: str | None = None
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
+    pipeline: Any = None              # pipeline-parallel (pipeline.py): runs each step's micro-batches itself
     phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
 
     def autocast(self):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.estimators.analytic.engine import Engine, Policy
+from memfit.estimators.analytic.engine import Engine, Policy, Sym
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
 from memfit.estimators.breakdown import MemoryEstimate
@@ -30,6 +30,7 @@ from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_
 from memfit.estimators.sharding import per_rank, state_weights
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
+from memfit.techniques.pipeline import stage_layers
 
 _DTYPE = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
 
@@ -62,32 +63,41 @@ def host_optimizer(workload: Workload) -> bool:
     return workload.technique("cpu-offload") is not None and workload.technique("fsdp2") is None
 
 
-def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None) -> Engine:
+def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None,
+             rank: int = 0) -> Engine:
     """Run the family's program for one step at `num_layers` depth (with Python's cyclic garbage
     collector paused: the program frees by reference counting, and a collection pass only adds jitter)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(workload, gpu, num_layers, weights)
+        return _simulate(workload, gpu, num_layers, weights, rank)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None) -> Engine:
+def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None,
+              rank: int) -> Engine:
     family, spec = registry.family_of(workload.source)
+    pipeline = workload.technique("pipeline-parallel")
+    if pipeline:   # this rank's blocks, and the embeddings or the head
+        num_layers = len(stage_layers(num_layers, rank, workload.world_size))
     if workload.technique("tensor-parallel"):   # one rank's blocks: its share of the heads and MLP channels
         n = workload.world_size
         spec = replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n, intermediate=spec.intermediate // n)
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     family.declare_params(e, spec, num_layers)
+    if pipeline:
+        dropped = (() if rank == 0 else ("embed",)) + (() if rank == workload.world_size - 1 else ("norm", "lm_head"))
+        for name in dropped:
+            e.params.pop(name, None)
     if e.policy.stream_blocks:
         e.stream_from_host()
     e.keep += family.declare_buffers(e, spec)
     batch, seq = workload.batch_size, workload.effective_seq_len
     windows = sequence_windows(workload)
-    if windows.tokens != seq or windows.count > 1:   # the whole batch exists; the model sees views of it
+    if windows.tokens != seq or windows.count > 1 or pipeline:   # the whole batch exists; the model sees views
         e.keep += [e.input(batch * seq, "i64") for _ in range(2 if workload.task == "train" else 1)]
         e.inputs_are_views = True
     deepspeed = workload.engine == "deepspeed"
@@ -102,7 +112,9 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
             e.keep += create_states(e, workload.optimizer)
         if get_precision(workload.precision).loss_scaling and not deepspeed:
             e.keep += [e.new(1, "f32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
-        for window in range(min(windows.count, 2)):   # the second window runs with the gradients alive
+        if pipeline:
+            pipeline_schedule(e, family, spec, workload, pipeline, rank, num_layers)
+        for window in range(0 if pipeline else min(windows.count, 2)):   # the second runs with gradients alive
             e.set_phase("forward")
             relabelled = e.new(batch * windows.tokens, "i64", category="inputs") if window and windows.overlap else None
             loss = family.train(e, spec, num_layers, batch, windows.tokens)
@@ -117,6 +129,41 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
     return e
+
+
+def pipeline_schedule(e: Engine, family, spec, workload: Workload, pipeline, rank: int, num_layers: int) -> None:
+    """Rank `rank`'s micro-batches in the schedule's order (techniques/pipeline.py): GPipe runs every
+    forward, then every backward; 1F1B runs min(M, N - rank) forwards, then alternates a backward and a
+    forward, then the remaining backwards. Each micro-batch's tape and output (the last rank's: its
+    logits) live until its backward;
+    a stage that is not the last starts its backward from the gradient the next rank sends."""
+    n, m = workload.world_size, pipeline.microbatches
+    first, last = rank == 0, rank == n - 1
+    micro = workload.batch_size // m
+    if pipeline.schedule == "gpipe":
+        order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    else:
+        warmup = min(m, n - rank)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m):
+            order.append(("B", i))
+            if warmup + i < m:
+                order.append(("F", warmup + i))
+    in_flight: dict[int, tuple[list, Sym, list]] = {}
+    for kind, i in order:
+        if kind == "F":
+            e.set_phase("forward")
+            e.tape, held = [], []
+            out = family.train(e, spec, num_layers, micro, workload.effective_seq_len, first=first, last=last,
+                               stage_outputs=held)
+            e.cast_cache.clear()
+            in_flight[i] = (e.tape, out, held)
+        else:
+            e.set_phase("backward", segment="post")
+            e.tape, out, held = in_flight.pop(i)
+            e.backward(out, None if last else e.new(out.numel, out.dtype))
+        del out, held
+    e.tape = []
 
 
 def offload_host_bytes(workload: Workload) -> tuple[int, int]:
@@ -211,7 +258,8 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     period = spec.period
     layers = source.num_layers
     weights, divisor, notes = state_weights(workload)
-    depths = extrapolation_depths(layers, period)
+    pipeline = workload.technique("pipeline-parallel") is not None   # stages split the blocks: every rank, whole
+    depths = None if pipeline else extrapolation_depths(layers, period)
     if depths:
         engines = {n: simulate(workload, gpu, n, weights) for n in depths}
         samples = {n: _regions(e, n, period) for n, e in engines.items()}
@@ -223,9 +271,15 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
             depths = None
         del engines
     if not depths:
-        engine = simulate(workload, gpu, layers, weights)
-        regions, saved = _regions(engine, layers, layers), engine.host_peak
-        del engine
+        by_rank = []
+        for rank in range(workload.world_size if pipeline else 1):
+            engine = simulate(workload, gpu, layers, weights, rank)
+            by_rank.append((_regions(engine, layers, layers), engine.host_peak))
+            del engine
+        highest = max(range(len(by_rank)), key=lambda r: peak_of(by_rank[r][0])[0].total)
+        regions, saved = by_rank[highest]
+        if pipeline:
+            notes.append(f"simulated each of {len(by_rank)} pipeline ranks; rank {highest} has the highest peak")
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)

@@ -405,11 +405,13 @@ class Engine:
         region.reuse, region.done = None, True
 
     # ---- backward --------------------------------------------------------------------------
-    def backward(self, loss: Sym) -> None:
+    def backward(self, loss: Sym, seed: Sym | None = None) -> None:
         """Run the tape in reverse: each node turns its output's gradient into its inputs' gradients,
-        accumulates parameter gradients, and frees what it saved."""
+        accumulates parameter gradients, and frees what it saved. `seed`: the output's gradient when it
+        is not a scalar loss (a pipeline stage's, received from the next rank)."""
         self.segment = "post"                  # backward starts at the loss, after the layers
-        pending: dict[int, Sym] = {loss.uid: self.new(1, loss.dtype)}
+        pending: dict[int, Sym] = {loss.uid: seed if seed is not None else self.new(1, loss.dtype)}
+        del seed
         tape, self.tape = self.tape, []
         self._param_uses = {}
         for node in tape:

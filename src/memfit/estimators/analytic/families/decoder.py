@@ -323,12 +323,19 @@ def attention_masks(e: Engine, d: DecoderSpec, batch: int, q_len: int, kv_len: i
 
 
 def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: int, labels: bool,
-            cache: dict | None = None, kv_len: int | None = None, logits_to_keep: int = 0) -> Sym:
-    """The model's forward; returns the loss (training) or the logits (inference)."""
+            cache: dict | None = None, kv_len: int | None = None, logits_to_keep: int = 0,
+            first: bool = True, last: bool = True, stage_outputs: list | None = None) -> Sym:
+    """The model's forward; returns the loss (training) or the logits (inference). A pipeline stage
+    (techniques/pipeline.py) that is not the `first` takes the previous rank's hidden states instead of
+    the embeddings; one that is not the `last` returns its hidden states; the last keeps its logits (the
+    stage's output, which the schedule holds until the micro-batch's backward) in `stage_outputs`."""
     kv_len = kv_len or q_len
-    ids = e.input(batch * q_len, "i64")
     e.segment = "pre"
-    x = ops.embedding(e, ids, e.params["embed"], d.hidden)
+    if first:
+        ids = e.input(batch * q_len, "i64")
+        x = ops.embedding(e, ids, e.params["embed"], d.hidden)
+    else:   # received from the previous rank, a leaf whose gradient is sent back
+        x = e.new(batch * q_len * d.hidden, e.policy.param_dtype, grad=True)
     if d.model_type == "gemma2":
         x = ops.scalar_op(e, x)   # embeddings * sqrt(hidden)
     inputs_embeds = x              # the model's forward keeps its embeddings until it returns
@@ -340,6 +347,8 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         x = e.block(layer, partial(decoder_layer, e, cos=cos, sin=sin, d=d, layer=layer, batch=batch, q_len=q_len,
                                    cache=cache, kv_len=kv_len, masks=masks), x)
     e.segment = "post"
+    if not last:
+        return x
     hidden = rms_norm(e, x, e.params["norm"], d)
     del x, cos, sin, masks, inputs_embeds
     if labels and e.policy.loss_chunks:
@@ -358,6 +367,8 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         return logits
     e.input(batch * q_len, "i64")   # labels
     loss = ops.cross_entropy(e, logits, batch=batch, seq=q_len, shift=True)
+    if stage_outputs is not None:
+        stage_outputs.append(logits)
     del logits, hidden
     return loss
 
@@ -367,8 +378,10 @@ def declare_buffers(e: Engine, d: DecoderSpec) -> list[Sym]:
     return [e.new(d.head_dim // 2, "f32", category="buffers") for _ in range(2)]
 
 
-def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int) -> Sym:
-    return forward(e, d, num_layers, batch=batch, q_len=seq, labels=True)
+def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, *, first: bool = True,
+          last: bool = True, stage_outputs: list | None = None) -> Sym:
+    return forward(e, d, num_layers, batch=batch, q_len=seq, labels=True, first=first, last=last,
+                   stage_outputs=stage_outputs)
 
 
 def inference(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:

@@ -1,0 +1,178 @@
+"""Pipeline parallel (torch.distributed.pipelining): each rank holds a contiguous run of the blocks.
+
+  pipeline-parallel[:microbatches=M,schedule=1f1b|gpipe]
+          Rank s of N keeps blocks [s L/N, (s+1) L/N); the first rank also the embeddings, the last the
+          final norm, the LM head and the loss. A step splits the batch into M micro-batches; the
+          activations between ranks travel by send/recv. GPipe (Huang et al., 2019) runs every
+          micro-batch's forward, then every backward: each rank holds M micro-batches' activations.
+          1F1B (PipeDream-Flush, Narayanan et al., 2021) starts a micro-batch's backward as soon as the
+          last rank has its loss: rank s holds at most N - s micro-batches' activations. Gradients are
+          summed over the micro-batches and scaled by 1/M (the batch mean, as one process computes it).
+          Memory per rank: its blocks' weights, gradients and optimizer states (1/N of the blocks), the
+          embeddings or the head, and the activations of the micro-batches in flight, each 1/M of the
+          batch. Llama, Mistral and Qwen2 layouts with untied embeddings.
+
+The loss is the model's own (`loss_function` of the Hugging Face model); the mean over micro-batches
+is sent from the last rank to the others so every rank reports the step's loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memfit.core.errors import MemfitError, require_positive_int
+from memfit.techniques.base import Technique, register
+from memfit.techniques.setup import StepSetup
+
+PP_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PipelineParallel(Technique):
+    name = "pipeline-parallel"
+    risk = "numerical"      # the batch's loss is a mean of micro-batch means: another summation order
+    stage = "shard"
+    summary = "pipeline parallel (torch.distributed.pipelining): each rank holds a run of the blocks; 1f1b or gpipe"
+    microbatches: int = 2
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        require_positive_int(self.microbatches, "-t pipeline-parallel: microbatches")
+        if self.schedule not in SCHEDULES:
+            raise MemfitError(f"-t pipeline-parallel: schedule must be one of {', '.join(SCHEDULES)}, "
+                              f"got {self.schedule!r}.")
+
+    def check(self, workload) -> None:
+        n = workload.world_size
+        if n < 2:
+            raise MemfitError(f"-t {self.name} splits the blocks over ranks; pass --world-size N (N >= 2).")
+        if workload.task != "train":
+            raise MemfitError(f"-t {self.name} runs a training schedule; drop it for --task inference.")
+        if workload.zero_stage:
+            raise MemfitError(f"-t {self.name} does not combine with --zero; drop --zero.")
+        source = workload.source
+        if not source.is_hf or source.model_type not in PP_MODEL_TYPES:
+            raise MemfitError(f"-t {self.name} splits {', '.join(PP_MODEL_TYPES)} models (embeddings, blocks, "
+                              f"norm, head); {workload.model} has another layout.")
+        if source.config().tie_word_embeddings:
+            raise MemfitError(f"-t {self.name}: {workload.model} ties its embeddings to the LM head, which would "
+                              "live on the first and the last rank with gradients summed on neither.")
+        if source.num_layers < n:
+            raise MemfitError(f"-t {self.name}: {source.num_layers} blocks do not fill {n} ranks.")
+        if workload.batch_size % self.microbatches:
+            raise MemfitError(f"-t {self.name}: --batch-size {workload.batch_size} does not split into "
+                              f"{self.microbatches} micro-batches.")
+        if self.schedule == "1f1b" and self.microbatches < n:
+            raise MemfitError(f"-t {self.name}: 1F1B needs at least as many micro-batches as ranks "
+                              f"({self.microbatches} < {n}); raise microbatches or use schedule=gpipe.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise MemfitError(f"-t {self.name} needs a process group: run under torchrun (or `memfit measure "
+                              "--world-size N`, which starts one).")
+        setup.pipeline = Pipeline(setup.model, microbatches=self.microbatches, schedule=self.schedule,
+                                  device_type=setup.device_type, logits_dtype=setup.precision.autocast_dtype)
+        setup.model = setup.pipeline.stage_module
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
+    """Blocks of `stage`: contiguous, the first `num_layers % num_stages` stages one block more."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+class _Stage(nn.Module):
+    """One rank's part of a causal LM: token ids or hidden states in, hidden states or logits out."""
+
+    def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
+        super().__init__()
+        self.model, self.first, self.last = model, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.model.model
+        hidden = (base(input_ids=x) if self.first else base(inputs_embeds=x)).last_hidden_state
+        return self.model.lm_head(hidden) if self.last else hidden
+
+
+class Pipeline:
+    """This rank's stage of `model` (cut in place) and the schedule that runs a step over the ranks."""
+
+    def __init__(self, model: nn.Module, *, microbatches: int, schedule: str, device_type: str,
+                 logits_dtype: torch.dtype | None = None) -> None:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        rank, n = dist.get_rank(), dist.get_world_size()
+        self.first, self.last, self.microbatches = rank == 0, rank == n - 1, microbatches
+        base = model.model
+        base.layers = nn.ModuleList(base.layers[i] for i in stage_layers(len(base.layers), rank, n))
+        if not self.first:
+            base.embed_tokens = None
+        if not self.last:
+            base.norm, model.lm_head = nn.Identity(), None
+        self.stage_module = _Stage(model, self.first, self.last)
+        self._model = model
+        self._logits_dtype = logits_dtype   # autocast's, else the weights'
+        self._device = torch.device(device_type)
+        self._stage = lambda batch_size, seq: PipelineStage(
+            self.stage_module, rank, n, self._device, input_args=self._example(batch_size, seq, first=True),
+            output_args=self._example(batch_size, seq, first=False))
+        self._schedule_kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        self._schedule = None
+
+    def _example(self, batch_size: int, seq: int, *, first: bool) -> torch.Tensor:
+        """The stage's input (first=True) or output, one micro-batch's shape: metadata for the schedule,
+        so no shapes are exchanged between ranks (a traced run's fake process group carries none)."""
+        config = self._model.config
+        shape = (batch_size // self.microbatches, seq)
+        with torch.device("meta"):
+            if first and self.first:
+                return torch.empty(shape, dtype=torch.long)
+            weights = next(self.stage_module.parameters()).dtype   # the residual stream stays in it
+            if not first and self.last:
+                return torch.empty(*shape, config.vocab_size, dtype=self._logits_dtype or weights, requires_grad=True)
+            return torch.empty(*shape, config.hidden_size, dtype=weights, requires_grad=True)
+
+    def step(self, batch: dict) -> torch.Tensor:
+        """Forward and backward of every micro-batch in the schedule's order; the batch's mean loss."""
+        import torch.distributed as dist
+
+        ids = batch["input_ids"]
+        if self._schedule is None:
+            stage = self._stage(*ids.shape)
+            if dist.get_backend() == "fake":
+                _vote_static(stage)
+            self._schedule = self._schedule_kind(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
+        losses: list[torch.Tensor] = []
+        # return_outputs=False: the last rank would otherwise concatenate every micro-batch's logits
+        if self.first:
+            self._schedule.step(ids, return_outputs=False)
+        elif self.last:
+            self._schedule.step(target=batch["labels"], losses=losses, return_outputs=False)
+        else:
+            self._schedule.step(return_outputs=False)
+        loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros((), device=ids.device)
+        dist.broadcast(loss, src=dist.get_world_size() - 1)
+        return loss
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._model.loss_function(logits=logits, labels=labels, vocab_size=self._model.config.vocab_size)
+
+
+def _vote_static(stage) -> None:
+    """The schedule's first step has the ranks vote, by send and receive, on whether every stage's shapes
+    were given (they are: `_example`). A fake process group receives no values, so a traced rank casts
+    the vote's known result itself."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        agreed = torch.ones(1, dtype=torch.int32)
+    stage._warmup_forward_vote = lambda has_backward, received_acc=None: agreed
+    stage._warmup_backward_result = lambda received_result=None: agreed
