@@ -10,6 +10,7 @@ warnings.filterwarnings("ignore")
 EXAMPLES = {
     "convnet": ("memfit.examples.convnet:build", "memfit.examples.convnet:make_inputs"),
     "lstm": ("memfit.examples.lstm:build", "memfit.examples.lstm:make_inputs"),
+    "frozen_encoder": ("memfit.examples.frozen_encoder:build", "memfit.examples.frozen_encoder:make_inputs"),
 }
 
 

@@ -275,6 +275,30 @@ def test_stream_layers_runs_inference_in_less_device_memory():
         assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
 
 
+def test_park_frozen_keeps_idle_frozen_weights_on_the_host():
+    """A classifier on a frozen encoder: the frozen weights wait in host RAM outside their own forward, so
+    backward and the optimizer step run without them; the trace predicts it, and training is unchanged."""
+    model, inputs = EXAMPLES["frozen_encoder"]
+    shape = {"model": model, "inputs": inputs, "task": "train", "batch_size": 8, "seq_len": 128}
+    run, base = (measure(Workload(**shape, techniques=t), estimates=("traced",)) for t in (("park-frozen",), ()))
+    from memfit.examples.frozen_encoder import build, make_inputs
+
+    frozen = sum(p.numel() * 4 for p in build().parameters() if not p.requires_grad)
+    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert run.host_bytes == frozen and base.host_bytes == 0
+    assert base.peak_bytes - run.peak_bytes > 0.8 * frozen   # the peak falls in backward, without them
+    runs = []
+    for techniques in ((), ("park-frozen",)):
+        torch.manual_seed(0)
+        net = build()
+        setup = memfit.apply_(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]), techniques)
+        torch.manual_seed(1)
+        runs.append([float(setup.step(make_inputs(8, 64))) for _ in range(3)])
+    assert runs[1] == runs[0]
+    with pytest.raises(MemfitError, match="no frozen module"):
+        memfit.apply_(torch.nn.Linear(4, 4), None, ["park-frozen"])
+
+
 def test_allocator_techniques_change_only_the_cuda_reserve():
     """expandable-segments and release-cache act on CUDA's caching allocator: the tensors' peak is the same,
     the assumed reserve (labelled so) is smaller with expandable segments; on the CPU they change nothing."""
@@ -387,12 +411,14 @@ def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
     where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"}, "fsdp2": {"world_size": 2},
              "ddp": {"world_size": 2}, "tensor-parallel": {"world_size": 2}, "stream-layers": {"task": "inference"},
              "pipeline-parallel": {"world_size": 2}}
+    where["park-frozen"] = dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))
     for name, cls in REGISTRY.items():
         workload = Workload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
-        base = memfit.estimate(workload, method="analytic")
+        method = "analytic" if workload.source.is_hf else "traced"
+        base = memfit.estimate(workload, method=method)
         technique = parse_technique(name)
         assert parse_technique(technique.spec) == technique and cls.risk in ("lossless", "numerical", "lossy")
-        changed = effect(technique, base, workload)
+        changed = effect(technique, base, workload, method=method)
         assert changed.extra["effect"]["saved_bytes"] == base.peak_bytes - changed.peak_bytes
         assert changed.extra["effect"]["risk"] == cls.risk
     spec = parse_technique("sequence-chunks:window=64,stride=32").spec

@@ -24,6 +24,10 @@ inference model larger than the device (`stream-layers`), and the tensors autogr
                          root's weights (embeddings, head), one block's weights, the activations and
                          the KV cache. Host: the blocks' weights. Time: every forward (each decoded
                          token too) copies the blocks' weights over PCIe.
+  park-frozen            training with frozen modules that no gradient flows through (a frozen encoder
+                         or embeddings before the trained part): their weights live in host RAM and are
+                         copied in for their own forward only. Device: the trained part's step, one frozen
+                         module's weights at a time; host: the frozen weights.
   checkpointing:mode=offload   each chosen block's saved tensors (its parameters excepted) are copied to
                          the host as autograd saves them, and back to the device, one node's at a time,
                          when backward needs them (torch.autograd.graph.save_on_cpu, one copy per
@@ -45,6 +49,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.errors import MemfitError
+from memfit.steps.hooks import tensors_in
 from memfit.steps.host import host_copy, note_category, note_host, on_host
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
@@ -190,8 +195,9 @@ class StreamLayers(Technique):
             stream_block_(block)
 
 
-def stream_block_(block: torch.nn.Module) -> None:
-    """Keep `block`'s weights in host RAM; a device copy exists only while its forward runs."""
+def stream_block_(block: torch.nn.Module, park_after: Callable[[object], bool] = lambda output: True) -> None:
+    """Keep `block`'s weights in host RAM; a device copy exists while its forward runs, and after it
+    unless `park_after(output)` says the weights can go back (parked)."""
     device = next(block.parameters()).device
     slots = []
     for module in block.modules():
@@ -199,16 +205,69 @@ def stream_block_(block: torch.nn.Module) -> None:
             if param is not None:
                 module._parameters[name] = torch.nn.Parameter(host_copy(param), requires_grad=False)
                 slots.append((module, name, module._parameters[name]))
+    on_device = [False]
 
     def bring_in(_module, _args):
+        if on_device[0]:
+            return
         copies = [host.to(device, non_blocking=host.is_pinned(), copy=True) for _, _, host in slots]
         note_category(copies, "parameters")
         for (module, name, _), copy in zip(slots, copies):
             module._parameters[name] = torch.nn.Parameter(copy, requires_grad=False)
+        on_device[0] = True
 
-    def send_back(_module, _args, _output):
+    def send_back(_module, _args, output):
+        if not park_after(output):
+            return
         for module, name, host in slots:
             module._parameters[name] = host
+        on_device[0] = False
 
     block.register_forward_pre_hook(bring_in)
     block.register_forward_hook(send_back)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class ParkFrozen(Technique):
+    name = "park-frozen"
+    risk = "lossless"
+    stage = "shard"
+    summary = ("frozen modules that backward never needs (no gradient flows through them) wait in host RAM "
+               "outside their own forward")
+    time_factor = 1.1     # their weights cross PCIe once per step (assumed)
+
+    def check(self, workload) -> None:
+        if workload.task != "train":
+            raise MemfitError("-t park-frozen moves frozen weights out of the training step's backward and "
+                              "optimizer phases; for inference use -t stream-layers.")
+        if workload.source.is_hf:
+            raise MemfitError(f"-t park-frozen needs frozen modules, and {workload.model} trains every "
+                              "parameter here; freeze part of your own model (a module:function source).")
+
+    def apply_(self, setup: StepSetup) -> None:
+        parked = frozen_modules(setup.model)
+        if not parked:
+            raise MemfitError("-t park-frozen: the model has no frozen module (every one has a trainable "
+                              "parameter).")
+        for module in parked:
+            # a gradient flowing through the module's output would need its weights in backward
+            stream_block_(module, park_after=lambda output: not any(t.requires_grad for t in tensors_in(output)))
+
+
+def frozen_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost modules that are called (containers such as ModuleList are not) and whose parameters
+    are all frozen."""
+    found: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        params = list(module.parameters())
+        container = isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        if params and not container and not any(p.requires_grad for p in params):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
