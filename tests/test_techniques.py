@@ -34,6 +34,9 @@ MODES = [
     (("bf16",), ()),
     (("checkpointing:mode=offload",), ()),
     (("cpu-offload",), ()),
+    (("lora",), ()),
+    (("lora:rank=8,targets=q_proj|k_proj|v_proj|o_proj", "checkpointing", "bf16-mixed"),
+     ("checkpointing", "bf16-mixed")),
 ]
 
 
@@ -367,6 +370,30 @@ def test_offload_in_a_users_own_loop_changes_no_result():
     assert isinstance(setup.optimizer, HostOffloadOptimizer)
     assert type(setup.optimizer.inner) is torch.optim.AdamW and setup.optimizer.param_groups[0]["weight_decay"] == 0.05
     assert runs[1] == runs[0] and runs[0][-1] < runs[0][0]
+
+
+def test_lora_in_a_users_loop_trains_only_the_adapters():
+    """apply_ wraps the user's model with peft and rebuilds their optimizer (kind and settings) over the
+    adapters; B starts at zero, so the first loss is the base model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=256)
+    batch = text_batches(batch_size=2, seq_len=32, num_batches=1)[0]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        base = float(model(**batch).loss)
+    setup = memfit.apply_(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), ["lora:rank=4"])
+    trained = [p for p in setup.model.parameters() if p.requires_grad]
+    assert {id(p) for p in setup.optimizer.param_groups[0]["params"]} == {id(p) for p in trained}
+    assert setup.optimizer.param_groups[0]["weight_decay"] == 0.1 and len(trained) == 2 * 2 * 2
+    frozen = {n: p.detach().clone() for n, p in setup.model.named_parameters() if not p.requires_grad}
+    first = [float(setup.step(batch)) for _ in range(3)]
+    assert first[0] == base and first[-1] < first[0]
+    assert all(torch.equal(p, frozen[n]) for n, p in setup.model.named_parameters() if not p.requires_grad)
+    with pytest.raises(MemfitError, match="no module named c_attn"):
+        memfit.apply_(LlamaForCausalLM(config), None, ["lora:targets=c_attn"])
 
 
 def test_bad_input_is_one_error_and_changes_nothing():

@@ -1,5 +1,6 @@
 """Imports every technique module so that each registers itself."""
 from memfit.techniques import (  # noqa: F401
+    adapters,
     allocator,
     attention,
     checkpointing,

@@ -29,6 +29,8 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("precision", "weights take their final dtype first: every later step wraps or copies the real weights"),
     ("sequence", "the batch's shape is fixed before anything is sized from it"),
     ("loss", "the loss head is replaced before blocks are wrapped, so checkpointing wraps the model's own blocks"),
+    ("adapters", "adapters go into the final layers before blocks are wrapped, so checkpointing recomputes "
+                 "them with their block (torchtitan's order: quantize, LoRA, checkpoint, shard)"),
     ("checkpointing", "blocks are wrapped once the model is final and before it is sharded (torchtitan's order)"),
     ("shard", "blocks are sharded (or the model replicated) after checkpointing wraps them, so each block's "
               "all-gather surrounds its recompute too"),
@@ -171,7 +173,9 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     """Apply techniques to a user's own model (in place) and return what their loop needs: `setup.optimizer`
     (rebuilt when an optimizer technique is given, with the given optimizer's learning rate; with
     cpu-offload, the given optimizer's kind and settings over host master weights — drop the old one),
-    `setup.autocast()`, `setup.loss(model, batch)`, `setup.prepare_batch(batch)` — or `setup.step(batch)`."""
+    `setup.autocast()`, `setup.loss(model, batch)`, `setup.prepare_batch(batch)` — or `setup.step(batch)`.
+    With lora, `setup.model` is peft's wrapper and the optimizer is rebuilt (same kind and settings) over
+    the adapters."""
     configs = _parse_all(techniques)
     check_rules(configs, None)
     new_optimizer = any(t.workload_field == "optimizer" for t in configs)
@@ -186,9 +190,19 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         setup.lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         setup.optimizer = None
         setup.build_optimizer()
-    elif setup.offload == "optimizer":   # the user's optimizer, rebuilt over host master weights
-        kind = type(setup.optimizer)
-        accepted = inspect.signature(kind.__init__).parameters
-        settings = {k: v for k, v in setup.optimizer.defaults.items() if k in accepted and k != "capturable"}
-        setup.optimizer = setup.offloaded(lambda masters: kind(masters, **settings))   # capturable: CUDA only
+        return setup
+    trainable = [p for p in setup.model.parameters() if p.requires_grad]
+    if setup.offload == "optimizer":   # the user's optimizer, rebuilt over host master weights
+        setup.optimizer = setup.offloaded(_same_kind(setup.optimizer))
+    elif optimizer is not None and {id(p) for p in trainable} != {
+            id(p) for group in optimizer.param_groups for p in group["params"]}:   # lora froze the weights
+        setup.optimizer = _same_kind(optimizer)(trainable)
     return setup
+
+
+def _same_kind(optimizer: torch.optim.Optimizer) -> Callable[[list], torch.optim.Optimizer]:
+    """A builder of `optimizer`'s kind with its settings (capturable dropped: CUDA graphs only)."""
+    kind = type(optimizer)
+    accepted = inspect.signature(kind.__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "capturable"}
+    return lambda params: kind(params, **settings)

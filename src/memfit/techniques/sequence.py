@@ -141,6 +141,7 @@ def chunked_causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, 
     computed slice by slice from the base model's last hidden state; `checkpoint` is the step's
     (checkpointing.step_checkpoint)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
     hidden = model.base_model(**inputs).last_hidden_state
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)

@@ -88,6 +88,8 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     family.declare_params(e, spec, num_layers)
+    if (lora := workload.technique("lora")) is not None:
+        add_adapters(e, family, lora)
     if pipeline:
         dropped = (() if rank == 0 else ("embed",)) + (() if rank == workload.world_size - 1 else ("norm", "lm_head"))
         for name in dropped:
@@ -129,6 +131,22 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
     return e
+
+
+def add_adapters(e: Engine, family, lora) -> None:
+    """LoRA (techniques/adapters.py): every parameter frozen; each target weight W (out x in) gets a
+    trainable A (rank x in) and B (out x rank), which its linears run beside it."""
+    names = getattr(family, "MODULE_NAMES", None)
+    if names is None:
+        raise MemfitError("the analytic model has LoRA for decoder families (Llama, Mistral, Qwen2, ...); use "
+                          "--method traced.")
+    targets = {names.get(t, t) for t in lora.target_names}
+    for param in list(e.params.values()):
+        param.grad, param.frozen = False, True
+        if param.name.rsplit(".", 1)[-1] in targets and len(param.shape) == 2:
+            out_features, in_features = param.shape
+            param.lora = (e.param(param.name + ".lora_A", (lora.rank, in_features)),
+                          e.param(param.name + ".lora_B", (out_features, lora.rank)))
 
 
 def pipeline_schedule(e: Engine, family, spec, workload: Workload, pipeline, rank: int, num_layers: int) -> None:

@@ -67,12 +67,14 @@ class Sym:
 class Param(Sym):
     """A parameter: lives for the whole run, its gradient is accumulated into `.grad`."""
 
-    __slots__ = ("name", "grad_sym", "shape")
+    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen")
 
     def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True):
         super().__init__(eng, numel, dtype, trainable, "parameters")
         self.name = name
         self.grad_sym: Sym | None = None
+        self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
+        self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
 
 
 class View(Sym):
@@ -367,8 +369,9 @@ class Engine:
             self._offloading = None
 
     def checkpointed(self, fn, x: Sym, *, selective: bool = False):
-        """`fn(x)` under torch.utils.checkpoint (non-reentrant)."""
-        if not (self.policy.train and x.grad):
+        """`fn(x)` under torch.utils.checkpoint (non-reentrant: it applies when only the block's parameters
+        need gradients too, as under LoRA, whose first block's input needs none)."""
+        if not self.policy.train:
             return fn(x)
         region = Region(fn, x, selective)
         start = len(self.tape)

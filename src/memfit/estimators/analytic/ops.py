@@ -41,10 +41,13 @@ def autocast_input(e: Engine, x: Sym, op: str) -> Sym:
 
 
 def weight(e: Engine, p: Param) -> Sym:
-    """A parameter as an autocast region sees it: cast once per region and cached (autocast's cache)."""
+    """A parameter as an autocast region sees it: cast once per region and cached (autocast's cache),
+    except a frozen one's (autocast caches only leaves that require grad): cast anew at every use."""
     target = e.policy.autocast_dtype
     if not e.autocast_on or p.dtype == target:
         return p
+    if p.frozen:
+        return cast(e, p, target)
     cached = e.cast_cache.get(p.name)
     if cached is None:
         cached = e.cast_cache[p.name] = cast(e, p, target)
@@ -62,7 +65,14 @@ def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = 
     tokens = x.numel // (w.numel // out_features)
     out = e.op_output(tokens * out_features, x_in.dtype)
     inputs = [x_in, w_in] + ([weight(e, bias)] if bias is not None else [])
-    return e.record(out, inputs, _saves(x_in, w_in))
+    out = e.record(out, inputs, _saves(x_in, w_in))
+    if w.lora is None:
+        return out
+    # peft's LoRA linear: base(x) + B(A(x)) * scaling, each step a new tensor
+    a, b = w.lora
+    low = linear(e, x, a, a.shape[0])
+    del x_in, w_in
+    return add(e, out, scalar_op(e, linear(e, low, b, out_features)))
 
 
 def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:

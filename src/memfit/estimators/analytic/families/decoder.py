@@ -15,6 +15,9 @@ from memfit.estimators.analytic.engine import Engine, Sym, View
 from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
 
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma2")
+# Hugging Face module names -> this program's parameter names (LoRA targets, techniques/adapters.py)
+MODULE_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 
 
 @dataclass(frozen=True)
