@@ -9,5 +9,6 @@ from memfit.techniques import (  # noqa: F401
     offload,
     optimizer_states,
     pipeline,
+    quantization,
     sequence,
 )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.estimators.analytic.engine import Engine, Policy, Sym
+from memfit.estimators.analytic.engine import Engine, Param, Policy, Sym
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
 from memfit.estimators.breakdown import MemoryEstimate
@@ -88,6 +88,8 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     family.declare_params(e, spec, num_layers)
+    if workload.technique("int8-weight-only"):
+        quantize_linears(e, family, spec)
     if (lora := workload.technique("lora")) is not None:
         add_adapters(e, family, lora)
     if pipeline:
@@ -131,6 +133,25 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
     return e
+
+
+def quantize_linears(e: Engine, family, spec) -> None:
+    """int8-weight-only (techniques/quantization.py): every linear weight as int8 codes plus a float32 scale
+    and an int8 zero point per output row; a head tied to the embeddings gets its own codes."""
+    names = getattr(family, "MODULE_NAMES", None)
+    if names is None:
+        raise MemfitError("the analytic model quantizes decoder families (Llama, Mistral, Qwen2, ...); use "
+                          "--method traced.")
+    linears = set(names.values()) | {"lm_head", "router"}
+    if getattr(spec, "tied", False) and "lm_head" not in e.params:
+        e.param("lm_head", e.params["embed"].shape)
+    for name, param in list(e.params.items()):
+        if name.rsplit(".", 1)[-1] in linears and len(param.shape) == 2:
+            rows = param.shape[0]
+            quantized = e.params[name] = Param(e, name, param.numel, "i8", trainable=False)
+            quantized.shape = param.shape
+            quantized.scales = (Param(e, name + ".scale", rows, "f32", False), Param(e, name + ".zero", rows, "i8", False))
+            del param
 
 
 def add_adapters(e: Engine, family, lora) -> None:

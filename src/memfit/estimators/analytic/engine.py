@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from memfit.core.categories import CATEGORIES, zero_categories
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1, "u8": 1}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1, "u8": 1, "i8": 1}
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Sym:
 class Param(Sym):
     """A parameter: lives for the whole run, its gradient is accumulated into `.grad`."""
 
-    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen")
+    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "scales")
 
     def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True):
         super().__init__(eng, numel, dtype, trainable, "parameters")
@@ -75,6 +75,7 @@ class Param(Sym):
         self.grad_sym: Sym | None = None
         self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
         self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
+        self.scales: tuple[Param, Param] | None = None   # int8 codes' (scale, zero point) per output row
 
 
 class View(Sym):

@@ -60,6 +60,8 @@ def _saves(a: Sym, b: Sym) -> list[Sym]:
 
 
 def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
+    if w.scales is not None:
+        return int8_linear(e, x, w, out_features, bias)
     x_in = autocast_input(e, x, "linear")
     w_in = weight(e, w)
     tokens = x.numel // (w.numel // out_features)
@@ -73,6 +75,20 @@ def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = 
     low = linear(e, x, a, a.shape[0])
     del x_in, w_in
     return add(e, out, scalar_op(e, linear(e, low, b, out_features)))
+
+
+def int8_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
+    """torchao's int8 weight-only linear (inference): the codes converted to x's dtype, x @ that, then the
+    row scales (and the bias) applied out of place."""
+    tokens = x.numel // (w.numel // out_features)
+    converted = e.new(w.numel, x.dtype)
+    product = e.new(tokens * out_features, x.dtype)
+    del converted
+    out = e.new(tokens * out_features, x.dtype)
+    del product
+    if bias is not None:
+        out = e.new(tokens * out_features, x.dtype)
+    return out
 
 
 def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:

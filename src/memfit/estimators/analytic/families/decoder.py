@@ -356,11 +356,11 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     del x, cos, sin, masks, inputs_embeds
     if labels and e.policy.loss_chunks:
         e.input(batch * q_len, "i64")   # labels
-        loss = chunked_lm_loss(e, hidden, e.params["embed" if d.tied else "lm_head"], d.vocab, batch=batch, seq=q_len,
+        loss = chunked_lm_loss(e, hidden, _head(e), d.vocab, batch=batch, seq=q_len,
                                chunks=e.policy.loss_chunks, softcap=d.model_type == "gemma2")
         del hidden
         return loss
-    logits = lm_head(e, hidden, e.params["embed" if d.tied else "lm_head"], d.vocab, batch=batch, q_len=q_len,
+    logits = lm_head(e, hidden, _head(e), d.vocab, batch=batch, q_len=q_len,
                      logits_to_keep=logits_to_keep)
     if d.model_type == "gemma2":   # final logit soft-capping: / cap, tanh, * cap
         logits = ops.scalar_op(e, logits)
@@ -374,6 +374,11 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         stage_outputs.append(logits)
     del logits, hidden
     return loss
+
+
+def _head(e: Engine):
+    """The LM head's weight: its own, or the embeddings' when tied (quantization gives a tied head its own)."""
+    return e.params["lm_head"] if "lm_head" in e.params else e.params["embed"]
 
 
 def declare_buffers(e: Engine, d: DecoderSpec) -> list[Sym]:
