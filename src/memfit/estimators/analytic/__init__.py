@@ -150,7 +150,8 @@ def quantize_linears(e: Engine, family, spec) -> None:
             rows = param.shape[0]
             quantized = e.params[name] = Param(e, name, param.numel, "i8", trainable=False)
             quantized.shape = param.shape
-            quantized.scales = (Param(e, name + ".scale", rows, "f32", False), Param(e, name + ".zero", rows, "i8", False))
+            quantized.scales = (Param(e, name + ".scale", rows, "f32", False),
+                                Param(e, name + ".zero", rows, "i8", False))
             del param
 
 
