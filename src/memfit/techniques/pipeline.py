@@ -107,7 +107,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, *, microbatches: int, schedule: str, device_type: str,
                  logits_dtype: torch.dtype | None = None) -> None:
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         rank, n = dist.get_rank(), dist.get_world_size()
         self.first, self.last, self.microbatches = rank == 0, rank == n - 1, microbatches
@@ -120,12 +120,20 @@ class Pipeline:
         self.stage_module = _Stage(model, self.first, self.last)
         self._model = model
         self._logits_dtype = logits_dtype   # autocast's, else the weights'
-        self._device = torch.device(device_type)
-        self._stage = lambda batch_size, seq: PipelineStage(
-            self.stage_module, rank, n, self._device, input_args=self._example(batch_size, seq, first=True),
-            output_args=self._example(batch_size, seq, first=False))
+        self._device, self._rank, self._ranks = torch.device(device_type), rank, n
         self._schedule_kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         self._schedule = None
+
+    def _build_schedule(self, batch_size: int, seq: int):
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage
+
+        stage = PipelineStage(self.stage_module, self._rank, self._ranks, self._device,
+                              input_args=self._example(batch_size, seq, first=True),
+                              output_args=self._example(batch_size, seq, first=False))
+        if dist.get_backend() == "fake":
+            _vote_static(stage)
+        return self._schedule_kind(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
 
     def _example(self, batch_size: int, seq: int, *, first: bool) -> torch.Tensor:
         """The stage's input (first=True) or output, one micro-batch's shape: metadata for the schedule,
@@ -146,10 +154,7 @@ class Pipeline:
 
         ids = batch["input_ids"]
         if self._schedule is None:
-            stage = self._stage(*ids.shape)
-            if dist.get_backend() == "fake":
-                _vote_static(stage)
-            self._schedule = self._schedule_kind(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
+            self._schedule = self._build_schedule(*ids.shape)
         losses: list[torch.Tensor] = []
         # return_outputs=False: the last rank would otherwise concatenate every micro-batch's logits
         if self.first:
