@@ -47,7 +47,8 @@ def _run_ranks(workload: Workload, job: dict) -> list[dict]:
             raise MemfitError(f"the {n}-rank run did not finish in {RANK_TIMEOUT_S} s.") from None
         if done.returncode:
             lines = (done.stderr or done.stdout).strip().splitlines()
-            errors = [line for line in lines if "Error" in line or "error:" in line][-5:]
+            errors = [line for line in lines if "Error" in line or "error:" in line]
+            errors = [line for line in errors if line.startswith("[rank")][-5:] or errors[-5:]   # the ranks' own
             raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}):\n"
                               + "\n".join(errors or lines[-15:]))
         results = []
@@ -75,6 +76,9 @@ def _rank_main(out: str, workload_json: str, job_json: str) -> None:
             result = {"losses": train_run(workload, batches, lr=job["lr"]).losses}
         with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as fh:
             json.dump(result, fh)
+        # a rank that closes its connections while another still reads the tail of the last collective
+        # (a broadcast, an all-reduce) fails that one with "connection closed by peer"
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
