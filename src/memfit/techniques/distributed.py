@@ -47,7 +47,7 @@ from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.setup import StepSetup
 
 
-def _require_process_group(name: str) -> None:
+def require_process_group(name: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -81,7 +81,7 @@ class Ddp(Technique):
         from torch._subclasses.fake_tensor import is_fake
         from torch.nn.parallel import DistributedDataParallel
 
-        _require_process_group(self.name)
+        require_process_group(self.name)
         # init_sync checks every rank's shapes and broadcasts rank 0's weights: values a trace does not have
         traced = any(is_fake(p) for p in setup.model.parameters())
         setup.model = DistributedDataParallel(setup.model, gradient_as_bucket_view=self.bucket_view,
@@ -150,7 +150,7 @@ class Fsdp2(Technique):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        _require_process_group(self.name)
+        require_process_group(self.name)
         with unset_fake_temporarily():   # the mesh reads real values
             mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
         options = {"mesh": mesh, "reshard_after_forward": self.reshard}
@@ -164,7 +164,20 @@ class Fsdp2(Technique):
             note_host(setup.model.parameters())
 
 
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LLAMA_LAYOUTS = ("llama", "mistral", "qwen2")   # the model types tensor and pipeline parallel split
+
+
+def check_split_over_ranks(name: str, workload, parts: str) -> None:
+    """A technique that splits the model's `parts` over the ranks needs several ranks, no --zero and a
+    Llama-layout model."""
+    if workload.world_size < 2:
+        raise MemfitError(f"-t {name} splits {parts} over several ranks; pass --world-size N (N >= 2).")
+    if workload.zero_stage:
+        raise MemfitError(f"-t {name} does not combine with --zero; drop --zero.")
+    source = workload.source
+    if not source.is_hf or source.model_type not in LLAMA_LAYOUTS:
+        raise MemfitError(f"-t {name} splits {parts} of {', '.join(LLAMA_LAYOUTS)} layouts; {workload.model} has "
+                          "other blocks.")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # output features split over the ranks
 ROWWISE = ("o_proj", "down_proj")                                   # input features split; outputs all-reduced
 
@@ -178,15 +191,8 @@ class TensorParallel(Technique):
     summary = "Megatron-style tensor parallel (DTensor): attention heads and MLP channels split over the ranks"
 
     def check(self, workload) -> None:
-        if workload.world_size < 2:
-            raise MemfitError(f"-t {self.name} splits each block over several ranks; pass --world-size N (N >= 2).")
-        if workload.zero_stage:
-            raise MemfitError(f"-t {self.name} does not combine with --zero yet; drop --zero.")
-        source = workload.source
-        if not source.is_hf or source.model_type not in TP_MODEL_TYPES:
-            raise MemfitError(f"-t {self.name} splits q/k/v/o and gate/up/down projections "
-                              f"({', '.join(TP_MODEL_TYPES)} layouts); {workload.model} has other blocks.")
-        config = source.config()
+        check_split_over_ranks(self.name, workload, "the q/k/v/o and gate/up/down projections")
+        config = workload.source.config()
         heads, intermediate = config.num_attention_heads, config.intermediate_size
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         for what, count in (("attention heads", heads), ("key/value heads", kv_heads),
@@ -200,7 +206,7 @@ class TensorParallel(Technique):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        _require_process_group(self.name)
+        require_process_group(self.name)
         with unset_fake_temporarily():
             mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
         for _, block in repeated_blocks(setup.model):

@@ -24,9 +24,9 @@ from torch import nn
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
+from memfit.techniques.distributed import check_split_over_ranks, require_process_group
 from memfit.techniques.setup import StepSetup
 
-PP_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -47,17 +47,10 @@ class PipelineParallel(Technique):
                               f"got {self.schedule!r}.")
 
     def check(self, workload) -> None:
-        n = workload.world_size
-        if n < 2:
-            raise MemfitError(f"-t {self.name} splits the blocks over ranks; pass --world-size N (N >= 2).")
+        check_split_over_ranks(self.name, workload, "the embeddings, blocks and head")
         if workload.task != "train":
             raise MemfitError(f"-t {self.name} runs a training schedule; drop it for --task inference.")
-        if workload.zero_stage:
-            raise MemfitError(f"-t {self.name} does not combine with --zero; drop --zero.")
-        source = workload.source
-        if not source.is_hf or source.model_type not in PP_MODEL_TYPES:
-            raise MemfitError(f"-t {self.name} splits {', '.join(PP_MODEL_TYPES)} models (embeddings, blocks, "
-                              f"norm, head); {workload.model} has another layout.")
+        n, source = workload.world_size, workload.source
         if source.config().tie_word_embeddings:
             raise MemfitError(f"-t {self.name}: {workload.model} ties its embeddings to the LM head, which would "
                               "live on the first and the last rank with gradients summed on neither.")
@@ -71,11 +64,7 @@ class PipelineParallel(Technique):
                               f"({self.microbatches} < {n}); raise microbatches or use schedule=gpipe.")
 
     def apply_(self, setup: StepSetup) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise MemfitError(f"-t {self.name} needs a process group: run under torchrun (or `memfit measure "
-                              "--world-size N`, which starts one).")
+        require_process_group(self.name)
         setup.pipeline = Pipeline(setup.model, microbatches=self.microbatches, schedule=self.schedule,
                                   device_type=setup.device_type, logits_dtype=setup.precision.autocast_dtype)
         setup.model = setup.pipeline.stage_module
