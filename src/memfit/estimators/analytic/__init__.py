@@ -175,8 +175,8 @@ def pipeline_schedule(e: Engine, family, spec, workload: Workload, pipeline, ran
     """Rank `rank`'s micro-batches in the schedule's order (techniques/pipeline.py): GPipe runs every
     forward, then every backward; 1F1B runs min(M, N - rank) forwards, then alternates a backward and a
     forward, then the remaining backwards. Each micro-batch's tape and output (the last rank's: its
-    logits) live until its backward;
-    a stage that is not the last starts its backward from the gradient the next rank sends."""
+    logits) live until its backward; a stage that is not the last starts its backward from the gradient
+    the next rank sends."""
     n, m = workload.world_size, pipeline.microbatches
     first, last = rank == 0, rank == n - 1
     micro = workload.batch_size // m
