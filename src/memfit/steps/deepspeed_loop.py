@@ -21,6 +21,7 @@ from memfit.core.errors import MemfitError
 from memfit.steps.hooks import NullHooks, StepHooks, tensors_in
 from memfit.steps.host import note_host
 from memfit.steps.optim import DEFAULT_LR
+from memfit.steps.train import enter_phase
 
 
 def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
@@ -67,7 +68,6 @@ class DeepSpeedLoop:
         params = [p for p in setup.model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=setup.model, model_parameters=params,
                                                                  config=config)
-        self.model = self.engine
         setup_buckets = getattr(self.optimizer, "setup_buckets", None)
         if setup_buckets is not None:   # ZeRO-1/2 allocate their reduction buckets at the first gradient
 
@@ -101,9 +101,7 @@ class DeepSpeedLoop:
         return total
 
     def _phase(self, name: str) -> None:
-        self.hooks.phase(name)
-        for callback in self.setup.phase_callbacks:
-            callback(name)
+        enter_phase(self.setup, self.hooks, name)
 
     def _buckets(self) -> list[torch.Tensor]:
         return [t for bucket in getattr(self.optimizer, "ipg_buckets", {}).values() for t in tensors_in(bucket)]

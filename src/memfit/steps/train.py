@@ -58,6 +58,13 @@ def call_model(model: nn.Module, batch: dict | tuple) -> Any:
     return model(**batch) if isinstance(batch, dict) else model(*batch)
 
 
+def enter_phase(setup: StepSetup, hooks: StepHooks, name: str) -> None:
+    """A new phase of the step: the observer hears it, then the techniques' phase callbacks."""
+    hooks.phase(name)
+    for callback in setup.phase_callbacks:
+        callback(name)
+
+
 class TrainLoop:
     """A user's training loop, step by step, as the techniques in `setup` changed it. A step runs the
     setup's micro-batches (forward, loss, backward each; gradients accumulate), then the optimizer.
@@ -113,9 +120,7 @@ class TrainLoop:
         return total
 
     def _phase(self, name: str) -> None:
-        self.hooks.phase(name)
-        for callback in self.setup.phase_callbacks:
-            callback(name)
+        enter_phase(self.setup, self.hooks, name)
 
     def _optimizer_step(self) -> None:
         if self.scaler is None:
