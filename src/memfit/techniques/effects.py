@@ -3,7 +3,8 @@ leave-one-out savings that `memfit estimate -t ...` prints for each technique it
 
 Memory comes from the estimator (analytic by default: milliseconds, what the planner calls); the
 step-time factor is the technique's own cost-model figure, labelled `assumed` until
-benchmarks/technique_table.py has measured it.
+benchmarks/technique_table.py has measured it. A lossy technique's accuracy cost is the figure
+benchmarks/accuracy_costs.py measured, with its model and data named.
 """
 from __future__ import annotations
 
@@ -45,7 +46,18 @@ def describe(technique: Technique, *, without: MemoryEstimate, with_it: MemoryEs
     return {"technique": technique.spec, "risk": technique.risk,
             "saved_bytes": int(without.peak_bytes - with_it.peak_bytes),
             "host_bytes": int(with_it.host_bytes - without.host_bytes),
-            "time_factor": technique.step_time_factor(), "time_factor_source": "assumed"}
+            "time_factor": technique.step_time_factor(), "time_factor_source": "assumed",
+            "accuracy": measured_accuracy(technique)}
+
+
+def measured_accuracy(technique: Technique) -> dict | None:
+    """The technique's measured accuracy cost with its source (benchmarks/accuracy_costs.py writes them), or
+    None where none has been measured (lossless techniques need none)."""
+    import json
+    from importlib import resources
+
+    costs = json.loads(resources.files("memfit.data").joinpath("accuracy.json").read_text())
+    return costs.get(technique.spec)
 
 
 def all_techniques(workload: Workload) -> list[Technique]:

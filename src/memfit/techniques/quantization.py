@@ -6,11 +6,28 @@
                      multiplies, then applies the row scales: per call the weight's size in that dtype
                      and one more output-sized tensor are temporaries (measured on the CPU kernel).
                      Embeddings stay as they are; a head tied to them gets its own int8 copy.
+  int8-dynamic       torchao's Int8DynamicActivationInt8WeightConfig (inference): the same int8 weights, and
+                     per call each token's activations quantized to int8 (asymmetric: scale and zero point
+                     per token) for an integer matmul. Per call: float temporaries of the input's size
+                     (x / scale, round, + zero point, clamp, two alive at a time), the int8 input, on the
+                     CPU a uint8 copy for its u8 x s8 kernel (made through int32), the int32 product, and
+                     two float tensors of the output's size while it is scaled back.
+  bnb-4bit[:format=nf4|fp4,double_quant=true]
+                     bitsandbytes' Linear4bit (Dettmers et al., QLoRA) on every nn.Linear but the LM head
+                     (transformers' rule): two 4-bit codes per byte, one scale per block of 64 weights
+                     (float32, or with double_quant an 8-bit code per block plus a float32 scale per 256
+                     blocks). Each call dequantizes the whole weight to the activations' dtype and
+                     multiplies (bitsandbytes' portable path, the one CUDA takes for more than one token):
+                     the weight's size in that dtype is a temporary per linear, again in backward. On a
+                     CPU with AVX512-BF16 bitsandbytes would repack the weights at the first inference
+                     call for a bf16 kernel; memfit turns that off so the CPU computes as a GPU does.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import torch
 
 from memfit.core.errors import MemfitError
 from memfit.techniques.base import Technique, register
@@ -27,21 +44,118 @@ class Int8WeightOnly(Technique):
 
     def check(self, workload) -> None:
         if workload.task != "inference":
-            raise MemfitError("-t int8-weight-only quantizes a model for inference; training through int8 "
-                              "weights is quantization-aware training (not here yet).")
+            raise MemfitError(f"-t {self.name} quantizes a model for inference; training through int8 weights is "
+                              "quantization-aware training (not here yet).")
         if workload.precision not in ("fp32", "bf16"):
-            raise MemfitError(f"-t int8-weight-only dequantizes to the weights' own dtype; use --precision fp32 "
-                              f"or bf16, not {workload.precision}.")
+            raise MemfitError(f"-t {self.name} computes in the weights' own dtype; use --precision fp32 or bf16, "
+                              f"not {workload.precision}.")
         if workload.source.is_hf and workload.source.model_type == "gpt2":
-            raise MemfitError("-t int8-weight-only: GPT-2's blocks use Conv1D, which torchao does not quantize "
+            raise MemfitError(f"-t {self.name}: GPT-2's blocks use Conv1D, which torchao does not quantize "
                               "(only the LM head would be).")
+
+    def torchao_config(self):
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return Int8WeightOnlyConfig()
 
     def apply_(self, setup: StepSetup) -> None:
         os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-        import torch
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import quantize_
 
-        linears = [m for m in setup.model.modules() if isinstance(m, torch.nn.Linear)]
-        if not linears:
-            raise MemfitError("-t int8-weight-only: the model has no nn.Linear to quantize.")
-        quantize_(setup.model, Int8WeightOnlyConfig())
+        if not any(isinstance(m, torch.nn.Linear) for m in setup.model.modules()):
+            raise MemfitError(f"-t {self.name}: the model has no nn.Linear to quantize.")
+        quantize_(setup.model, self.torchao_config())
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Int8Dynamic(Int8WeightOnly):
+    name = "int8-dynamic"
+    summary = "torchao int8 dynamic: int8 weights (scale per row) and each token's activations quantized per call"
+    time_factor = 1.2    # quantizing activations per call; the int8 matmul pays off on GPUs (assumed)
+
+    def torchao_config(self):
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+
+        return Int8DynamicActivationInt8WeightConfig()
+
+
+FORMATS = ("nf4", "fp4")
+BLOCK = 64   # bitsandbytes' 4-bit block: one scale per 64 weights
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Bnb4bit(Technique):
+    name = "bnb-4bit"
+    risk = "lossy"
+    stage = "quantize"
+    summary = "bitsandbytes 4-bit weights (NF4 or FP4, blocks of 64) on every nn.Linear but the LM head"
+    time_factor = 1.3    # a dequantization per linear per call (assumed)
+    format: str = "nf4"
+    double_quant: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise MemfitError(f"-t {self.name}: format must be one of {', '.join(FORMATS)}, not {self.format!r}.")
+
+    def check(self, workload) -> None:
+        if workload.task != "inference":
+            raise MemfitError(f"-t {self.name} freezes the weights as 4-bit codes; to train, add adapters with "
+                              f"-t qlora (4-bit base + LoRA).")
+        check_4bit_model(self.name, workload)
+
+    def apply_(self, setup: StepSetup) -> None:
+        quantize_4bit_(setup, self.name, self.format, self.double_quant)
+
+
+def check_4bit_model(name: str, workload) -> None:
+    if workload.precision == "fp16-mixed":
+        raise MemfitError(f"-t {name}: use --precision fp32, bf16 or bf16-mixed (4-bit weights have no master "
+                          "copy for the fp16 loss scaler to guard).")
+    if workload.source.is_hf and workload.source.model_type == "gpt2":
+        raise MemfitError(f"-t {name}: GPT-2's blocks use Conv1D, which bitsandbytes does not quantize.")
+
+
+def quantize_4bit_(setup: StepSetup, name: str, format: str, double_quant: bool,
+                   keep: tuple[str, ...] = ("lm_head",)) -> None:
+    """Replace every nn.Linear but those named in `keep` by a bitsandbytes Linear4bit holding its weight as
+    4-bit codes, computing in the autocast dtype under mixed precision, else in the weight's own dtype."""
+    try:
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+        from bitsandbytes.nn import Linear4bit, Params4bit
+    except ImportError:
+        raise MemfitError(f"-t {name} needs bitsandbytes: pip install 'memfit[quantization]'.") from None
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    compute = setup.precision.autocast_dtype
+    replaced = 0
+    for parent in list(setup.model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child_name in keep:
+                continue
+            weight = child.weight
+            with unset_fake_temporarily():   # an empty shell on the meta device; its weight is set below
+                linear = Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                    compute_dtype=compute or weight.dtype, compress_statistics=double_quant,
+                                    quant_type=format, device="meta")
+            linear.support_avx512bf16_for_cpu = False    # compute as on a GPU (the module docstring)
+            if is_fake(weight):   # a traced run: Params4bit cannot wrap a fake tensor; the same codes and state
+                with unset_fake_temporarily():   # bitsandbytes caches its code books per device: real ones
+                    probe = torch.ones(2, BLOCK, device=weight.device)
+                    dequantize_4bit(*quantize_4bit(probe, compress_statistics=double_quant, quant_type=format))
+                codes, state = quantize_4bit(weight.data, compress_statistics=double_quant, quant_type=format)
+                linear.weight = torch.nn.Parameter(codes, requires_grad=False)
+                for key, value in dict(quant_state=state, quant_type=format, compress_statistics=double_quant,
+                                       blocksize=state.blocksize, quant_storage=torch.uint8).items():
+                    setattr(linear.weight, key, value)   # what Params4bit carries (peft reads them)
+            else:
+                linear.weight = Params4bit(weight.data, requires_grad=False, quant_type=format,
+                                           compress_statistics=double_quant, module=linear)._quantize(weight.device)
+            if child.bias is not None:
+                linear.bias = child.bias
+            setattr(parent, child_name, linear)
+            replaced += 1
+    if not replaced:
+        raise MemfitError(f"-t {name}: the model has no nn.Linear to quantize (besides {', '.join(keep)}).")
+    setup.model.is_loaded_in_4bit = True   # as transformers marks it: peft then wraps the 4-bit linears for LoRA

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.estimators.analytic.engine import Engine, Param, Policy, Sym
+from memfit.estimators.analytic.engine import Engine, Policy, Sym
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
+from memfit.estimators.analytic.weights import pruned_spec, transform_weights
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.extrapolate import (
     NotLinear,
@@ -85,13 +86,11 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     if workload.technique("tensor-parallel"):   # one rank's blocks: its share of the heads and MLP channels
         n = workload.world_size
         spec = replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n, intermediate=spec.intermediate // n)
+    spec = pruned_spec(spec, workload)
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     family.declare_params(e, spec, num_layers)
-    if workload.technique("int8-weight-only"):
-        quantize_linears(e, family, spec)
-    if (lora := workload.technique("lora")) is not None:
-        add_adapters(e, family, lora)
+    transform_weights(e, family, spec, workload)
     if pipeline:
         dropped = (() if rank == 0 else ("embed",)) + (() if rank == workload.world_size - 1 else ("norm", "lm_head"))
         for name in dropped:
@@ -133,42 +132,6 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
     return e
-
-
-def quantize_linears(e: Engine, family, spec) -> None:
-    """int8-weight-only (techniques/quantization.py): every linear weight as int8 codes plus a float32 scale
-    and an int8 zero point per output row; a head tied to the embeddings gets its own codes."""
-    names = getattr(family, "MODULE_NAMES", None)
-    if names is None:
-        raise MemfitError("the analytic model quantizes decoder families (Llama, Mistral, Qwen2, ...); use "
-                          "--method traced.")
-    linears = set(names.values()) | {"lm_head", "router"}
-    if getattr(spec, "tied", False) and "lm_head" not in e.params:
-        e.param("lm_head", e.params["embed"].shape)
-    for name, param in list(e.params.items()):
-        if name.rsplit(".", 1)[-1] in linears and len(param.shape) == 2:
-            rows = param.shape[0]
-            quantized = e.params[name] = Param(e, name, param.numel, "i8", trainable=False)
-            quantized.shape = param.shape
-            quantized.scales = (Param(e, name + ".scale", rows, "f32", False),
-                                Param(e, name + ".zero", rows, "i8", False))
-            del param
-
-
-def add_adapters(e: Engine, family, lora) -> None:
-    """LoRA (techniques/adapters.py): every parameter frozen; each target weight W (out x in) gets a
-    trainable A (rank x in) and B (out x rank), which its linears run beside it."""
-    names = getattr(family, "MODULE_NAMES", None)
-    if names is None:
-        raise MemfitError("the analytic model has LoRA for decoder families (Llama, Mistral, Qwen2, ...); use "
-                          "--method traced.")
-    targets = {names.get(t, t) for t in lora.target_names}
-    for param in list(e.params.values()):
-        param.grad, param.frozen = False, True
-        if param.name.rsplit(".", 1)[-1] in targets and len(param.shape) == 2:
-            out_features, in_features = param.shape
-            param.lora = (e.param(param.name + ".lora_A", (lora.rank, in_features)),
-                          e.param(param.name + ".lora_B", (out_features, lora.rank)))
 
 
 def pipeline_schedule(e: Engine, family, spec, workload: Workload, pipeline, rank: int, num_layers: int) -> None:

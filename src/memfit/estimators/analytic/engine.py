@@ -67,7 +67,7 @@ class Sym:
 class Param(Sym):
     """A parameter: lives for the whole run, its gradient is accumulated into `.grad`."""
 
-    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "scales")
+    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "quant")
 
     def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True):
         super().__init__(eng, numel, dtype, trainable, "parameters")
@@ -75,7 +75,8 @@ class Param(Sym):
         self.grad_sym: Sym | None = None
         self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
         self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
-        self.scales: tuple[Param, Param] | None = None   # int8 codes' (scale, zero point) per output row
+        # quantized codes (analytic/weights.py): (the technique's name or "4bit", the weight's dtype before, state, double)
+        self.quant: tuple[str, str, list[Param], bool] | None = None
 
 
 class View(Sym):

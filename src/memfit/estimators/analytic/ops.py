@@ -7,6 +7,7 @@ backend runs (see also estimators/cuda_emulation.py, which makes the traced esti
 from __future__ import annotations
 
 from memfit.estimators.analytic.engine import Alias, Engine, Param, Sym, View
+from memfit.techniques.quantization import BLOCK
 
 HALF = ("bf16", "f16")
 _LOWER = {"linear", "matmul", "sdpa", "conv"}
@@ -60,20 +61,26 @@ def _saves(a: Sym, b: Sym) -> list[Sym]:
 
 
 def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
-    if w.scales is not None:
-        return int8_linear(e, x, w, out_features, bias)
+    if w.quant is not None and w.quant[0] != "4bit":
+        kernel = {"int8-weight-only": int8_linear, "int8-dynamic": int8_dynamic_linear}
+        return kernel[w.quant[0]](e, x, w, out_features, bias)
+    if w.quant is not None:   # peft's LoRA layer for 4-bit linears clones the base output first
+        out = linear_4bit(e, x, w, out_features, bias)
+        return out if w.lora is None else _add_lora(e, x, w, copy(e, out), out_features)
     x_in = autocast_input(e, x, "linear")
     w_in = weight(e, w)
     tokens = x.numel // (w.numel // out_features)
     out = e.op_output(tokens * out_features, x_in.dtype)
     inputs = [x_in, w_in] + ([weight(e, bias)] if bias is not None else [])
     out = e.record(out, inputs, _saves(x_in, w_in))
-    if w.lora is None:
-        return out
-    # peft's LoRA linear: base(x) + B(A(x)) * scaling, each step a new tensor
+    del x_in, w_in
+    return out if w.lora is None else _add_lora(e, x, w, out, out_features)
+
+
+def _add_lora(e: Engine, x: Sym, w: Param, out: Sym, out_features: int) -> Sym:
+    """peft's LoRA linear: base(x) + B(A(x)) * scaling, each step a new tensor."""
     a, b = w.lora
     low = linear(e, x, a, a.shape[0])
-    del x_in, w_in
     return add(e, out, scalar_op(e, linear(e, low, b, out_features)))
 
 
@@ -89,6 +96,55 @@ def int8_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     if bias is not None:
         out = e.new(tokens * out_features, x.dtype)
     return out
+
+
+def int8_dynamic_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
+    """torchao's int8 dynamic-activation int8-weight linear (inference), as its CPU path runs: each token's
+    activations quantized (x / scale, round, + zero point, clamp: x-sized, two alive at a time, then int8),
+    shifted to uint8 for the u8 x s8 kernel through two int32 copies, the int32 product, then converted to
+    float and scaled twice (the per-token scales are small and left out)."""
+    tokens = x.numel // w.shape[1]
+    n_in, n_out = x.numel, tokens * out_features
+    step = e.new(n_in, x.dtype)
+    for _ in range(3):              # round, + zero point, clamp: each frees the one before
+        step = e.new(n_in, x.dtype)
+    codes = e.new(n_in, "i8")
+    del step
+    shifted = e.new(n_in, "i32")
+    shifted = e.new(n_in, "i32")
+    unsigned = e.new(n_in, "u8")
+    del shifted
+    product = e.new(n_out, "i32")
+    as_float = e.new(n_out, x.dtype)
+    scaled = e.new(n_out, x.dtype)
+    del as_float, unsigned, product
+    out = e.new(n_out, x.dtype)
+    del scaled, codes
+    if bias is not None:
+        out = e.new(n_out, x.dtype)
+    return out
+
+
+def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
+    """bitsandbytes' Linear4bit: x cast to the compute dtype (the autocast dtype, else the weight's), the
+    block scales dequantized (double quantization: float32, once plus once with the offset added), the
+    whole weight dequantized to the compute dtype, x @ that; the output cast back to x's dtype. Nothing
+    is saved for backward, which dequantizes the weight again in its original dtype and casts it to the
+    gradient's."""
+    _, original, _, double_quant = w.quant
+    compute = e.policy.autocast_dtype or original
+    x_in = cast(e, x, compute)
+    numel = w.shape[0] * w.shape[1]
+    tokens, blocks = x.numel // w.shape[1], -(-numel // BLOCK)
+    scales = e.new(blocks, "f32") if double_quant else None
+    if scales is not None:
+        scales = e.new(blocks, "f32")    # + offset, out of place; the dequantized codes are freed
+    weight_now = e.new(numel, compute)
+    out = e.op_output(tokens * out_features, compute)
+    del scales, weight_now
+    backward = [(numel, original)] + ([(numel, compute)] if compute != original else [])
+    out = e.record(out, [x_in] + ([bias] if bias is not None else []), [], scratch=backward)
+    return cast(e, out, x.dtype)
 
 
 def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:

@@ -1,0 +1,152 @@
+"""Pruning: weights removed for real (structured), or zeroed (unstructured, which saves nothing while
+the weights stay dense).
+
+  prune-structured[:ratio=0.5,part=both|heads|mlp]
+          Llama-style decoders: whole attention-head groups (a key/value head with the query heads that
+          share it, so grouped-query attention keeps its grouping) and MLP channels (a row of gate and up
+          with the matching column of down) removed from every block with torch-pruning's layer surgery
+          (prune_linear_out_channels / prune_linear_in_channels), the lowest L2 norm first. Parameters,
+          gradients, optimizer states, activations and the KV cache all shrink; the residual width stays.
+          A fine-tune recovers part of the accuracy (benchmarks/technique_table.py measures both).
+  prune-unstructured[:sparsity=0.5]
+          the smallest-magnitude weights of every linear but the LM head set to zero (torch.nn.utils.prune,
+          L1, each layer to the same sparsity), the mask folded in: the zeros stay in the same dense
+          tensors, so it saves no memory at all (measured) — the "50-80 % smaller" of pruning papers needs
+          sparse storage or structured removal (prune-structured).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memfit.core.errors import MemfitError
+from memfit.techniques.base import Technique, register
+from memfit.techniques.setup import StepSetup
+
+PARTS = ("both", "heads", "mlp")
+
+
+def _check_ratio(value: float, what: str) -> None:
+    if not 0 < value < 1:
+        raise MemfitError(f"{what} must be between 0 and 1 (exclusive), got {value}.")
+
+
+def kept_count(total: int, ratio: float) -> int:
+    """How many of `total` units are kept when `ratio` of them are pruned (at least one)."""
+    return max(1, round(total * (1 - ratio)))
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PruneStructured(Technique):
+    name = "prune-structured"
+    risk = "lossy"
+    stage = "quantize"     # the weights take their final shape before adapters, checkpointing and sharding
+    summary = "torch-pruning: attention-head groups and MLP channels removed for real (Llama-style decoders)"
+    time_factor = 0.6      # fewer FLOPs in every block (assumed)
+    ratio: float = 0.5
+    part: str = "both"
+
+    def __post_init__(self) -> None:
+        _check_ratio(self.ratio, "-t prune-structured: ratio")
+        if self.part not in PARTS:
+            raise MemfitError(f"-t prune-structured: part must be one of {', '.join(PARTS)}, not {self.part!r}.")
+
+    def check(self, workload) -> None:
+        if not workload.source.is_hf or workload.source.model_type not in DECODERS:
+            raise MemfitError(f"-t prune-structured removes heads and channels of Llama-style decoders "
+                              f"({', '.join(DECODERS)}), not {workload.source.model_type}.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        try:
+            import torch_pruning as tp
+        except ImportError:
+            raise MemfitError("-t prune-structured needs torch-pruning: pip install 'memfit[pruning]'.") from None
+        blocks = [m for m in setup.model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+        if not blocks:
+            raise MemfitError("-t prune-structured: no decoder blocks (modules with self_attn and mlp) found.")
+        with torch.no_grad():
+            for block in blocks:
+                if self.part in ("both", "heads"):
+                    _prune_head_groups(tp, block.self_attn, self.ratio)
+                if self.part in ("both", "mlp"):
+                    _prune_mlp(tp, block.mlp, self.ratio)
+        config = getattr(setup.model, "config", None)
+        if config is not None:   # what the model is now (generation sizes its cache from the config)
+            attn, mlp = blocks[0].self_attn, blocks[0].mlp
+            config.num_key_value_heads = attn.k_proj.out_features // attn.head_dim
+            config.num_attention_heads = attn.q_proj.out_features // attn.head_dim
+            config.intermediate_size = mlp.down_proj.in_features
+
+
+DECODERS = ("llama", "mistral", "qwen2")
+
+
+def _lowest(scores: torch.Tensor, keep: int) -> list[int]:
+    """Indices of the units to remove: all but the `keep` highest scores (by position under fake tensors,
+    whose values do not exist; the shapes are the same)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(scores):
+        return list(range(keep, scores.numel()))
+    return sorted(scores.argsort(descending=True)[keep:].tolist())
+
+
+def _prune_head_groups(tp, attn, ratio: float) -> None:
+    head_dim = attn.head_dim
+    kv_heads = attn.k_proj.out_features // head_dim
+    group = attn.q_proj.out_features // attn.k_proj.out_features
+    keep = kept_count(kv_heads, ratio)
+    if keep == kv_heads:
+        return
+    # a group's score: the L2 norm of all its weights (its query heads, its key and value head, its o columns)
+    q = attn.q_proj.weight.float().pow(2).view(kv_heads, group * head_dim, -1).sum((1, 2))
+    kv = sum(p.weight.float().pow(2).view(kv_heads, head_dim, -1).sum((1, 2)) for p in (attn.k_proj, attn.v_proj))
+    o = attn.o_proj.weight.float().pow(2).view(-1, kv_heads, group * head_dim).sum((0, 2))
+    drop = _lowest(q + kv + o, keep)
+    kv_rows = [g * head_dim + i for g in drop for i in range(head_dim)]
+    q_rows = [g * group * head_dim + i for g in drop for i in range(group * head_dim)]
+    tp.prune_linear_out_channels(attn.q_proj, q_rows)
+    tp.prune_linear_out_channels(attn.k_proj, kv_rows)
+    tp.prune_linear_out_channels(attn.v_proj, kv_rows)
+    tp.prune_linear_in_channels(attn.o_proj, q_rows)
+
+
+def _prune_mlp(tp, mlp, ratio: float) -> None:
+    channels = mlp.down_proj.in_features
+    keep = kept_count(channels, ratio)
+    score = sum(p.weight.float().pow(2).sum(1) for p in (mlp.gate_proj, mlp.up_proj)) \
+        + mlp.down_proj.weight.float().pow(2).sum(0)
+    drop = _lowest(score, keep)
+    tp.prune_linear_out_channels(mlp.gate_proj, drop)
+    tp.prune_linear_out_channels(mlp.up_proj, drop)
+    tp.prune_linear_in_channels(mlp.down_proj, drop)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PruneUnstructured(Technique):
+    name = "prune-unstructured"
+    risk = "lossy"
+    stage = "quantize"
+    summary = "magnitude pruning (torch.nn.utils.prune, L1): zeros in dense weights, which save no memory"
+    sparsity: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_ratio(self.sparsity, "-t prune-unstructured: sparsity")
+
+    def check(self, workload) -> None:
+        if workload.source.is_hf and workload.source.model_type == "gpt2":
+            raise MemfitError("-t prune-unstructured prunes nn.Linear weights; GPT-2's blocks use Conv1D.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        from torch.nn.utils import prune
+
+        linears = [m for name, m in setup.model.named_modules() if isinstance(m, torch.nn.Linear)
+                   and name.rsplit(".", 1)[-1] not in ("lm_head", "classifier")]   # the output layer stays whole
+        if not linears:
+            raise MemfitError("-t prune-unstructured: the model has no nn.Linear to prune (besides the LM head).")
+        for linear in linears:
+            prune.l1_unstructured(linear, "weight", amount=self.sparsity)
+            prune.remove(linear, "weight")     # the zeros stay, in the same dense tensor
