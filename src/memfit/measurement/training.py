@@ -55,13 +55,17 @@ class TrainRun:
 
 
 def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: float | None = None,
-              eval_batches: list[dict] | None = None, keep_parameters: bool = False) -> TrainRun:
-    """Train the workload's model (built on CPU from `seed`) on `batches`, one step each."""
+              eval_batches: list[dict] | None = None, keep_parameters: bool = False,
+              start_from: dict[str, torch.Tensor] | None = None) -> TrainRun:
+    """Train the workload's model (built on CPU from `seed`, or loaded with the weights `start_from`) on
+    `batches`, one step each."""
     if workload.task != "train":
         raise ValueError("train_run needs a training workload")
     torch.manual_seed(seed)
     precision = get_precision(workload.precision)
     model = workload.source.build(device="cpu", dtype=precision.param_dtype)
+    if start_from is not None:
+        model.load_state_dict(start_from)
     model.train()
     setup = prepare_step(model, workload, device_type="cpu")
     setup.lr = lr

@@ -50,9 +50,9 @@ def describe(technique: Technique, *, without: MemoryEstimate, with_it: MemoryEs
             "accuracy": measured_accuracy(technique)}
 
 
-def measured_accuracy(technique: Technique) -> dict | None:
-    """The technique's measured accuracy cost with its source (benchmarks/accuracy_costs.py writes them), or
-    None where none has been measured (lossless techniques need none)."""
+def measured_accuracy(technique: Technique) -> list[dict] | None:
+    """The technique's measured accuracy costs, one per subject, each with its source (model, data, command;
+    benchmarks/accuracy_costs.py writes them), or None where none has been measured."""
     import json
     from importlib import resources
 
