@@ -16,10 +16,8 @@ Writes benchmarks/results/accuracy_costs.txt beside the data file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import warnings
-from importlib import resources
 from pathlib import Path
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -57,14 +55,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--finetune-steps", type=int, default=40, help="recovery fine-tune of pruned models")
     args = parser.parse_args()
-    costs: dict[str, list[dict]] = {}
     lines = [f"# {COMMAND} --finetune-steps {args.finetune_steps}", "",
              f"encoder: {accuracy.ENCODER} on {accuracy.SENTENCES}",
              f"{'technique':<34} {'mean cos':>9} {'min cos':>9} {'top-1 same':>11}"]
     print("\n".join(lines), flush=True)
     for technique in ENCODER_ROWS:
         r = accuracy.embedding_agreement([technique])
-        costs.setdefault(technique, []).append({
+        accuracy.record_accuracy(technique, {
             "metric": "sentence-embedding cosine to float32", "mean_cosine": round(r.mean_cosine, 5),
             "min_cosine": round(r.min_cosine, 5), "top1_agreement": round(r.top1_agreement, 4), "source": r.source,
             "command": COMMAND})
@@ -87,10 +84,9 @@ def main() -> None:
             entry |= {"after_finetune": round(after, 4), "unpruned_after_finetune": round(tuned, 4),
                       "finetune_steps": args.finetune_steps}
             recovered = f"{after:.3f} ({100 * (after / tuned - 1):+.1f} %)"
-        costs.setdefault(technique, []).append(entry)
+        accuracy.record_accuracy(technique, entry)
         lines.append(f"{technique:<34} {ppl:>8.3f} {100 * (ppl / base - 1):>+8.2f}% {recovered:>48}")
         print(lines[-1], flush=True)
-    Path(str(resources.files("memfit.data").joinpath("accuracy.json"))).write_text(json.dumps(costs, indent=1) + "\n")
     Path(__file__).parent.joinpath("results", "accuracy_costs.txt").write_text("\n".join(lines) + "\n")
 
 

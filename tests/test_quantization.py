@@ -2,8 +2,11 @@
 bytes per weight, and outputs close to float32's but not equal (lossy). QLoRA's training runs are in
 test_techniques.py's MODES with the other training techniques."""
 import pytest
+import torch
 
+import memfit
 from memfit.core.errors import MemfitError
+from memfit.measurement.training import text_batches
 from memfit.specs.workload import Workload
 from tests.conftest import rel
 from tests.test_techniques import SHAPE, _predicted, measured
@@ -46,6 +49,32 @@ def test_quantized_encoder_embeds_real_sentences_nearly_as_float32():
     assert fp4.mean_cosine < nf4.mean_cosine, (fp4, nf4)
 
 
+def test_qat_trains_through_fake_quantization_and_converts_to_int8():
+    """Fake quantization saves a rounded copy and a range mask source of every weight and input for
+    backward: QAT costs memory (predicted); the trained model converts to real int8-dynamic with nearly
+    the outputs it trained with."""
+    from memfit.techniques.quantization import convert_qat_
+    from tests.test_techniques import losses
+
+    run, base = measured(("qat",)), measured(())
+    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert run.peak_bytes > 1.2 * base.peak_bytes
+    got = losses(("qat",))
+    assert got[-1] < got[0] - 0.1 and got != losses(())
+    torch.manual_seed(0)
+    model = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
+    setup = memfit.apply_(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ["qat"])
+    for batch in text_batches(batch_size=2, seq_len=64, num_batches=3):
+        setup.step(batch)
+    ids = text_batches(batch_size=2, seq_len=64, num_batches=1, split="held-out")[0]["input_ids"]
+    with torch.no_grad():
+        trained = model.eval()(input_ids=ids).logits
+        deployed = convert_qat_(model)(input_ids=ids).logits
+    assert float((deployed - trained).norm() / trained.norm()) < 0.02
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+
+
 def test_4bit_refuses_what_it_cannot_do():
     with pytest.raises(MemfitError, match="qlora"):
         Workload(**SHAPE, techniques=("bnb-4bit",))
@@ -55,6 +84,10 @@ def test_4bit_refuses_what_it_cannot_do():
         Workload(**{**SHAPE, "model": "tiny-gpt2"}, techniques=("qlora",))
     with pytest.raises(MemfitError, match="fp16"):
         Workload(**SHAPE, precision="fp16-mixed", techniques=("qlora",))
+    with pytest.raises(MemfitError, match="int8-dynamic"):
+        Workload(**{**SHAPE, "task": "inference"}, techniques=("qat",))
+    with pytest.raises(MemfitError, match="one quantization"):
+        Workload(**SHAPE, techniques=("qat", "lora"))
 
 
 def test_effect_carries_the_measured_accuracy_cost_with_its_source():

@@ -139,3 +139,16 @@ def held_out_perplexity(techniques: Iterable[str] = (), model: torch.nn.Module |
     model = model if model is not None else pretrained_model(techniques)
     setup = StepSetup(model=model, precision=get_precision("fp32"), device_type="cpu")
     return math.exp(evaluate(model, setup, eval_batches()))
+
+
+def record_accuracy(technique: str, entry: dict) -> None:
+    """Store a measured accuracy cost of `technique` (its canonical spec) in memfit's data file, which
+    `techniques.effects` reads; an entry with the same source and metric replaces the older one."""
+    import json
+    from importlib import resources
+
+    path = Path(str(resources.files("memfit.data").joinpath("accuracy.json")))
+    costs = json.loads(path.read_text()) if path.exists() else {}
+    kept = [e for e in costs.get(technique, []) if (e["source"], e["metric"]) != (entry["source"], entry["metric"])]
+    costs[technique] = kept + [entry]
+    path.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")

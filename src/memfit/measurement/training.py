@@ -78,7 +78,7 @@ def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: flo
         run.losses.append(float(loss))
     run.skipped_steps = loop.skipped_steps
     if eval_batches:
-        run.eval_loss = evaluate(model, setup, eval_batches)
+        run.eval_loss = evaluate(setup.model, setup, eval_batches)   # what trained (a LoRA wrapper, a student)
     if keep_parameters:
         run.parameters = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     return run

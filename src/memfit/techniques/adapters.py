@@ -72,8 +72,8 @@ class Lora(Technique):
         names = {name.rsplit(".", 1)[-1] for name, _ in setup.model.named_modules()}
         missing = [t for t in self.target_names if t not in names]
         if missing:
-            raise MemfitError(f"-t {self.name}: the model has no module named {', '.join(missing)}; pass targets=NAME|NAME "
-                              "with the last part of linear layers' names.")
+            raise MemfitError(f"-t {self.name}: the model has no module named {', '.join(missing)}; pass "
+                              "targets=NAME|NAME with the last part of linear layers' names.")
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha or 2 * self.rank, lora_dropout=0.0,
                             target_modules=list(self.target_names))
         with _traceable(setup.model):

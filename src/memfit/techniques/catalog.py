@@ -4,6 +4,7 @@ from memfit.techniques import (  # noqa: F401
     allocator,
     attention,
     checkpointing,
+    distillation,
     distributed,
     mixed_precision,
     offload,

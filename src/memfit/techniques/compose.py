@@ -82,10 +82,19 @@ RULES: tuple[Rule, ...] = (
         ("sequence-chunks", "the schedule splits the batch into micro-batches itself", "drop sequence-chunks"))),
     Rule(frozenset({"qlora", "lora"}), "qlora is lora on a 4-bit base", "keep one of them"),
     *(Rule(frozenset(pair), "a linear weight is quantized one way", "keep one quantization")
-      for pair in ({"bnb-4bit", "int8-weight-only"}, {"qlora", "int8-weight-only"}, {"qlora", "bnb-4bit"})),
+      for pair in ({"bnb-4bit", "int8-weight-only"}, {"qlora", "int8-weight-only"}, {"qlora", "bnb-4bit"},
+                   {"qat", "qlora"}, {"qat", "lora"})),
     *(Rule(frozenset({four_bit, sharding}), f"bitsandbytes' 4-bit weights are not split by {sharding} (no "
            "DTensor or pipeline stage support here)", f"drop -t {sharding}")
       for four_bit in ("bnb-4bit", "qlora") for sharding in ("fsdp2", "tensor-parallel", "pipeline-parallel")),
+    *(Rule(frozenset({"distill", other}), reason, f"drop -t {other}") for other, reason in (
+        *((wrapper, "the teacher would stay outside the data-parallel, sharded or pipelined student")
+          for wrapper in ("ddp", "fsdp2", "tensor-parallel", "pipeline-parallel")),
+        ("chunked-ce", "distillation needs the student's whole logits for the soft targets"),
+        *((adapter, "the student trains whole; adapters on a distilled student are not built here")
+          for adapter in ("lora", "qlora")))),
+    Rule(frozenset({"distill"}), "--engine deepspeed wraps one model; the teacher would stay outside it",
+         "use --engine pytorch", lambda w: w.engine == "deepspeed"),
     Rule(frozenset({"fsdp2", "chunked-ce"}), "chunked-ce calls the base model directly, so the root FSDP "
          "module never all-gathers the LM head", "drop chunked-ce"),
 ) + tuple(

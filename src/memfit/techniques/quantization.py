@@ -12,6 +12,14 @@
                      (x / scale, round, + zero point, clamp, two alive at a time), the int8 input, on the
                      CPU a uint8 copy for its u8 x s8 kernel (made through int32), the int32 product, and
                      two float tensors of the output's size while it is scaled back.
+  qat                training with torchao's fake quantization (QATConfig, step "prepare") on every nn.Linear:
+                     each forward rounds the weight (int8 per output row, symmetric) and each token's input
+                     (int8, symmetric) to the int8 grid and back, so the model learns the int8-dynamic
+                     rounding; gradients pass straight through inside the range. `convert_qat_(model)`
+                     then turns the trained model into the real int8-dynamic one. Memory per linear: for
+                     backward, the rounded weight and input and their pre-clamp values (a range mask) are
+                     saved (two weight-sized and two input-sized float tensors), plus the same again as
+                     forward temporaries.
   bnb-4bit[:format=nf4|fp4,double_quant=true]
                      bitsandbytes' Linear4bit (Dettmers et al., QLoRA) on every nn.Linear but the LM head
                      (transformers' rule): two 4-bit codes per byte, one scale per block of 64 weights
@@ -78,6 +86,48 @@ class Int8Dynamic(Int8WeightOnly):
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
         return Int8DynamicActivationInt8WeightConfig()
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Qat(Technique):
+    name = "qat"
+    risk = "lossy"
+    stage = "quantize"
+    summary = "quantization-aware training (torchao): int8 fake quantization of weights and inputs in every linear"
+    time_factor = 1.5    # the fake quantization of every weight and input, forward and backward (assumed)
+
+    def check(self, workload) -> None:
+        if workload.task != "train":
+            raise MemfitError("-t qat trains with fake quantization; for inference use -t int8-dynamic (what "
+                              "convert_qat_ turns the trained model into).")
+        if workload.precision != "fp32":
+            raise MemfitError("-t qat: fake quantization computes its scales in the weights' dtype; use "
+                              "--precision fp32.")
+        if workload.source.is_hf and workload.source.model_type == "gpt2":
+            raise MemfitError("-t qat: GPT-2's blocks use Conv1D, which torchao does not quantize.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+
+        if not any(isinstance(m, torch.nn.Linear) for m in setup.model.modules()):
+            raise MemfitError("-t qat: the model has no nn.Linear to train for int8.")
+        inputs = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)   # (symmetric: not in torchao)
+        weights = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
+        quantize_(setup.model, QATConfig(activation_config=inputs, weight_config=weights, step="prepare"))
+
+
+def convert_qat_(model: torch.nn.Module) -> torch.nn.Module:
+    """After training with -t qat: drop the fake quantizers and quantize for real (int8-dynamic)."""
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    from torchao.quantization.qat import QATConfig
+
+    quantize_(model, QATConfig(step="convert"))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    return model
 
 
 FORMATS = ("nf4", "fp4")

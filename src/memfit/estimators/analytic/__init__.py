@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
+from memfit.estimators.analytic.distillation import declare_teacher_and_student, distillation_loss
 from memfit.estimators.analytic.engine import Engine, Policy, Sym
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
@@ -89,7 +90,10 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     spec = pruned_spec(spec, workload)
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
-    family.declare_params(e, spec, num_layers)
+    if distill := workload.technique("distill"):   # the model is the teacher; the student trains
+        teacher, student_layers = declare_teacher_and_student(e, family, spec, num_layers, distill)
+    else:
+        family.declare_params(e, spec, num_layers)
     transform_weights(e, family, spec, workload)
     if pipeline:
         dropped = (() if rank == 0 else ("embed",)) + (() if rank == workload.world_size - 1 else ("norm", "lm_head"))
@@ -120,7 +124,10 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
         for window in range(0 if pipeline else min(windows.count, 2)):   # the second runs with gradients alive
             e.set_phase("forward")
             relabelled = e.new(batch * windows.tokens, "i64", category="inputs") if window and windows.overlap else None
-            loss = family.train(e, spec, num_layers, batch, windows.tokens)
+            if distill:
+                loss = distillation_loss(e, family, spec, teacher, num_layers, student_layers, batch, windows.tokens)
+            else:
+                loss = family.train(e, spec, num_layers, batch, windows.tokens)
             e.cast_cache.clear()                    # the autocast region ends with the forward
             e.set_phase("backward", segment="post")
             e.backward(loss)
@@ -261,8 +268,9 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     period = spec.period
     layers = source.num_layers
     weights, divisor, notes = state_weights(workload)
-    pipeline = workload.technique("pipeline-parallel") is not None   # stages split the blocks: every rank, whole
-    depths = None if pipeline else extrapolation_depths(layers, period)
+    pipeline = workload.technique("pipeline-parallel") is not None
+    # pipeline stages split the blocks (every rank, whole); a distilled student's depth is not linear in the model's
+    depths = None if pipeline or workload.technique("distill") else extrapolation_depths(layers, period)
     if depths:
         engines = {n: simulate(workload, gpu, n, weights) for n in depths}
         samples = {n: _regions(e, n, period) for n, e in engines.items()}

@@ -62,7 +62,7 @@ def _saves(a: Sym, b: Sym) -> list[Sym]:
 
 def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
     if w.quant is not None and w.quant[0] != "4bit":
-        kernel = {"int8-weight-only": int8_linear, "int8-dynamic": int8_dynamic_linear}
+        kernel = {"int8-weight-only": int8_linear, "int8-dynamic": int8_dynamic_linear, "qat": qat_linear}
         return kernel[w.quant[0]](e, x, w, out_features, bias)
     if w.quant is not None:   # peft's LoRA layer for 4-bit linears clones the base output first
         out = linear_4bit(e, x, w, out_features, bias)
@@ -96,6 +96,32 @@ def int8_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     if bias is not None:
         out = e.new(tokens * out_features, x.dtype)
     return out
+
+
+def qat_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
+    """torchao's FakeQuantizedLinear (qat): the input and the weight each fake-quantized, then x @ w."""
+    x_q, w_q = fake_quantize(e, x), fake_quantize(e, w)
+    tokens = x.numel // w.shape[1]
+    out = e.record(e.op_output(tokens * out_features, x.dtype), [x_q, w_q], _saves(x_q, w_q))
+    return out if bias is None else add(e, out, bias)
+
+
+def fake_quantize(e: Engine, t: Sym) -> Sym:
+    """torchao's int8 fake quantization of `t` (its per-row scales are small and left out): t / scale,
+    round, + zero point (saved: backward's in-range mask), clamp, a float copy, - zero point, * scale.
+    Backward: the gradient scaled, two boolean range masks, torch.where, then the input's gradient."""
+    scaled = e.new(t.numel, t.dtype)
+    rounded = e.new(t.numel, t.dtype)
+    del scaled
+    shifted = e.new(t.numel, t.dtype)
+    del rounded
+    clamped = e.new(t.numel, t.dtype)
+    copied = e.new(t.numel, t.dtype)
+    centred = e.new(t.numel, t.dtype)
+    del copied
+    out = e.new(t.numel, t.dtype)
+    del centred, clamped
+    return e.record(out, [t], [shifted], scratch=[(t.numel, t.dtype), (t.numel, "bool"), (t.numel, "bool")])
 
 
 def int8_dynamic_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:

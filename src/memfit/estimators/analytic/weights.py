@@ -8,6 +8,7 @@
                      quantization state: one absmax per block of 64 weights (float32, or with double
                      quantization a uint8 code, plus per 256 blocks a float32 absmax, a 256-entry code
                      and an offset), and the format's 16-value code book.
+  qat                every linear weight stays float32 and trains; its linears fake-quantize (ops.py).
   lora, qlora        every parameter frozen; each target weight W (out x in) gets a trainable A
                      (rank x in) and B (out x rank), which its linears run beside it.
 
@@ -45,6 +46,8 @@ def transform_weights(e: Engine, family, spec, workload) -> None:
     for int8 in ("int8-weight-only", "int8-dynamic"):
         if workload.technique(int8):
             quantize_linears(e, family, spec, int8)
+    if workload.technique("qat"):
+        fake_quantize_linears(e, family)
     four_bit = workload.technique("bnb-4bit") or workload.technique("qlora")
     if four_bit is not None:
         quantize_linears(e, family, spec, "4bit", double_quant=four_bit.double_quant)
@@ -89,6 +92,15 @@ def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = Fa
         codes.quant = (kind, param.dtype, state, double_quant)
         e.params[name] = codes
         del param
+
+
+def fake_quantize_linears(e: Engine, family) -> None:
+    """qat: every linear (the LM head included: torchao prepares every nn.Linear) fake-quantizes its weight
+    and input in each forward; the weights stay float32 and train."""
+    linears = set(_module_names(family, "qat").values()) | {"router", "lm_head"}
+    for name, param in e.params.items():
+        if name.rsplit(".", 1)[-1] in linears and len(param.shape) == 2:
+            param.quant = ("qat", param.dtype, [], False)
 
 
 def add_adapters(e: Engine, family, lora) -> None:

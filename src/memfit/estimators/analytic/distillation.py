@@ -1,0 +1,47 @@
+"""distill (techniques/distillation.py): a frozen teacher at the model's depth and a student with fewer
+blocks in one step. The teacher's forward runs without gradients and keeps only its log-softmaxed
+logits; the student trains on the cross-entropy plus KL(teacher || student), which PyTorch computes as
+exp(target) * (target - input), summed (every term vocabulary-sized)."""
+from __future__ import annotations
+
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine, Param, Sym
+
+
+def declare_teacher_and_student(e: Engine, family, spec, num_layers: int, distill) -> tuple[dict[str, Param], int]:
+    """The teacher's parameters (frozen, set aside) and the student's (in `e.params`); the student's depth."""
+    family.declare_params(e, spec, num_layers)
+    teacher, e.params = e.params, {}
+    for param in teacher.values():
+        param.grad, param.frozen = False, True
+    layers = distill.student_layers(num_layers)
+    family.declare_params(e, spec, layers)
+    return teacher, layers
+
+
+def distillation_loss(e: Engine, family, spec, teacher: dict[str, Param], teacher_layers: int, student_layers: int,
+                      batch: int, seq: int) -> Sym:
+    student, e.params = e.params, teacher
+    views, e.inputs_are_views = e.inputs_are_views, True     # the teacher reads the student's batch
+    logits = family.forward(e, spec, teacher_layers, batch=batch, q_len=seq, labels=False)
+    e.params, e.inputs_are_views = student, views
+    soft_targets = _log_softmax_over_temperature(e, logits)
+    del logits
+    outputs: list[Sym] = []
+    cross_entropy = family.train(e, spec, student_layers, batch, seq, stage_outputs=outputs)
+    student_logits = outputs.pop()        # the model's output holds them until the loss function returns
+    log_probs = _log_softmax_over_temperature(e, student_logits)
+    targets = e.new(soft_targets.numel, soft_targets.dtype)           # exp(target): no gradient
+    difference = ops.add(e, soft_targets, log_probs)                  # target - input
+    del log_probs
+    kl = e.record(e.new(1, "f32"), [ops.mul(e, targets, difference)], [])   # the sum
+    del targets, difference
+    kl = ops.scalar_op(e, ops.scalar_op(e, kl))                       # / rows, * alpha T^2
+    loss = ops.add(e, kl, ops.scalar_op(e, cross_entropy))            # + (1 - alpha) x cross-entropy
+    del soft_targets, student_logits      # the loss function's locals, freed as it returns
+    return loss
+
+
+def _log_softmax_over_temperature(e: Engine, logits: Sym) -> Sym:
+    scaled = ops.scalar_op(e, ops.cast(e, logits, "f32"))
+    return ops.softmax(e, scaled, "log_softmax")
