@@ -61,7 +61,8 @@ QUICK = [0, 2, 4, 7, 15]
 # Part II: fine-tuning the pretrained LM, and running it for inference (small and large batch)
 FINETUNE_ROWS = [
     (), ("lora",), ("qlora",), ("qlora", "checkpointing", "bf16-mixed"), ("prune-structured:ratio=0.25",),
-    ("prune-structured",), ("prune-unstructured:sparsity=0.5",), ("distill",), ("distill:alpha=0",),
+    ("prune-structured",), ("prune-unstructured:sparsity=0.5",), ("qat",), ("distill",),
+    ("distill:teacher=int8",), ("distill:alpha=0",),
 ]
 INFERENCE_ROWS = [
     (), ("bf16",), ("int8-weight-only",), ("int8-dynamic",), ("bnb-4bit",), ("bnb-4bit:format=fp4",),
@@ -73,6 +74,7 @@ WHY = {   # one line where the common lore is wrong, shown beside the measured r
                                           "kernels)",
     ("distill:alpha=0",): "the same student and steps without the teacher's soft targets (alpha=0)",
     ("distill",): "the frozen teacher and both models' logits outweigh the student's saving at this size",
+    ("qat",): "fake quantization saves a rounded copy of every weight and input for backward: QAT costs memory",
     ("int8-dynamic",): "each call quantizes its input: input-sized float and integer temporaries grow with the batch",
     ("bf16", "bnb-4bit"): "4-bit weights stay smaller at large batch: the dequantized weight is one linear's, "
                           "freed after each call",

@@ -22,6 +22,15 @@ def test_distillation_counts_the_teacher_and_its_logits_as_predicted():
     assert run.peak_bytes > base.peak_bytes
 
 
+def test_an_int8_teacher_takes_less_memory_as_predicted():
+    run, full = measured(("distill:teacher=int8",)), measured(("distill",))
+    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert run.at_peak["parameters"] < full.at_peak["parameters"] - 0.6 * 4 * 4 * 725504   # its blocks' linears
+    got = losses(("distill:teacher=int8",))
+    assert got[-1] < got[0] - 0.1 and got != losses(("distill",))
+
+
 def test_the_student_starts_from_the_teachers_blocks_and_learns():
     torch.manual_seed(0)
     teacher = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)

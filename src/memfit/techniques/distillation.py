@@ -1,12 +1,14 @@
 """Knowledge distillation: the workload's model becomes the frozen teacher of a smaller student.
 
-  distill[:layers=N,temperature=2.0,alpha=0.5]
+  distill[:layers=N,temperature=2.0,alpha=0.5,teacher=full|int8]
           The student is the teacher's architecture with N of its blocks (default half), initialised from
           evenly spaced teacher blocks and the teacher's embeddings, norm and head (DistilBERT's recipe); it
           trains on alpha x T^2 x KL(teacher || student) over softened distributions (temperature T) plus
           (1 - alpha) x the cross-entropy with the labels. The teacher stays in memory frozen and runs
           without gradients; per step its logits and their log-softmax exist beside the student's.
-          Memory: the teacher's weights and logits added to a smaller model's training step.
+          Memory: the teacher's weights and logits added to a smaller model's training step. teacher=int8
+          keeps the teacher's linears as int8 codes (torchao weight-only, after the student has copied
+          them): a quarter of its linear weights, at the cost of slightly different soft targets.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class Distill(Technique):
     layers: int | None = None       # the student's blocks; default half the teacher's
     temperature: float = 2.0
     alpha: float = 0.5
+    teacher: str = "full"
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -40,6 +43,8 @@ class Distill(Technique):
             raise MemfitError(f"-t distill: temperature must be positive, got {self.temperature}.")
         if not 0 <= self.alpha <= 1:
             raise MemfitError(f"-t distill: alpha must be between 0 and 1, got {self.alpha}.")
+        if self.teacher not in ("full", "int8"):
+            raise MemfitError(f"-t distill: teacher must be full or int8, not {self.teacher!r}.")
 
     def student_layers(self, teacher_layers: int) -> int:
         return self.layers if self.layers is not None else max(1, teacher_layers // 2)
@@ -53,6 +58,9 @@ class Distill(Technique):
         if self.student_layers(teacher) >= teacher:
             raise MemfitError(f"-t distill: the student needs fewer blocks than the teacher's {teacher}; "
                               f"got layers={self.layers}.")
+        if self.teacher == "int8" and workload.precision not in ("fp32", "bf16"):
+            raise MemfitError("-t distill:teacher=int8 computes in the weights' own dtype; use --precision fp32 "
+                              "or bf16.")
 
     def apply_(self, setup: StepSetup) -> None:
         teacher = setup.model
@@ -63,6 +71,10 @@ class Distill(Technique):
         student = _student(teacher, keep)
         for p in teacher.parameters():
             p.requires_grad_(False)
+        if self.teacher == "int8":   # after the student copied the full-precision weights
+            from memfit.techniques.quantization import Int8WeightOnly
+
+            Int8WeightOnly().apply_(StepSetup(model=teacher, precision=setup.precision, device_type=setup.device_type))
         setup.model = student
         setup.loss = DistillationLoss(teacher, self.temperature, self.alpha)
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine, Param, Sym
+from memfit.estimators.analytic.weights import quantize_linears
 
 
 def declare_teacher_and_student(e: Engine, family, spec, num_layers: int, distill) -> tuple[dict[str, Param], int]:
     """The teacher's parameters (frozen, set aside) and the student's (in `e.params`); the student's depth."""
     family.declare_params(e, spec, num_layers)
+    if distill.teacher == "int8":
+        quantize_linears(e, family, spec, "int8-weight-only")
     teacher, e.params = e.params, {}
     for param in teacher.values():
         param.grad, param.frozen = False, True
