@@ -22,6 +22,7 @@ import torch
 
 from memfit.core.errors import MemfitError
 from memfit.techniques.base import Technique, register
+from memfit.techniques.quantization import refuse_conv1d
 from memfit.techniques.setup import StepSetup
 
 PARTS = ("both", "heads", "mlp")
@@ -137,8 +138,7 @@ class PruneUnstructured(Technique):
         _check_ratio(self.sparsity, "-t prune-unstructured: sparsity")
 
     def check(self, workload) -> None:
-        if workload.source.is_hf and workload.source.model_type == "gpt2":
-            raise MemfitError("-t prune-unstructured prunes nn.Linear weights; GPT-2's blocks use Conv1D.")
+        refuse_conv1d(self.name, workload)
 
     def apply_(self, setup: StepSetup) -> None:
         from torch.nn.utils import prune

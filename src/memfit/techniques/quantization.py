@@ -7,15 +7,16 @@
                      and one more output-sized tensor are temporaries (measured on the CPU kernel).
                      Embeddings stay as they are; a head tied to them gets its own int8 copy.
   int8-dynamic       torchao's Int8DynamicActivationInt8WeightConfig (inference): the same int8 weights, and
-                     per call each token's activations quantized to int8 (asymmetric: scale and zero point
-                     per token) for an integer matmul. Per call: float temporaries of the input's size
+                     per call each token's activations quantized to int8 (a scale per token) for an integer
+                     matmul. Per call: float temporaries of the input's size
                      (x / scale, round, + zero point, clamp, two alive at a time), the int8 input, on the
                      CPU a uint8 copy for its u8 x s8 kernel (made through int32), the int32 product, and
                      two float tensors of the output's size while it is scaled back.
   qat                training with torchao's fake quantization (QATConfig, step "prepare") on every nn.Linear:
                      each forward rounds the weight (int8 per output row, symmetric) and each token's input
-                     (int8, symmetric) to the int8 grid and back, so the model learns the int8-dynamic
-                     rounding; gradients pass straight through inside the range. `convert_qat_(model)`
+                     (int8, asymmetric: torchao has no symmetric per-token fake quantizer) to the grid and
+                     back, so the model learns int8 rounding; gradients pass straight through inside the
+                     range. `convert_qat_(model)`
                      then turns the trained model into the real int8-dynamic one. Memory per linear: for
                      backward, the rounded weight and input and their pre-clamp values (a range mask) are
                      saved (two weight-sized and two input-sized float tensors), plus the same again as
@@ -42,6 +43,13 @@ from memfit.techniques.base import Technique, register
 from memfit.techniques.setup import StepSetup
 
 
+def refuse_conv1d(name: str, workload) -> None:
+    """Techniques that change nn.Linear layers: GPT-2's blocks are Conv1D, which the libraries skip silently."""
+    if workload.source.is_hf and workload.source.model_type == "gpt2":
+        raise MemfitError(f"-t {name}: GPT-2's blocks use Conv1D, not nn.Linear, so it would change (almost) "
+                          "nothing.")
+
+
 @register
 @dataclass(frozen=True, kw_only=True)
 class Int8WeightOnly(Technique):
@@ -52,14 +60,12 @@ class Int8WeightOnly(Technique):
 
     def check(self, workload) -> None:
         if workload.task != "inference":
-            raise MemfitError(f"-t {self.name} quantizes a model for inference; training through int8 weights is "
-                              "quantization-aware training (not here yet).")
+            raise MemfitError(f"-t {self.name} quantizes a model for inference; to train for int8, use -t qat "
+                              "(quantization-aware training), then convert_qat_.")
         if workload.precision not in ("fp32", "bf16"):
             raise MemfitError(f"-t {self.name} computes in the weights' own dtype; use --precision fp32 or bf16, "
                               f"not {workload.precision}.")
-        if workload.source.is_hf and workload.source.model_type == "gpt2":
-            raise MemfitError(f"-t {self.name}: GPT-2's blocks use Conv1D, which torchao does not quantize "
-                              "(only the LM head would be).")
+        refuse_conv1d(self.name, workload)
 
     def torchao_config(self):
         from torchao.quantization import Int8WeightOnlyConfig
@@ -104,8 +110,7 @@ class Qat(Technique):
         if workload.precision != "fp32":
             raise MemfitError("-t qat: fake quantization computes its scales in the weights' dtype; use "
                               "--precision fp32.")
-        if workload.source.is_hf and workload.source.model_type == "gpt2":
-            raise MemfitError("-t qat: GPT-2's blocks use Conv1D, which torchao does not quantize.")
+        refuse_conv1d(self.name, workload)
 
     def apply_(self, setup: StepSetup) -> None:
         os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -163,8 +168,7 @@ def check_4bit_model(name: str, workload) -> None:
     if workload.precision == "fp16-mixed":
         raise MemfitError(f"-t {name}: use --precision fp32, bf16 or bf16-mixed (4-bit weights have no master "
                           "copy for the fp16 loss scaler to guard).")
-    if workload.source.is_hf and workload.source.model_type == "gpt2":
-        raise MemfitError(f"-t {name}: GPT-2's blocks use Conv1D, which bitsandbytes does not quantize.")
+    refuse_conv1d(name, workload)
 
 
 def quantize_4bit_(setup: StepSetup, name: str, format: str, double_quant: bool,
