@@ -31,6 +31,17 @@ def test_an_int8_teacher_takes_less_memory_as_predicted():
     assert got[-1] < got[0] - 0.1 and got != losses(("distill",))
 
 
+def test_pruning_after_distill_narrows_the_student_only():
+    run = measured(("distill", "prune-structured"))
+    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    torch.manual_seed(0)
+    teacher = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
+    student = memfit.apply_(teacher, None, ["distill", "prune-structured"]).model
+    assert student.model.layers[0].mlp.down_proj.in_features == 344
+    assert teacher.model.layers[0].mlp.down_proj.in_features == 688
+
+
 def test_the_student_starts_from_the_teachers_blocks_and_learns():
     torch.manual_seed(0)
     teacher = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)

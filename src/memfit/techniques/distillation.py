@@ -6,6 +6,8 @@
           trains on alpha x T^2 x KL(teacher || student) over softened distributions (temperature T) plus
           (1 - alpha) x the cross-entropy with the labels. The teacher stays in memory frozen and runs
           without gradients; per step its logits and their log-softmax exist beside the student's.
+          With -t prune-structured the student is also narrower: pruning applies after distill (canonical
+          order), to the student, keeping the teacher's strongest head groups and channels.
           Memory: the teacher's weights and logits added to a smaller model's training step. teacher=int8
           keeps the teacher's linears as int8 codes (torchao weight-only, after the student has copied
           them): a quarter of its linear weights, at the cost of slightly different soft targets.

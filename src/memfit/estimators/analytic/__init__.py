@@ -87,11 +87,11 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     if workload.technique("tensor-parallel"):   # one rank's blocks: its share of the heads and MLP channels
         n = workload.world_size
         spec = replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n, intermediate=spec.intermediate // n)
-    spec = pruned_spec(spec, workload)
+    model_spec, spec = spec, pruned_spec(spec, workload)   # with distill, pruning narrows the student only
     e = Engine(policy_of(workload, gpu), weights)
     e.set_phase("setup")
     if distill := workload.technique("distill"):   # the model is the teacher; the student trains
-        teacher, student_layers = declare_teacher_and_student(e, family, spec, num_layers, distill)
+        teacher, student_layers = declare_teacher_and_student(e, family, model_spec, spec, num_layers, distill)
     else:
         family.declare_params(e, spec, num_layers)
     transform_weights(e, family, spec, workload)
@@ -125,7 +125,8 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
             e.set_phase("forward")
             relabelled = e.new(batch * windows.tokens, "i64", category="inputs") if window and windows.overlap else None
             if distill:
-                loss = distillation_loss(e, family, spec, teacher, num_layers, student_layers, batch, windows.tokens)
+                loss = distillation_loss(e, family, (model_spec, spec), teacher, (num_layers, student_layers),
+                                         batch, windows.tokens)
             else:
                 loss = family.train(e, spec, num_layers, batch, windows.tokens)
             e.cast_cache.clear()                    # the autocast region ends with the forward

@@ -9,11 +9,13 @@ from memfit.estimators.analytic.engine import Engine, Param, Sym
 from memfit.estimators.analytic.weights import quantize_linears
 
 
-def declare_teacher_and_student(e: Engine, family, spec, num_layers: int, distill) -> tuple[dict[str, Param], int]:
-    """The teacher's parameters (frozen, set aside) and the student's (in `e.params`); the student's depth."""
-    family.declare_params(e, spec, num_layers)
+def declare_teacher_and_student(e: Engine, family, teacher_spec, spec, num_layers: int,
+                                distill) -> tuple[dict[str, Param], int]:
+    """The teacher's parameters (frozen, set aside) and the student's (in `e.params`: `spec`, narrower than
+    the teacher's when prune-structured prunes the student); the student's depth."""
+    family.declare_params(e, teacher_spec, num_layers)
     if distill.teacher == "int8":
-        quantize_linears(e, family, spec, "int8-weight-only")
+        quantize_linears(e, family, teacher_spec, "int8-weight-only")
     teacher, e.params = e.params, {}
     for param in teacher.values():
         param.grad, param.frozen = False, True
@@ -22,11 +24,13 @@ def declare_teacher_and_student(e: Engine, family, spec, num_layers: int, distil
     return teacher, layers
 
 
-def distillation_loss(e: Engine, family, spec, teacher: dict[str, Param], teacher_layers: int, student_layers: int,
+def distillation_loss(e: Engine, family, specs: tuple, teacher: dict[str, Param], depths: tuple[int, int],
                       batch: int, seq: int) -> Sym:
+    """One step's loss; `specs` and `depths` are the teacher's and the student's."""
+    (teacher_spec, spec), (teacher_layers, student_layers) = specs, depths
     student, e.params = e.params, teacher
     views, e.inputs_are_views = e.inputs_are_views, True     # the teacher reads the student's batch
-    logits = family.forward(e, spec, teacher_layers, batch=batch, q_len=seq, labels=False)
+    logits = family.forward(e, teacher_spec, teacher_layers, batch=batch, q_len=seq, labels=False)
     e.params, e.inputs_are_views = student, views
     soft_targets = _log_softmax_over_temperature(e, logits)
     del logits

@@ -75,7 +75,8 @@ class Param(Sym):
         self.grad_sym: Sym | None = None
         self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
         self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
-        # quantized codes (analytic/weights.py): (the technique's name or "4bit", the weight's dtype before, state, double)
+        # how its linears run (analytic/weights.py): (the technique's name or "4bit", the weight's dtype before,
+        # the quantization state's parameters, double quantization)
         self.quant: tuple[str, str, list[Param], bool] | None = None
 
 
