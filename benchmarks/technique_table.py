@@ -166,7 +166,8 @@ def main() -> None:
     console = Console(width=200)
     machine = platform.processor() or platform.machine()
     header = (f"# {time.strftime('%Y-%m-%d')} · torch {torch.__version__} · {machine} · {torch.get_num_threads()} "
-              f"threads · python benchmarks/technique_table.py --steps {args.steps}")
+              f"threads · python benchmarks/technique_table.py{f' --part {args.part}' if args.part else ''} "
+              f"--steps {args.steps}")
     if args.part != 1:
         lossy_tables(args, console, header)
     if args.part == 2:
