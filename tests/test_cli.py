@@ -72,6 +72,14 @@ def test_techniques_on_the_command_line(capsys):
     assert code == 0 and "what each technique saves" in out
 
 
+def test_savings_fall_back_to_traced_where_the_analytic_model_has_no_program(capsys):
+    """int8-dynamic on BERT: the analytic model quantizes decoders only, so the savings table is traced."""
+    code, out, _ = run(capsys, "estimate", "tiny-bert", "--task", "inference", "--batch-size", "2", "--seq-len", "64",
+                       "-t", "int8-dynamic", "--json")
+    savings = json.loads(out)["technique_savings"]
+    assert code == 0 and savings[0]["method"] == "traced" and savings[0]["saved_bytes"] > 0
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["estimate", "tiny-llama", "-t", "gradient-magic"], "unknown technique"),
     (["estimate", "tiny-llama", "-t", "checkpointing:every=0"], "positive integer"),

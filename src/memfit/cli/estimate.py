@@ -36,12 +36,7 @@ def run(args: argparse.Namespace) -> int:
     with Console(stderr=True).status(f"estimating {workload.model} ({args.method}) ..."):
         result = estimate(workload, method=args.method, gpu=gpu, **options)
     if workload.techniques or workload.precision != "fp32" or workload.optimizer != "adamw":
-        from memfit.techniques.effects import leave_one_out
-
-        method = "analytic" if workload.source.is_hf else "traced"
-        result.extra["technique_savings"] = leave_one_out(workload, result if result.method == method else
-                                                          estimate(workload, method=method, gpu=gpu), gpu=gpu,
-                                                          method=method)
+        result.extra["technique_savings"] = technique_savings(workload, result, gpu)
     if workload.engine == "deepspeed" or workload.world_size > 1:
         result.extra["zero_table"] = zero_paper_table(result.num_parameters, workload.world_size)
     if args.timeline:
@@ -55,3 +50,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_estimate(result)
     return 0
+
+
+def technique_savings(workload, result, gpu) -> list[dict]:
+    """Each technique's saving (leave one out): analytic where it models the workload (milliseconds per
+    estimate), else traced (custom modules, or a technique the analytic model has only for decoders)."""
+    from memfit.techniques.effects import leave_one_out
+
+    methods = ("analytic", "traced") if workload.source.is_hf else ("traced",)
+    for method in methods:
+        try:
+            full = result if result.method == method else estimate(workload, method=method, gpu=gpu)
+            return leave_one_out(workload, full, gpu=gpu, method=method)
+        except MemfitError:
+            if method == methods[-1]:
+                raise
