@@ -29,6 +29,8 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("precision", "weights take their final dtype first: every later step wraps or copies the real weights"),
     ("sequence", "the batch's shape is fixed before anything is sized from it"),
     ("loss", "the loss head is replaced before blocks are wrapped, so checkpointing wraps the model's own blocks"),
+    ("student", "the model to train is settled first: distill swaps in a student, which every step below changes"),
+    ("prune", "heads and channels are removed before the rest is quantized (pruning scores full-precision weights)"),
     ("quantize", "weights are quantized before adapters sit beside them (QLoRA trains adapters on a quantized "
                  "base)"),
     ("adapters", "adapters go into the final layers before blocks are wrapped, so checkpointing recomputes "

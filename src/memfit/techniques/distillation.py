@@ -30,7 +30,7 @@ from memfit.techniques.setup import StepSetup
 class Distill(Technique):
     name = "distill"
     risk = "lossy"          # another, smaller model is trained
-    stage = "quantize"      # the student replaces the model before adapters, checkpointing and sharding wrap it
+    stage = "student"
     summary = "knowledge distillation: a student with fewer blocks trains on the frozen teacher's soft targets"
     time_factor = 0.8       # a smaller student's step plus the teacher's forward (assumed)
     layers: int | None = None       # the student's blocks; default half the teacher's

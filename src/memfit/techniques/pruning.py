@@ -4,8 +4,10 @@ the weights stay dense).
   prune-structured[:ratio=0.5,part=both|heads|mlp]
           Llama-style decoders: whole attention-head groups (a key/value head with the query heads that
           share it, so grouped-query attention keeps its grouping) and MLP channels (a row of gate and up
-          with the matching column of down) removed from every block with torch-pruning's layer surgery
-          (prune_linear_out_channels / prune_linear_in_channels), the lowest L2 norm first. Parameters,
+          with the matching column of down); BERT: attention heads (query, key and value rows with the
+          output projection's columns) and intermediate channels — removed from every block with
+          torch-pruning's layer surgery (prune_linear_out_channels / prune_linear_in_channels), the lowest
+          L2 norm first. Parameters,
           gradients, optimizer states, activations and the KV cache all shrink; the residual width stays.
           A fine-tune recovers part of the accuracy (benchmarks/technique_table.py measures both).
   prune-unstructured[:sparsity=0.5]
@@ -43,7 +45,7 @@ def kept_count(total: int, ratio: float) -> int:
 class PruneStructured(Technique):
     name = "prune-structured"
     risk = "lossy"
-    stage = "quantize"     # the weights take their final shape before adapters, checkpointing and sharding
+    stage = "prune"
     summary = "torch-pruning: attention-head groups and MLP channels removed for real (Llama-style decoders)"
     time_factor = 0.6      # fewer FLOPs in every block (assumed)
     ratio: float = 0.5
@@ -55,33 +57,41 @@ class PruneStructured(Technique):
             raise MemfitError(f"-t prune-structured: part must be one of {', '.join(PARTS)}, not {self.part!r}.")
 
     def check(self, workload) -> None:
-        if not workload.source.is_hf or workload.source.model_type not in DECODERS:
-            raise MemfitError(f"-t prune-structured removes heads and channels of Llama-style decoders "
-                              f"({', '.join(DECODERS)}), not {workload.source.model_type}.")
+        if not workload.source.is_hf or workload.source.model_type not in MODEL_TYPES:
+            raise MemfitError(f"-t prune-structured removes heads and channels of {', '.join(MODEL_TYPES)} models, "
+                              f"not {workload.source.model_type}.")
 
     def apply_(self, setup: StepSetup) -> None:
         try:
             import torch_pruning as tp
         except ImportError:
             raise MemfitError("-t prune-structured needs torch-pruning: pip install 'memfit[pruning]'.") from None
-        blocks = [m for m in setup.model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
-        if not blocks:
-            raise MemfitError("-t prune-structured: no decoder blocks (modules with self_attn and mlp) found.")
+        decoders = [m for m in setup.model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+        encoders = [m for m in setup.model.modules() if hasattr(m, "attention") and hasattr(m, "intermediate")]
+        if not decoders and not encoders:
+            raise MemfitError("-t prune-structured: no Llama-style (self_attn + mlp) or BERT-style (attention + "
+                              "intermediate) blocks found.")
+        heads, mlp = self.part in ("both", "heads"), self.part in ("both", "mlp")
         with torch.no_grad():
-            for block in blocks:
-                if self.part in ("both", "heads"):
+            for block in decoders:
+                if heads:
                     _prune_head_groups(tp, block.self_attn, self.ratio)
-                if self.part in ("both", "mlp"):
-                    _prune_mlp(tp, block.mlp, self.ratio)
+                if mlp:
+                    _prune_channels(tp, (block.mlp.gate_proj, block.mlp.up_proj), block.mlp.down_proj, self.ratio)
+            for block in encoders:
+                if heads:
+                    _prune_bert_heads(tp, block.attention, self.ratio)
+                if mlp:
+                    _prune_channels(tp, (block.intermediate.dense,), block.output.dense, self.ratio)
         config = getattr(setup.model, "config", None)
-        if config is not None:   # what the model is now (generation sizes its cache from the config)
-            attn, mlp = blocks[0].self_attn, blocks[0].mlp
+        if config is not None and decoders:   # what the model is now (generation sizes its cache from it)
+            attn = decoders[0].self_attn
             config.num_key_value_heads = attn.k_proj.out_features // attn.head_dim
             config.num_attention_heads = attn.q_proj.out_features // attn.head_dim
-            config.intermediate_size = mlp.down_proj.in_features
+            config.intermediate_size = decoders[0].mlp.down_proj.in_features
 
 
-DECODERS = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "bert")
 
 
 def _lowest(scores: torch.Tensor, keep: int) -> list[int]:
@@ -114,15 +124,31 @@ def _prune_head_groups(tp, attn, ratio: float) -> None:
     tp.prune_linear_in_channels(attn.o_proj, q_rows)
 
 
-def _prune_mlp(tp, mlp, ratio: float) -> None:
-    channels = mlp.down_proj.in_features
+def _prune_bert_heads(tp, attention, ratio: float) -> None:
+    self_attn, out = attention.self, attention.output.dense
+    head_dim, heads = self_attn.attention_head_size, self_attn.num_attention_heads
+    keep = kept_count(heads, ratio)
+    if keep == heads:
+        return
+    score = sum(p.weight.float().pow(2).view(heads, -1).sum(1) for p in (self_attn.query, self_attn.key,
+                                                                           self_attn.value))
+    score = score + out.weight.float().pow(2).view(-1, heads, head_dim).sum((0, 2))
+    rows = [h * head_dim + i for h in _lowest(score, keep) for i in range(head_dim)]
+    for linear in (self_attn.query, self_attn.key, self_attn.value):
+        tp.prune_linear_out_channels(linear, rows)
+    tp.prune_linear_in_channels(out, rows)
+    self_attn.num_attention_heads, self_attn.all_head_size = keep, keep * head_dim
+
+
+def _prune_channels(tp, producers: tuple, consumer, ratio: float) -> None:
+    """Remove the weakest channels of a feed-forward: rows of the `producers`, columns of the `consumer`."""
+    channels = consumer.in_features
     keep = kept_count(channels, ratio)
-    score = sum(p.weight.float().pow(2).sum(1) for p in (mlp.gate_proj, mlp.up_proj)) \
-        + mlp.down_proj.weight.float().pow(2).sum(0)
+    score = sum(p.weight.float().pow(2).sum(1) for p in producers) + consumer.weight.float().pow(2).sum(0)
     drop = _lowest(score, keep)
-    tp.prune_linear_out_channels(mlp.gate_proj, drop)
-    tp.prune_linear_out_channels(mlp.up_proj, drop)
-    tp.prune_linear_in_channels(mlp.down_proj, drop)
+    for producer in producers:
+        tp.prune_linear_out_channels(producer, drop)
+    tp.prune_linear_in_channels(consumer, drop)
 
 
 @register
@@ -130,7 +156,7 @@ def _prune_mlp(tp, mlp, ratio: float) -> None:
 class PruneUnstructured(Technique):
     name = "prune-unstructured"
     risk = "lossy"
-    stage = "quantize"
+    stage = "prune"
     summary = "magnitude pruning (torch.nn.utils.prune, L1): zeros in dense weights, which save no memory"
     sparsity: float = 0.5
 
@@ -144,7 +170,7 @@ class PruneUnstructured(Technique):
         from torch.nn.utils import prune
 
         linears = [m for name, m in setup.model.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name.rsplit(".", 1)[-1] not in ("lm_head", "classifier")]   # the output layer stays whole
+                   and name.rsplit(".", 1)[-1] not in ("lm_head", "classifier", "decoder")]   # the output layer stays
         if not linears:
             raise MemfitError("-t prune-unstructured: the model has no nn.Linear to prune (besides the LM head).")
         for linear in linears:

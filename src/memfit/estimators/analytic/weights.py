@@ -31,12 +31,12 @@ def pruned_spec(spec, workload):
     prune = workload.technique("prune-structured")
     if prune is None:
         return spec
-    if not hasattr(spec, "kv_heads"):
-        raise MemfitError("the analytic model prunes decoder families (Llama, Mistral, Qwen2); use --method traced.")
     changes = {}
-    if prune.part in ("both", "heads"):
+    if prune.part in ("both", "heads") and hasattr(spec, "kv_heads"):   # decoders: whole key/value groups
         kv = kept_count(spec.kv_heads, prune.ratio)
         changes |= {"kv_heads": kv, "heads": kv * (spec.heads // spec.kv_heads)}
+    elif prune.part in ("both", "heads"):                               # BERT: heads
+        changes["heads"] = kept_count(spec.heads, prune.ratio)
     if prune.part in ("both", "mlp"):
         changes["intermediate"] = kept_count(spec.intermediate, prune.ratio)
     return replace(spec, **changes)

@@ -24,25 +24,32 @@ class BertSpec:
     type_vocab: int
     hidden_dropout: float
     attn_dropout: float
+    head_dim: int
     period: int = 1
+
+    @property
+    def width(self) -> int:
+        """The attention's inner width (hidden, unless prune-structured removed heads)."""
+        return self.heads * self.head_dim
 
     @classmethod
     def from_config(cls, cfg) -> BertSpec:
         return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                    intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, positions=cfg.max_position_embeddings,
                    type_vocab=cfg.type_vocab_size, hidden_dropout=cfg.hidden_dropout_prob,
-                   attn_dropout=cfg.attention_probs_dropout_prob)
+                   attn_dropout=cfg.attention_probs_dropout_prob,
+                   head_dim=cfg.hidden_size // cfg.num_attention_heads)
 
 
 def declare_params(e: Engine, d: BertSpec, num_layers: int) -> None:
-    h, inter = d.hidden, d.intermediate
+    h, inter, w = d.hidden, d.intermediate, d.width
     for name, shape in (("word", (d.vocab, h)), ("position", (d.positions, h)), ("token_type", (d.type_vocab, h)),
                         ("emb_ln.w", (h,)), ("emb_ln.b", (h,))):
         e.param(name, shape)
     for i in range(num_layers):
         p = f"layer.{i}."
-        for name, shape in (("q.w", (h, h)), ("q.b", (h,)), ("k.w", (h, h)), ("k.b", (h,)), ("v.w", (h, h)),
-                            ("v.b", (h,)), ("attn_out.w", (h, h)), ("attn_out.b", (h,)), ("attn_ln.w", (h,)),
+        for name, shape in (("q.w", (w, h)), ("q.b", (w,)), ("k.w", (w, h)), ("k.b", (w,)), ("v.w", (w, h)),
+                            ("v.b", (w,)), ("attn_out.w", (h, w)), ("attn_out.b", (h,)), ("attn_ln.w", (h,)),
                             ("attn_ln.b", (h,)), ("inter.w", (inter, h)), ("inter.b", (inter,)),
                             ("out.w", (h, inter)), ("out.b", (h,)), ("out_ln.w", (h,)), ("out_ln.b", (h,))):
             e.param(p + name, shape)
@@ -69,8 +76,8 @@ def embeddings(e: Engine, d: BertSpec, ids: Sym, batch: int, seq: int) -> Sym:
 def self_attention(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int) -> Sym:
     """q, k, v (separate projections) live until the method returns."""
     p = f"layer.{i}."
-    q, k, v = (dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
-    return ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.hidden // d.heads,
+    q, k, v = (dense(e, x, p + n, d.width) for n in ("q", "k", "v"))
+    return ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.head_dim,
                     dropout_p=d.attn_dropout if e.policy.train else 0.0)
 
 
