@@ -26,7 +26,7 @@ import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
-from memfit.techniques.quantization import FORMATS, check_4bit_model, quantize_4bit_
+from memfit.techniques.quantization import check_4bit_model, check_format, quantize_4bit_
 from memfit.techniques.setup import StepSetup
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
@@ -91,8 +91,7 @@ class Qlora(Lora):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.format not in FORMATS:
-            raise MemfitError(f"-t qlora: format must be one of {', '.join(FORMATS)}, not {self.format!r}.")
+        check_format(self.name, self.format)
 
     def check(self, workload) -> None:
         super().check(workload)

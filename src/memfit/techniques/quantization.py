@@ -151,8 +151,7 @@ class Bnb4bit(Technique):
     double_quant: bool = True
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise MemfitError(f"-t {self.name}: format must be one of {', '.join(FORMATS)}, not {self.format!r}.")
+        check_format(self.name, self.format)
 
     def check(self, workload) -> None:
         if workload.task != "inference":
@@ -162,6 +161,11 @@ class Bnb4bit(Technique):
 
     def apply_(self, setup: StepSetup) -> None:
         quantize_4bit_(setup, self.name, self.format, self.double_quant)
+
+
+def check_format(name: str, format: str) -> None:
+    if format not in FORMATS:
+        raise MemfitError(f"-t {name}: format must be one of {', '.join(FORMATS)}, not {format!r}.")
 
 
 def check_4bit_model(name: str, workload) -> None:
