@@ -3,12 +3,15 @@ leave-one-out savings that `memfit estimate -t ...` prints for each technique it
 
 Memory comes from the estimator (analytic by default: milliseconds, what the planner calls); the
 step-time factor is the technique's own cost-model figure, labelled `assumed` until
-benchmarks/technique_table.py has measured it. A lossy technique's accuracy cost is the figure
-benchmarks/accuracy_costs.py measured, with its model and data named.
+benchmarks/technique_table.py has measured it. A lossy technique's accuracy cost is what
+benchmarks/accuracy_costs.py and technique_table.py --part 2 measured, with its model and data named.
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import replace
+from importlib import resources
 
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.specs.workload import Workload
@@ -52,12 +55,14 @@ def describe(technique: Technique, *, without: MemoryEstimate, with_it: MemoryEs
 
 def measured_accuracy(technique: Technique) -> list[dict] | None:
     """The technique's measured accuracy costs, one per subject, each with its source (model, data, command;
-    benchmarks/accuracy_costs.py writes them), or None where none has been measured."""
-    import json
-    from importlib import resources
+    benchmarks/accuracy_costs.py and technique_table.py --part 2 write them), or None where none was measured."""
+    return _accuracy_costs().get(technique.spec)
 
-    costs = json.loads(resources.files("memfit.data").joinpath("accuracy.json").read_text())
-    return costs.get(technique.spec)
+
+@functools.cache
+def _accuracy_costs() -> dict[str, list[dict]]:
+    """memfit's data file of measured accuracy costs, read once per process (`describe` runs per estimate)."""
+    return json.loads(resources.files("memfit.data").joinpath("accuracy.json").read_text())
 
 
 def all_techniques(workload: Workload) -> list[Technique]:

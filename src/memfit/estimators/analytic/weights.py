@@ -1,6 +1,6 @@
 """Techniques that change the model's weights before the step: pruning, quantization and adapters.
 
-  prune-structured   fewer key/value head groups and MLP channels in every block (`pruned_spec`).
+  prune-structured   fewer key/value head groups (BERT: heads) and MLP channels in every block (`pruned_spec`).
   int8-weight-only, int8-dynamic
                      every linear weight as int8 codes, a float32 scale and an int8 zero point per
                      output row (torchao); a head tied to the embeddings gets its own codes.
@@ -12,7 +12,7 @@
   lora, qlora        every parameter frozen; each target weight W (out x in) gets a trainable A
                      (rank x in) and B (out x rank), which its linears run beside it.
 
-How quantized linears compute is in ops.py (`int8_linear`, `int8_dynamic_linear`, `linear_4bit`).
+How these linears compute is in ops.py (`int8_linear`, `int8_dynamic_linear`, `linear_4bit`, `qat_linear`).
 """
 from __future__ import annotations
 
