@@ -11,8 +11,12 @@ from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, OPTIMIZERS, 
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="catalog name (memfit models), path to a HF config.json or folder, "
-                                      "or package.module:function returning an nn.Module")
+    parser.add_argument("model", nargs="?", help="catalog name (memfit models), path to a HF config.json or "
+                                                 "folder, or package.module:function returning an nn.Module")
+    parser.add_argument("--plan", metavar="PLAN.json", help="the workload of a plan saved by `memfit plan --save` "
+                                                            "(instead of a model and flags)")
+    parser.add_argument("--plan-index", type=int, default=0, metavar="K", help="which plan of the file (default 0, "
+                                                                               "the best)")
     parser.add_argument("--inputs", help="package.module:function(batch_size, seq_len) returning the batch "
                                          "(needed for a custom module)")
     parser.add_argument("--task", default="train", help=f"one of {', '.join(TASKS)} (default train)")
@@ -36,6 +40,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
+    if args.plan:
+        from memfit.planner import load_plan
+
+        if args.model or args.techniques:
+            raise MemfitError("--plan gives the model and its techniques; drop the model name and -t flags.")
+        return load_plan(args.plan, args.plan_index)[0]
+    if not args.model:
+        raise MemfitError("name a model (memfit models lists them) or pass --plan PLAN.json.")
     return Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
                     seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
                     optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
@@ -43,8 +55,39 @@ def workload_from(args: argparse.Namespace) -> Workload:
                     techniques=tuple(args.techniques))
 
 
-def gpu_from(name: str | None) -> GPU | None:
-    return get_gpu(name) if name else None
+def gpu_from(name: str | None, args: argparse.Namespace | None = None) -> GPU | None:
+    """The --gpu named, else the target GPU of a --plan file, else None."""
+    if name:
+        return get_gpu(name)
+    if args is not None and getattr(args, "plan", None):
+        from memfit.planner import load_plan
+
+        return load_plan(args.plan, args.plan_index)[1]
+    return None
+
+
+def command_line(workload: Workload) -> str:
+    """The flags that reproduce `workload` (for `memfit estimate` or `memfit measure`)."""
+    defaults = Workload.__dataclass_fields__
+    parts = [workload.model, "--task", workload.task, "--batch-size", str(workload.batch_size),
+             "--seq-len", str(workload.effective_seq_len)]
+    for field, flag in (("new_tokens", "--new-tokens"), ("precision", "--precision"), ("optimizer", "--optimizer"),
+                        ("world_size", "--world-size"), ("zero_stage", "--zero"), ("engine", "--engine")):
+        value = getattr(workload, field)
+        if value != defaults[field].default:
+            parts += [flag, str(value)]
+    for spec in workload.techniques:
+        parts += ["-t", spec]
+    return " ".join(parts)
+
+
+def wide_console():
+    """A console for wide tables: the terminal's width, or 150 columns when piped (a file keeps its columns)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 150)
 
 
 def print_json(data: dict) -> None:

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.timeline, (".png", ".svg", ".pdf", ".json"), "--timeline")
     workload = workload_from(args)
-    gpu = gpu_from(args.gpu)
+    gpu = gpu_from(args.gpu, args)
     options = {}
     if args.method != "analytic" and workload.engine == "pytorch":
         options = {"modules": args.modules, "timeline": bool(args.timeline), "full_trace": args.full_trace}

@@ -27,11 +27,12 @@ class RegionPeak:
         return sum(self.at_max.values())
 
 
-def extrapolation_depths(layers: int | None, period: int) -> list[int] | None:
-    """The three depths to trace or simulate, or None when the whole stack is short enough to run."""
-    if not layers or layers <= 4 * period or layers % period:
+def extrapolation_depths(layers: int | None, period: int, first: int = 2) -> list[int] | None:
+    """The three depths to trace or simulate (`first`, `first` + 1 and `first` + 2 periods), or None when
+    the whole stack is short enough to run."""
+    if not layers or layers <= (first + 2) * period or layers % period:
         return None
-    return [2 * period, 3 * period, 4 * period]
+    return [first * period, (first + 1) * period, (first + 2) * period]
 
 
 class NotLinear(Exception):

@@ -15,6 +15,7 @@ class GPU:
     name: str
     vendor: str
     memory_bytes: int
+    fp32_tflops: float
     bf16_tflops: float | None
     fp16_tflops: float
     memory_bandwidth_gbps: float
@@ -27,7 +28,7 @@ class GPU:
     def to_json(self) -> dict:
         return {
             "name": self.name, "vendor": self.vendor, "memory_bytes": self.memory_bytes,
-            "bf16_tflops": self.bf16_tflops, "fp16_tflops": self.fp16_tflops,
+            "fp32_tflops": self.fp32_tflops, "bf16_tflops": self.bf16_tflops, "fp16_tflops": self.fp16_tflops,
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps, "interconnect": self.interconnect,
             "interconnect_gbps": self.interconnect_gbps, "host_link_gbps": self.host_link_gbps,
             "context_bytes": self.context_bytes, "context_source": "assumed",
@@ -41,7 +42,7 @@ def gpu_catalog() -> dict[str, GPU]:
     for entry in raw["gpus"]:
         catalog[entry["name"]] = GPU(
             name=entry["name"], vendor=entry["vendor"], memory_bytes=entry["memory_mib"] * MiB,
-            bf16_tflops=entry["bf16_tflops"], fp16_tflops=entry["fp16_tflops"],
+            fp32_tflops=entry["fp32_tflops"], bf16_tflops=entry["bf16_tflops"], fp16_tflops=entry["fp16_tflops"],
             memory_bandwidth_gbps=entry["memory_bandwidth_gbps"], interconnect=entry["interconnect"],
             interconnect_gbps=entry["interconnect_gbps"], host_link_gbps=entry["host_link_gbps"],
             context_bytes=entry["context_mib"] * MiB, aliases=tuple(entry.get("aliases", ())),

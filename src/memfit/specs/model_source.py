@@ -97,7 +97,10 @@ class ModelSource:
 
     @property
     def head(self) -> str:
-        return _head_of(self.hf_class_name, self.config()) if self.is_hf else "base"
+        if not self.is_hf:
+            return "base"
+        name = self.hf_class_name   # the config object (milliseconds to build) only where the name is ambiguous
+        return _head_of(name, self.config() if name.endswith("ForConditionalGeneration") else None)
 
     @property
     def num_layers(self) -> int | None:

@@ -134,8 +134,10 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
             e.backward(loss)
             del loss, relabelled
         e.set_phase("optimizer")
-        shards = workload.world_size if workload.zero_stage >= 1 else 1   # the step runs on this rank's shard
-        if not host_optimizer(workload) and not deepspeed:   # DeepSpeed's fused Adam: no temporaries
+        # the step runs on this rank's shard (ZeRO-1/2, or FSDP2's DTensor shards)
+        shards = workload.world_size if workload.zero_stage >= 1 or workload.technique("fsdp2") else 1
+        on_device = not workload.technique("cpu-offload")   # cpu-offload steps on the host (FSDP2's too)
+        if on_device and not deepspeed:   # DeepSpeed's fused Adam: no temporaries
             step_temporaries(e, workload.optimizer, foreach=gpu is not None, shards=shards)
     else:
         family.inference(e, spec, num_layers, batch, windows.tokens, workload.new_tokens)
@@ -226,8 +228,9 @@ def sequence_windows(workload: Workload) -> Windows:
     return Windows(chunks.window, len(window_starts(seq, chunks.window, stride)), stride < chunks.window)
 
 
-def _regions(e: Engine, num_layers: int, period: int) -> dict[tuple[str, str], RegionPeak]:
-    """Peaks per (phase, region): pre, first `period` layers, last `period` layers, post."""
+def _regions(e: Engine, num_layers: int, period: int, tail: int | None = None) -> dict[tuple[str, str], RegionPeak]:
+    """Peaks per (phase, region): pre, first `period` layers, last `tail` (default `period`) layers, post."""
+    tail = tail or period
     regions: dict[tuple[str, str], RegionPeak] = {}
     for (phase, segment), (point, cmax) in e.peak_table().items():
         if phase == "setup":
@@ -236,7 +239,7 @@ def _regions(e: Engine, num_layers: int, period: int) -> dict[tuple[str, str], R
             stack, layer = segment
             if layer < period:
                 name = f"{stack}:first"
-            elif layer >= num_layers - period:
+            elif layer >= num_layers - tail:
                 name = f"{stack}:last"
             else:
                 continue
@@ -270,28 +273,41 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     layers = source.num_layers
     weights, divisor, notes = state_weights(workload)
     pipeline = workload.technique("pipeline-parallel") is not None
+    depths, failure = None, None
     # pipeline stages split the blocks (every rank, whole); a distilled student's depth is not linear in the model's
-    depths = None if pipeline or workload.technique("distill") else extrapolation_depths(layers, period)
-    if depths:
-        engines = {n: simulate(workload, gpu, n, weights) for n in depths}
-        samples = {n: _regions(e, n, period) for n, e in engines.items()}
-        try:
-            regions = extrapolate(samples, layers)
-            saved = extrapolate_host({n: {"step": e.host_peak} for n, e in engines.items()}, layers)
-        except NotLinear as exc:   # not expected for these programs; fall back to the full depth
-            notes.append(f"depth extrapolation failed ({exc}); simulated every layer")
-            depths = None
-        del engines
+    if not (pipeline or workload.technique("distill")):
+        # FSDP2 prefetches the next block's parameters, so in backward the second-to-last block differs from
+        # the rest too: when the first fit fails, the last region is two periods wide, sampled from 3 periods
+        for first, tail in ((2, period), (3, 2 * period)):
+            depths = extrapolation_depths(layers, period, first=first)
+            if not depths:
+                break
+            engines = {n: simulate(workload, gpu, n, weights) for n in depths}
+            samples = {n: _regions(e, n, period, tail) for n, e in engines.items()}
+            try:
+                regions = extrapolate(samples, layers)
+                saved = extrapolate_host({n: {"step": e.host_peak} for n, e in engines.items()}, layers)
+                break
+            except NotLinear as exc:
+                failure, depths = exc, None
+            del engines
+    if failure and not depths:   # not expected for these programs; fall back to the full depth
+        notes.append(f"depth extrapolation failed ({failure}); simulated every layer")
     if not depths:
-        by_rank = []
-        for rank in range(workload.world_size if pipeline else 1):
+        # Pipeline: the first rank holds the most blocks (stage_layers gives the extra ones to the first stages),
+        # the embeddings and the most micro-batches in flight (1F1B), the last the head and the logits; a middle
+        # rank holds no more than the first of anything, so those two bound every rank
+        ranks = sorted({0, workload.world_size - 1}) if pipeline else [0]
+        by_rank = {}
+        for rank in ranks:
             engine = simulate(workload, gpu, layers, weights, rank)
-            by_rank.append((_regions(engine, layers, layers), engine.host_peak))
+            by_rank[rank] = (_regions(engine, layers, layers), engine.host_peak)
             del engine
-        highest = max(range(len(by_rank)), key=lambda r: peak_of(by_rank[r][0])[0].total)
+        highest = max(ranks, key=lambda r: peak_of(by_rank[r][0])[0].total)
         regions, saved = by_rank[highest]
         if pipeline:
-            notes.append(f"simulated each of {len(by_rank)} pipeline ranks; rank {highest} has the highest peak")
+            notes.append(f"simulated pipeline ranks {' and '.join(map(str, ranks))} (the first and the last bound "
+                         f"the rest); rank {highest} has the highest peak")
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)

@@ -1,0 +1,85 @@
+"""`memfit plan`: the fastest combination of techniques and batch shape that fits the GPUs."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+
+from memfit.cli.common import check_output_path, command_line, print_json, wide_console
+from memfit.core.units import parse_bytes
+from memfit.planner import PlanRequest, plan
+from memfit.planner.request import ALLOW, DEFAULT_MARGIN, OBJECTIVES, parse_fraction
+from memfit.report.plan_report import print_plans, write_pareto_plot
+from memfit.specs.hardware import get_gpu
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("plan", help="find the fastest combination of techniques that fits your GPUs")
+    parser.add_argument("model", help="catalog name (memfit models) or a Hugging Face config.json / folder")
+    parser.add_argument("--gpu", required=True, help="target GPU (memfit gpus)")
+    parser.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1; up to 8 share a node)")
+    parser.add_argument("--task", default="train", help="train or inference (default train)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 or the "
+                                                                   "model's maximum)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="train: sequences per optimizer step over all GPUs (default: one per GPU); the "
+                             "planner splits it into micro-batches and gradient accumulation")
+    parser.add_argument("--batch-size", type=int, default=1, help="inference: sequences served together (default 1)")
+    parser.add_argument("--new-tokens", type=int, default=0, help="inference: tokens to generate after the prompt")
+    parser.add_argument("--host-ram", help="host RAM per node for offload, e.g. 512GiB or 1TiB (default: not "
+                                           "checked; 0 rules offload out)")
+    parser.add_argument("--allow", default="lossless", help=f"{' or '.join(ALLOW)} (default lossless: techniques "
+                                                            "that change results beyond numerics are left out)")
+    parser.add_argument("--max-ppl-increase", help="with --allow lossy: the accuracy budget, e.g. 2%% (measured "
+                                                   "perplexity costs; techniques without one are left out)")
+    parser.add_argument("--objective", default="fastest", help=f"{' | '.join(OBJECTIVES)} (default fastest: "
+                                                               "tokens per second per GPU)")
+    parser.add_argument("--margin", default=f"{DEFAULT_MARGIN:.0%}", help="device memory kept free beyond the "
+                                                                          "modelled overheads (default %(default)s)")
+    parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (schema memfit.plan/1)")
+    parser.add_argument("--save", metavar="PLAN.json", help="write the plans (for estimate/measure --plan)")
+    parser.add_argument("--plot", metavar="FILE.png", help="the memory/time Pareto frontier (.png/.svg/.pdf)")
+    parser.add_argument("--verify", choices=("traced",), help="re-check the chosen plans with the traced estimator")
+    parser.set_defaults(run=run)
+
+
+def request_from(args: argparse.Namespace) -> PlanRequest:
+    return PlanRequest(
+        model=args.model, gpu=get_gpu(args.gpu), task=args.task, seq_len=args.seq_len, global_batch=args.global_batch,
+        batch_size=args.batch_size, new_tokens=args.new_tokens, num_gpus=args.gpus,
+        host_ram_bytes=parse_bytes(args.host_ram) if args.host_ram is not None else None, allow=args.allow,
+        max_ppl_increase=parse_fraction(args.max_ppl_increase, "--max-ppl-increase")
+        if args.max_ppl_increase is not None else None,
+        objective=args.objective, margin=parse_fraction(args.margin, "--margin"), top=args.top)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output_path(args.plot, (".png", ".svg", ".pdf"), "--plot")
+    check_output_path(args.save, (".json",), "--save")
+    request = request_from(args)
+    status = Console(stderr=True).status(f"planning {request.model} ...")
+    with status:
+        result = plan(request, progress=status.update, explore_all=bool(args.plot),
+                      verify_traced=args.verify == "traced")
+    data = result.to_json()
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(data, fh, indent=2)
+    if args.plot and result.feasible:
+        write_pareto_plot(result, args.plot)
+    if args.json:
+        print_json(data)
+        return 0
+    console = wide_console()
+    print_plans(result, console)
+    if result.feasible:
+        how = (f"memfit estimate --plan {args.save}   |   memfit measure --plan {args.save}" if args.save else
+               f"memfit estimate {command_line(result.plans[0].workload(request))} --gpu {request.gpu.name}")
+        console.print(f"run plan 1: {how}")
+    if args.plot and not result.feasible:
+        console.print("[dim]--plot: nothing fits, so no frontier was drawn[/dim]")
+    elif args.plot:
+        console.print(f"Pareto frontier: {args.plot}")
+    return 0

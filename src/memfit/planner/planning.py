@@ -1,0 +1,198 @@
+"""`plan`: search, cost, rank, and say why when nothing fits."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from memfit.core.errors import MemfitError
+from memfit.core.units import format_bytes
+from memfit.planner.cost import step_time
+from memfit.planner.request import PlanRequest
+from memfit.planner.result import PlanResult
+from memfit.planner.search import Evaluated, Search, lower_bound_estimate, risk_of
+from memfit.specs.workload import DISTRIBUTED_TECHNIQUES, Workload
+
+
+def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None, explore_all: bool = False,
+         verify_traced: bool = False) -> PlanResult:
+    """The best plans for `request`, best first. `explore_all`: size every candidate (the Pareto plot needs
+    them all; the `fastest` objective otherwise stops early)."""
+    started = time.perf_counter()
+    _require_analytic(request)
+    search = Search(request, progress)
+    accepted = search.workloads()
+    from memfit.estimators.analytic import count_parameters
+
+    num_parameters = count_parameters(accepted[0][1]) if accepted else 0
+    ordered = []
+    for candidate, workload, per_replica in accepted:
+        ppl = ppl_increase(workload)
+        if request.max_ppl_increase is not None and (ppl is None or ppl > request.max_ppl_increase):
+            search.rejected["over the accuracy budget (or no perplexity cost measured)"] += 1
+            continue
+        bound = step_time(replace(workload, batch_size=per_replica),
+                          lower_bound_estimate(num_parameters), request.gpu, grad_accum=1,
+                          num_gpus=candidate.num_gpus).total_s
+        ordered.append((bound, candidate, workload, per_replica, ppl))
+    ordered.sort(key=lambda item: item[0])
+    feasible: list[Evaluated] = []
+    for index, (bound, candidate, workload, per_replica, ppl) in enumerate(ordered):
+        if (request.objective == "fastest" and not explore_all and len(feasible) >= request.top
+                and bound > sorted(p.time.total_s for p in feasible)[request.top - 1]):
+            break
+        search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
+        result = search.evaluate(candidate, workload, per_replica)
+        result.risk, result.ppl_increase = risk_of(workload), ppl
+        timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
+                          num_gpus=candidate.num_gpus)
+        result.time = timed
+        tokens = request.sequences * (request.new_tokens or _seq(workload))
+        result.throughput = tokens / timed.total_s / candidate.num_gpus
+        if result.fits:
+            feasible.append(result)
+        search.evaluated.append(result)
+    ranked = rank(feasible, request.objective)[:request.top]
+    if verify_traced:
+        _verify(ranked, request, search)
+    result = PlanResult(request, ranked, evaluated=search.evaluated, rejected=dict(search.rejected),
+                        num_estimates=search.num_estimates)
+    if ranked:
+        result.savings = [technique_savings(ranked[0], request)]   # the best plan's (a few estimates each)
+    else:
+        result.reason, result.suggestions = why_nothing_fits(request, search)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
+    """What each technique of the plan saves: the analytic peak without it, minus the plan's (same batch)."""
+    from memfit.techniques.effects import all_techniques, describe, without_technique
+
+    workload = chosen.workload(request)
+    rows = []
+    for technique in all_techniques(workload):
+        if technique.name in DISTRIBUTED_TECHNIQUES:   # how the GPUs are used, not a saving on them
+            continue
+        try:
+            without = search_estimate(without_technique(workload, technique), request)
+        except MemfitError:   # the plan needs it (e.g. its rules): no saving to compare
+            continue
+        rows.append(describe(technique, without=without, with_it=chosen.estimate) | {"method": "analytic"})
+    return rows
+
+
+def search_estimate(workload: Workload, request: PlanRequest):
+    from memfit.estimators.analytic import analytic_estimate
+
+    return analytic_estimate(workload, request.gpu)
+
+
+def why_nothing_fits(request: PlanRequest, search: Search) -> tuple[str, list[str]]:
+    """Which resource is short and by how much, and what would make it fit."""
+    if not search.evaluated:
+        common = ", ".join(f"{reason} ({count}x)" for reason, count in search.rejected.most_common(3))
+        return f"no combination of techniques applies to this request: {common}", []
+    budget = request.budget_bytes
+    smallest = min(search.evaluated, key=lambda e: e.device_bytes)
+    host_short = [e for e in search.evaluated if e.short == "host RAM"]
+    suggestions = []
+    if host_short:
+        least = min(host_short, key=lambda e: e.host_ram_bytes)
+        reason = (f"{len(host_short)} plan(s) fit the GPU but need host RAM: the least, "
+                  f"{' + '.join(least.techniques)}, needs {format_bytes(least.host_ram_bytes)} per node and "
+                  f"--host-ram is {format_bytes(request.host_ram_bytes)} (short by "
+                  f"{format_bytes(least.host_ram_bytes - request.host_ram_bytes)})")
+        suggestions.append(f"--host-ram {format_bytes(least.host_ram_bytes, 0).replace(' ', '')} or more")
+    else:
+        reason = (f"nothing fits: the smallest plan, {' + '.join(smallest.techniques)} at micro-batch "
+                  f"{smallest.micro_batch}, needs {format_bytes(smallest.device_bytes)} per GPU; one "
+                  f"{request.gpu.name} allows {format_bytes(budget)} ({format_bytes(request.gpu.memory_bytes)} less "
+                  f"the {request.margin:.0%} margin): short by {format_bytes(smallest.device_bytes - budget)}")
+        suggestions += _more_gpus(request, smallest)
+    if request.allow == "lossless":
+        suggestions += _lossy_alternative(request)
+    return reason, suggestions
+
+
+def _more_gpus(request: PlanRequest, smallest: Evaluated) -> list[str]:
+    """A rough count of GPUs: the smallest plan's model states sharded over more of them (fsdp2), the rest
+    of its peak (activations, temporaries) unchanged."""
+    states = sum(smallest.estimate.at_peak[c] for c in ("parameters", "gradients", "optimizer_states"))
+    states *= smallest.candidate.num_gpus if smallest.candidate.num_gpus > 1 else 1
+    rest = smallest.device_bytes - states / max(1, smallest.candidate.num_gpus)
+    room = request.budget_bytes - rest
+    if states <= 0 or room <= 0:
+        return []
+    needed = max(request.num_gpus + 1, -(-int(states) // int(room)))
+    return [f"about {needed} x {request.gpu.name} with -t fsdp2 (rough: the smallest plan's model states "
+            f"sharded {needed} ways; run `memfit plan ... --gpus {needed}` to check)"]
+
+
+def _lossy_alternative(request: PlanRequest) -> list[str]:
+    lossy = replace(request, allow="lossy", top=1, max_ppl_increase=None)
+    search = Search(lossy)
+    best = None
+    for candidate, workload, per_replica in search.workloads():
+        if risk_of(workload) != "lossy":
+            continue
+        sized = search.evaluate(candidate, workload, per_replica)
+        if best is None or sized.device_bytes < best.device_bytes:
+            best = sized
+    if best is None:
+        return []
+    fits = "fits" if best.fits else f"is still short by {format_bytes(best.device_bytes - request.budget_bytes)}"
+    ppl = ppl_increase(best.workload(request))
+    cost = f", measured perplexity cost +{ppl:.1%} on memfit's test model" if ppl else ""
+    return [f"with --allow lossy the smallest plan, {' + '.join(best.techniques)}, needs "
+            f"{format_bytes(best.device_bytes)} per GPU and {fits}{cost}"]
+
+
+def rank(plans: list[Evaluated], objective: str) -> list[Evaluated]:
+    if objective == "smallest":
+        return sorted(plans, key=lambda p: (p.device_bytes, p.time.total_s))
+    if objective == "balanced":   # time x memory, each relative to the best of its kind
+        fastest = min((p.time.total_s for p in plans), default=1.0)
+        smallest = min((p.device_bytes for p in plans), default=1)
+        return sorted(plans, key=lambda p: (p.time.total_s / fastest) * (p.device_bytes / smallest))
+    return sorted(plans, key=lambda p: (p.time.total_s, p.device_bytes))
+
+
+def ppl_increase(workload: Workload) -> float | None:
+    """The measured held-out perplexity increase of the workload's lossy techniques (summed), 0 when it has
+    none, None when one of them has no measured figure (techniques/effects.py's accuracy data)."""
+    from memfit.techniques.effects import all_techniques, measured_accuracy
+
+    total = 0.0
+    for technique in all_techniques(workload):
+        if technique.risk != "lossy":
+            continue
+        wanted = "held-out perplexity change" + (" after a 60-step fine-tune" if workload.task == "train" else "")
+        figures = [r["change"] for r in measured_accuracy(technique) or () if r.get("metric") == wanted]
+        if not figures:
+            return None
+        total += max(figures)
+    return total
+
+
+def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> None:
+    """Re-estimate the chosen plans with the traced estimator (the real step on fake tensors)."""
+    from memfit.estimators.traced import traced_estimate
+
+    for index, chosen in enumerate(plans):
+        search.progress(f"tracing plan {index + 1}/{len(plans)}")
+        traced = traced_estimate(chosen.workload(request), request.gpu)
+        chosen.estimate.extra["traced_peak_bytes"] = traced.peak_bytes + traced.overhead_bytes
+
+
+def _require_analytic(request: PlanRequest) -> None:
+    workload = Workload(model=request.model, task=request.task, seq_len=request.seq_len,
+                        new_tokens=request.new_tokens)
+    if not workload.source.is_hf:
+        raise MemfitError(f"memfit plan sizes thousands of configurations with the analytic estimator, which needs "
+                          f"a transformer config; {request.model!r} is a custom module: try techniques on it with "
+                          "`memfit estimate ... -t NAME` (traced).")
+
+
+def _seq(workload: Workload) -> int:
+    return workload.effective_seq_len

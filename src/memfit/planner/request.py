@@ -1,0 +1,97 @@
+"""What a plan is asked for: the model and task, the batch the user wants, the hardware and the limits.
+
+Validated at construction: every bad value is a MemfitError naming it, the rule and a way out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.core.errors import MemfitError, closest, require_positive_int
+from memfit.specs.hardware import GPU
+from memfit.specs.workload import TASKS
+
+OBJECTIVES = ("fastest", "smallest", "balanced")
+ALLOW = ("lossless", "lossy")
+GPUS_PER_NODE = 8                 # GPUs share a node's host RAM and NVLink up to this many
+DEFAULT_MARGIN = 0.05             # headroom kept free beyond the modelled overheads
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    model: str
+    gpu: GPU
+    task: str = "train"
+    seq_len: int | None = None
+    global_batch: int | None = None      # train: sequences per optimizer step over all GPUs (default: one per GPU)
+    batch_size: int = 1                  # inference: sequences served together
+    new_tokens: int = 0
+    num_gpus: int = 1
+    host_ram_bytes: int | None = None    # per node; None: not checked (offload plans print what they need)
+    allow: str = "lossless"
+    max_ppl_increase: float | None = None   # a fraction (0.02 = 2 %); only with allow="lossy"
+    objective: str = "fastest"
+    margin: float = DEFAULT_MARGIN
+    top: int = 5
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise MemfitError(f"unknown task {self.task!r}; choose train or inference.{closest(self.task, TASKS)}")
+        require_positive_int(self.num_gpus, "--gpus")
+        require_positive_int(self.batch_size, "--batch-size")
+        require_positive_int(self.top, "--top")
+        if self.seq_len is not None:
+            require_positive_int(self.seq_len, "--seq-len")
+        if self.global_batch is not None:
+            require_positive_int(self.global_batch, "--global-batch")
+            if self.task != "train":
+                raise MemfitError("--global-batch is the training batch per optimizer step; for --task inference "
+                                  "pass --batch-size.")
+        if self.new_tokens and self.task != "inference":
+            raise MemfitError(f"--new-tokens {self.new_tokens} only applies to --task inference.")
+        if self.allow not in ALLOW:
+            raise MemfitError(f"--allow {self.allow!r}: choose lossless (numerics may change, results may not) or "
+                              f"lossy.{closest(self.allow, ALLOW)}")
+        if self.objective not in OBJECTIVES:
+            raise MemfitError(f"--objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}."
+                              f"{closest(self.objective, OBJECTIVES)}")
+        if self.max_ppl_increase is not None:
+            if self.allow != "lossy":
+                raise MemfitError("--max-ppl-increase bounds lossy techniques; add --allow lossy.")
+            if not 0 <= self.max_ppl_increase < 10:
+                raise MemfitError(f"--max-ppl-increase {self.max_ppl_increase:.0%} is out of range; write e.g. 2%.")
+        if not 0 <= self.margin < 0.5:
+            raise MemfitError(f"--margin {self.margin:.0%} must be at least 0 % and below 50 %.")
+        if self.host_ram_bytes is not None and self.host_ram_bytes < 0:
+            raise MemfitError("--host-ram must not be negative.")
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per step: the global batch (train) or the served batch (inference)."""
+        if self.task == "inference":
+            return self.batch_size
+        return self.global_batch if self.global_batch is not None else self.num_gpus
+
+    @property
+    def budget_bytes(self) -> int:
+        """Device bytes a plan may use per GPU, tensors and overheads together."""
+        return int(self.gpu.memory_bytes * (1 - self.margin))
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.num_gpus // GPUS_PER_NODE)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "gpu": self.gpu.name, "task": self.task, "seq_len": self.seq_len,
+                "global_batch": self.sequences if self.task == "train" else None, "batch_size": self.batch_size,
+                "new_tokens": self.new_tokens, "num_gpus": self.num_gpus, "host_ram_bytes": self.host_ram_bytes,
+                "allow": self.allow, "max_ppl_increase": self.max_ppl_increase, "objective": self.objective,
+                "margin": self.margin}
+
+
+def parse_fraction(text: str, flag: str) -> float:
+    """'2%' or '0.02' -> 0.02."""
+    raw = str(text).strip()
+    try:
+        return float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise MemfitError(f"{flag} {text!r}: write a percentage such as 2% (or a fraction such as 0.02).") from None

@@ -1,0 +1,80 @@
+"""A plan result and its versioned JSON (schema "memfit.plan/1"), which `estimate --plan` and
+`measure --plan` load back: each plan carries the exact workload that reproduces it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memfit.core.errors import MemfitError
+from memfit.planner.request import PlanRequest
+from memfit.planner.search import Evaluated
+from memfit.specs.hardware import GPU, get_gpu
+from memfit.specs.workload import Workload
+
+SCHEMA = "memfit.plan/1"
+
+
+@dataclass
+class PlanResult:
+    request: PlanRequest
+    plans: list[Evaluated]                     # best first
+    reason: str | None = None                  # why nothing fits
+    suggestions: list[str] = field(default_factory=list)
+    evaluated: list[Evaluated] = field(default_factory=list)   # every candidate sized (the Pareto plot)
+    rejected: dict[str, int] = field(default_factory=dict)     # rule -> candidates it removed
+    savings: list[list[dict]] = field(default_factory=list)    # per plan (the best): each technique's saving
+    num_estimates: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return bool(self.plans)
+
+    def plan_json(self, index: int) -> dict:
+        chosen = self.plans[index]
+        estimate = chosen.estimate
+        data = {
+            "techniques": chosen.techniques, "micro_batch": chosen.micro_batch, "grad_accum": chosen.grad_accum,
+            "world_size": chosen.candidate.num_gpus, "peak_bytes": chosen.device_bytes,
+            "host_ram_bytes": chosen.host_ram_bytes, "step_time_s": round(chosen.time.total_s, 6),
+            "throughput": round(chosen.throughput, 3), "accuracy_risk": chosen.risk,
+            # beyond the schema's required fields
+            "throughput_unit": "generated tokens/s per GPU" if self.request.new_tokens else "tokens/s per GPU",
+            "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
+            "headroom_bytes": self.request.gpu.memory_bytes - chosen.device_bytes,
+            "peak_phase": estimate.peak_phase, "time_parts_s": {k: round(v, 6) for k, v in chosen.time.parts.items()},
+            "ppl_increase": chosen.ppl_increase, "sources": {"memory": "analytic", "time": "assumed"},
+            "workload": chosen.workload(self.request).to_json(),
+        }
+        if "traced_peak_bytes" in estimate.extra:
+            data["traced_peak_bytes"] = estimate.extra["traced_peak_bytes"]
+        if index < len(self.savings):
+            data["savings"] = self.savings[index]
+        return data
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "feasible": self.feasible, "reason": self.reason,
+                "plans": [self.plan_json(i) for i in range(len(self.plans))],
+                "suggestions": self.suggestions, "request": self.request.to_json(),
+                "search": {"candidates_sized": len(self.evaluated), "estimates": self.num_estimates,
+                           "rejected_by_rules": sum(self.rejected.values()), "elapsed_s": round(self.elapsed_s, 3)}}
+
+
+def load_plan(path: str, index: int = 0) -> tuple[Workload, GPU]:
+    """The workload and target GPU of plan `index` (0: the best) in a saved `memfit plan --save` file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MemfitError(f"--plan {path!r}: no such file; write one with `memfit plan ... --save {path}`.") from None
+    except json.JSONDecodeError as exc:
+        raise MemfitError(f"--plan {path!r} is not JSON ({exc.msg} at line {exc.lineno}).") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise MemfitError(f"--plan {path!r} is not a {SCHEMA} file (schema "
+                          f"{data.get('schema') if isinstance(data, dict) else None!r}).")
+    plans = data.get("plans") or []
+    if not plans:
+        raise MemfitError(f"--plan {path!r} has no plan that fits ({data.get('reason')}).")
+    if not 0 <= index < len(plans):
+        raise MemfitError(f"--plan-index {index}: {path!r} holds plans 0 to {len(plans) - 1}.")
+    return Workload.from_json(plans[index]["workload"]), get_gpu(data["request"]["gpu"])

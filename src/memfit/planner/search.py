@@ -1,0 +1,171 @@
+"""The search: the fastest (or smallest) configuration whose predicted per-GPU peak fits.
+
+For each candidate (space.py) the analytic estimator (milliseconds) sizes the step at the smallest
+micro-batch; a candidate that fits there is sized at the next micro-batch too, the peak taken as linear
+in the micro-batch between them (activations grow with it, model states do not), the largest
+micro-batch predicted to fit is estimated exactly, and stepped down until it does. Gradient accumulation
+makes up the rest of the user's global batch. Fit means tensors + CUDA context + cuBLAS workspace +
+the allocator's reserve (gpu_overhead.py) <= device memory x (1 - margin); with expandable segments the
+reserve is smaller, so a plan that only fits that way gets `expandable-segments`.
+
+With the `fastest` objective candidates are tried in order of a FLOPs-only lower bound on their step
+time, and the search stops once that bound is slower than the plans already found. Nothing is traced
+unless asked (`verify_traced`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from memfit.core.categories import zero_categories
+from memfit.core.errors import MemfitError
+from memfit.estimators.breakdown import MemoryEstimate
+from memfit.planner.cost import StepTime
+from memfit.planner.request import GPUS_PER_NODE, PlanRequest
+from memfit.planner.space import Candidate, candidates
+from memfit.specs.workload import Workload
+from memfit.techniques.allocator import EXPANDABLE_RESERVE_FRACTION_ASSUMED
+from memfit.techniques.base import RISKS
+
+MAX_VERIFY = 4          # exact estimates while stepping the micro-batch down
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    micro_batch: int
+    grad_accum: int
+    estimate: MemoryEstimate
+    device_bytes: int           # tensors + overheads per GPU
+    host_ram_bytes: int         # per node
+    expandable: bool
+    fits: bool
+    short: str | None = None    # "device memory" | "host RAM"
+    time: StepTime | None = None
+    throughput: float = 0.0     # tokens per second per GPU
+    risk: str = "lossless"
+    ppl_increase: float | None = None
+
+    @property
+    def techniques(self) -> list[str]:
+        return self.candidate.labels() + (["expandable-segments"] if self.expandable else [])
+
+    def workload(self, request: PlanRequest) -> Workload:
+        extra = ("expandable-segments",) if self.expandable else ()
+        return replace(self.candidate, techniques=self.candidate.techniques + extra).workload(
+            request, self.micro_batch)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def device_bytes(estimate: MemoryEstimate, expandable: bool) -> int:
+    if not expandable:
+        return estimate.peak_bytes + estimate.overhead_bytes
+    detail = estimate.overhead_detail
+    return (estimate.peak_bytes + detail.get("cuda_context", 0) + detail.get("cublas_workspace", 0)
+            + int(estimate.peak_bytes * EXPANDABLE_RESERVE_FRACTION_ASSUMED))
+
+
+class Search:
+    def __init__(self, request: PlanRequest, progress: Callable[[str], None] | None = None) -> None:
+        self.request = request
+        self.progress = progress or (lambda message: None)
+        self.rejected: Counter[str] = Counter()
+        self.evaluated: list[Evaluated] = []
+        self.num_estimates = 0
+
+    # ---- one candidate -----------------------------------------------------------------------
+    def _estimate(self, workload: Workload) -> MemoryEstimate:
+        from memfit.estimators.analytic import analytic_estimate
+
+        self.num_estimates += 1
+        return analytic_estimate(workload, self.request.gpu)
+
+    def _sized(self, candidate: Candidate, micro_batch: int, estimate: MemoryEstimate,
+               per_replica: int) -> Evaluated:
+        request = self.request
+        budget = request.budget_bytes
+        expandable = device_bytes(estimate, False) > budget and device_bytes(estimate, True) <= budget
+        device = device_bytes(estimate, expandable)
+        processes_per_node = min(candidate.num_gpus, GPUS_PER_NODE)
+        host = estimate.host_bytes * processes_per_node
+        short = None
+        if device > budget:
+            short = "device memory"
+        elif request.host_ram_bytes is not None and host > request.host_ram_bytes:
+            short = "host RAM"
+        return Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, expandable,
+                         fits=short is None, short=short)
+
+    def evaluate(self, candidate: Candidate, workload: Workload, per_replica: int) -> Evaluated:
+        """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does)."""
+        smallest = candidate.batch_multiple
+        first = self._sized(candidate, smallest, self._estimate(workload), per_replica)
+        sizes = [m for m in divisors(per_replica) if m % smallest == 0]
+        if not first.fits or len(sizes) == 1 or self.request.objective == "smallest":
+            return first
+        second_size = sizes[1]
+        second = self._sized(candidate, second_size, self._estimate(candidate.workload(self.request, second_size)),
+                             per_replica)
+        if not second.fits:
+            return first
+        slope = (second.device_bytes - first.device_bytes) / (second_size - smallest)
+        room = self.request.budget_bytes - first.device_bytes
+        predicted = [m for m in sizes if slope <= 0 or (m - smallest) * slope <= room]
+        best = second
+        for size in reversed(predicted[-MAX_VERIFY:]):
+            if size <= second_size:
+                break
+            trial = self._sized(candidate, size, self._estimate(candidate.workload(self.request, size)), per_replica)
+            if trial.fits:
+                best = trial
+                break
+        return best
+
+    # ---- all of them -------------------------------------------------------------------------
+    def workloads(self) -> list[tuple[Candidate, Workload, int]]:
+        """Candidates the rules accept, with their smallest workload and the sequences per model replica."""
+        request = self.request
+        eager = bool(getattr(_spec(request), "eager", False))
+        out = []
+        for candidate in candidates(request, eager_attention=eager):
+            sequences = request.sequences
+            if sequences % candidate.data_parallel:
+                self.rejected[f"batch {sequences} does not split over {candidate.data_parallel} GPUs"] += 1
+                continue
+            per_replica = sequences // candidate.data_parallel
+            if per_replica % candidate.batch_multiple:
+                self.rejected[f"batch {per_replica} does not split into {candidate.batch_multiple} pipeline "
+                              "micro-batches"] += 1
+                continue
+            try:
+                workload = candidate.workload(request, candidate.batch_multiple)
+            except MemfitError as exc:
+                self.rejected[str(exc)] += 1
+                continue
+            out.append((candidate, workload, per_replica))
+        return out
+
+
+def _spec(request: PlanRequest):
+    from memfit.estimators.analytic.families import registry
+
+    return registry.family_of(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
+                                       new_tokens=request.new_tokens).source)[1]
+
+
+def risk_of(workload: Workload) -> str:
+    from memfit.techniques.effects import all_techniques
+
+    risks = [t.risk for t in all_techniques(workload)]
+    return max(risks, key=RISKS.index) if risks else "lossless"
+
+
+def lower_bound_estimate(num_parameters: int) -> MemoryEstimate:
+    """An estimate with no bytes: `step_time` on it counts FLOPs only (a lower bound on the step time)."""
+    return MemoryEstimate(model="", num_parameters=num_parameters, workload={}, method="bound", device="",
+                          peak_bytes=0, peak_phase="", at_peak=zero_categories(), component_peaks=zero_categories(),
+                          model_state_bytes={"parameters": 0, "gradients": 0, "optimizer_states": 0})

@@ -1,0 +1,110 @@
+"""`memfit plan` output: the ranked plans, the best plan's savings, why nothing fits, and the Pareto plot."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.core.errors import MemfitError
+from memfit.core.units import GiB, format_bytes
+from memfit.planner.result import PlanResult
+from memfit.report.tables import savings_table
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s" if value < 100 else f"{value:.0f} s"
+
+
+def plans_table(result: PlanResult) -> Table:
+    request = result.request
+    batch = (f"global batch {request.sequences}" if request.task == "train"
+             else f"batch {request.batch_size}, +{request.new_tokens} tokens")
+    title = (f"memfit plan — {request.model} {request.task}, {batch}, {request.num_gpus} × {request.gpu.name} "
+             f"({format_bytes(request.gpu.memory_bytes)}, {request.margin:.0%} margin), objective {request.objective}")
+    table = Table(title=title, title_justify="left")
+    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", "tok/s/GPU", "risk"):
+        table.add_column(column, justify="left" if column in ("techniques", "risk") else "right",
+                         min_width=24 if column == "techniques" else None)
+    for index in range(len(result.plans)):
+        plan = result.plan_json(index)
+        risk = plan["accuracy_risk"]
+        if plan["ppl_increase"]:
+            risk += f" (ppl +{plan['ppl_increase']:.1%})"
+        table.add_row(str(index + 1), " + ".join(plan["techniques"]), f"{plan['micro_batch']} × {plan['grad_accum']}",
+                      format_bytes(plan["peak_bytes"], 1), format_bytes(plan["headroom_bytes"], 1),
+                      format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else "",
+                      _seconds(plan["step_time_s"]), f"{plan['throughput']:,.0f}", risk)
+    return table
+
+
+def print_plans(result: PlanResult, console: Console | None = None) -> None:
+    console = console or Console()
+    if not result.feasible:
+        console.print(f"[red]No plan fits.[/red] {result.reason}.")
+        for suggestion in result.suggestions:
+            console.print(f"  • {suggestion}")
+    else:
+        console.print(plans_table(result))
+        if result.savings and result.savings[0]:
+            console.print(savings_table(result.savings[0]))
+        best = result.plan_json(0)
+        parts = ", ".join(f"{name} {_seconds(value)}" for name, value in best["time_parts_s"].items() if value)
+        console.print(f"[dim]plan 1's step: {parts} (cost model: assumed constants, planner/cost.py); peak per GPU "
+                      f"is the analytic tensor peak {format_bytes(best['tensor_peak_bytes'])} + CUDA context, "
+                      "cuBLAS workspace and allocator reserve (assumed)[/dim]")
+        if result.request.host_ram_bytes is None and any(p.host_ram_bytes for p in result.plans):
+            console.print("[dim]host RAM was not checked: pass --host-ram to rule out plans your machine cannot "
+                          "hold[/dim]")
+    console.print(f"[dim]searched {len(result.evaluated)} configurations ({result.num_estimates} analytic estimates, "
+                  f"{sum(result.rejected.values())} combinations refused by the composition rules) in "
+                  f"{result.elapsed_s:.1f} s[/dim]")
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points (memory, time) that no other point beats on both."""
+    front, best_time = [], float("inf")
+    for memory, seconds in sorted(points):
+        if seconds < best_time:
+            front.append((memory, seconds))
+            best_time = seconds
+    return front
+
+
+def write_pareto_plot(result: PlanResult, path: str) -> None:
+    """Every configuration sized: peak per GPU against step time, the frontier joined, the budget drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        raise MemfitError("plots need matplotlib: pip install 'memfit[plot]'") from None
+    sized = [e for e in result.evaluated if e.time is not None]
+    if not sized:
+        raise MemfitError("--plot: no configuration was sized, so there is nothing to draw.")
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for fits, colour, label in ((False, "0.7", "does not fit (smallest micro-batch)"),
+                                (True, "tab:blue", "fits (largest micro-batch that does)")):
+        chosen = [(e.device_bytes / GiB, e.time.total_s) for e in sized if e.fits == fits]
+        if chosen:
+            ax.scatter(*zip(*chosen), s=14, color=colour, label=label)
+    front = pareto_front([(e.device_bytes / GiB, e.time.total_s) for e in sized])
+    ax.plot(*zip(*front), "-", color="tab:red", lw=1, label="Pareto frontier (memory vs time)")
+    for rank, plan in enumerate(result.plans[:3]):
+        ax.annotate(f"plan {rank + 1}: " + " + ".join(plan.techniques), (plan.device_bytes / GiB, plan.time.total_s),
+                    fontsize=7, xytext=(6, 6), textcoords="offset points")
+    budget = result.request.budget_bytes / GiB
+    ax.axvline(budget, color="k", ls="--", lw=0.8, label=f"budget per GPU ({budget:.1f} GiB)")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlim(min(min(p[0] for p in front), budget) * 0.8, max(e.device_bytes / GiB for e in sized) * 1.2)
+    ax.set_xlabel("predicted peak per GPU (GiB, with overheads; log scale)")
+    ax.set_ylabel("predicted step time (s)")
+    request = result.request
+    ax.set_title(f"{request.model} {request.task} on {request.num_gpus} × {request.gpu.name}: every configuration "
+                 "sized")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

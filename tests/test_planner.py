@@ -1,0 +1,189 @@
+"""memfit plan: known recipes found (or refused with the reason), plans that are what they claim, JSON, CLI."""
+import json
+
+import pytest
+
+from memfit import Workload, get_gpu
+from memfit.cli.main import main
+from memfit.core.units import GiB, TiB
+from memfit.estimators.analytic import _regions, analytic_estimate, simulate
+from memfit.estimators.extrapolate import peak_of
+from memfit.planner import PlanRequest, load_plan, plan
+from memfit.planner.search import device_bytes
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def check_plans(result):
+    """What every plan claims holds: it fits the budget, its micro-batches make up the batch, and its saved
+    workload estimated again gives the same peak."""
+    request = result.request
+    for index, chosen in enumerate(result.plans):
+        data = result.plan_json(index)
+        assert data["peak_bytes"] <= request.budget_bytes
+        replicas = chosen.candidate.data_parallel
+        assert data["micro_batch"] * data["grad_accum"] * replicas == request.sequences
+        workload = Workload.from_json(data["workload"])
+        again = analytic_estimate(workload, request.gpu)
+        assert device_bytes(again, chosen.expandable) == data["peak_bytes"]
+    times = [p.time.total_s for p in result.plans]
+    if request.objective == "fastest":
+        assert times == sorted(times)
+
+
+def test_full_finetune_of_an_8b_model_fits_one_24gb_gpu():
+    # torchtune fits it with bf16, paged 8-bit AdamW, checkpointing, optimizer-in-backward, chunked CE; memfit
+    # must find a full fine-tune (no adapters, nothing lossy) that fits
+    request = PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=64,
+                          host_ram_bytes=256 * GiB)
+    result = plan(request)
+    assert result.feasible and result.reason is None
+    check_plans(result)
+    for chosen in result.plans:
+        assert chosen.risk != "lossy"
+        assert not {"lora", "qlora"} & {t.split(":")[0] for t in chosen.techniques}
+        assert chosen.host_ram_bytes <= 256 * GiB
+    assert result.savings and all(row["saved_bytes"] > 0 for row in result.savings[0])
+
+
+def test_llama_7b_on_eight_a100s():
+    request = PlanRequest(model="llama-2-7b", gpu=get_gpu("a100-80gb"), num_gpus=8, seq_len=4096, global_batch=64)
+    result = plan(request)
+    assert result.feasible
+    check_plans(result)
+    assert all(p.candidate.num_gpus == 8 for p in result.plans)
+    assert result.plans[0].risk != "lossy"
+
+
+def test_70b_full_finetune_on_one_24gb_gpu_without_offload_is_refused_with_the_reason():
+    request = PlanRequest(model="llama-3.1-70b", gpu=get_gpu("rtx-4090"), seq_len=2048, host_ram_bytes=0)
+    result = plan(request)
+    assert not result.feasible and not result.plans
+    assert "short by" in result.reason and "rtx-4090" in result.reason
+    assert any("fsdp2" in s for s in result.suggestions)       # more GPUs
+    assert any("--allow lossy" in s for s in result.suggestions)
+    data = result.to_json()
+    assert data["schema"] == "memfit.plan/1" and data["feasible"] is False and data["plans"] == []
+
+
+def test_offload_plans_respect_host_ram():
+    request = PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=8,
+                          host_ram_bytes=1 * TiB)
+    generous = plan(request)
+    assert generous.feasible and generous.plans[0].host_ram_bytes > 64 * GiB   # the GPU alone cannot hold it
+    tight = plan(PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=8,
+                             host_ram_bytes=64 * GiB))
+    assert all(p.host_ram_bytes <= 64 * GiB for p in tight.plans)
+    if not tight.feasible:
+        assert "host RAM" in tight.reason
+
+
+def test_lossy_plans_only_when_allowed_and_within_the_accuracy_budget():
+    gpu = get_gpu("l4")
+    lossless = plan(PlanRequest(model="mistral-7b", gpu=gpu, task="inference", batch_size=4, seq_len=2048,
+                                new_tokens=64))
+    assert lossless.feasible and all(p.risk != "lossy" for p in lossless.plans)
+    budget = plan(PlanRequest(model="mistral-7b", gpu=gpu, task="inference", batch_size=4, seq_len=2048,
+                              new_tokens=64, allow="lossy", max_ppl_increase=0.005))
+    assert budget.feasible
+    assert all(p.ppl_increase is not None and p.ppl_increase <= 0.005 for p in budget.plans)
+    # int8 weights halve the bytes every decoded token reads: faster than bf16 on a bandwidth-bound decode
+    assert any("int8-weight-only" in p.techniques for p in budget.plans)
+    assert budget.plans[0].time.total_s < lossless.plans[0].time.total_s
+
+
+def test_objective_smallest_orders_by_memory():
+    request = PlanRequest(model="tiny-llama", gpu=get_gpu("t4"), seq_len=256, global_batch=8, objective="smallest")
+    result = plan(request)
+    peaks = [p.device_bytes for p in result.plans]
+    assert result.feasible and peaks == sorted(peaks)
+
+
+def test_pipeline_estimate_is_the_highest_rank():
+    # the analytic estimate simulates the first and last pipeline ranks only; every rank must be below them
+    workload = Workload(model="llama-3.1-8b", task="train", batch_size=6, seq_len=512, world_size=3,
+                        precision="bf16-mixed", techniques=("pipeline-parallel:microbatches=3", "checkpointing"))
+    layers = workload.source.num_layers
+    every_rank = [peak_of(_regions(simulate(workload, None, layers, None, rank), layers, layers))[0].total
+                  for rank in range(3)]
+    assert analytic_estimate(workload).peak_bytes == max(every_rank)
+
+
+def test_fsdp2_depth_extrapolation_matches_the_full_depth(monkeypatch):
+    import memfit.estimators.analytic as analytic
+
+    workload = Workload(model="llama-3.1-70b", task="train", seq_len=2048, world_size=8, precision="bf16",
+                        techniques=("fsdp2", "checkpointing", "cpu-offload"))
+    gpu = get_gpu("h100")
+    fast = analytic_estimate(workload, gpu)
+    assert not any("extrapolation failed" in n for n in fast.notes)
+    monkeypatch.setattr(analytic, "extrapolation_depths", lambda *a, **k: None)
+    full = analytic_estimate(workload, gpu)
+    assert (fast.peak_bytes, fast.host_bytes) == (full.peak_bytes, full.host_bytes)
+
+
+def test_plan_cli_json_save_and_run_the_saved_plan(capsys, tmp_path):
+    saved = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", "tiny-llama", "--gpu", "t4", "--seq-len", "128", "--global-batch", "4",
+                       "--json", "--save", str(saved), "--top", "2")
+    data = json.loads(out)
+    assert code == 0 and data["schema"] == "memfit.plan/1" and data["feasible"] is True and data["reason"] is None
+    for entry in data["plans"]:
+        for key, kind in (("techniques", list), ("micro_batch", int), ("grad_accum", int), ("world_size", int),
+                          ("peak_bytes", int), ("host_ram_bytes", int), ("step_time_s", float),
+                          ("throughput", float)):
+            assert isinstance(entry[key], kind), key
+        assert entry["accuracy_risk"] in ("lossless", "numerical", "lossy")
+    assert json.loads(saved.read_text()) == data
+    workload, gpu = load_plan(str(saved))
+    assert gpu.name == "t4" and workload.batch_size == data["plans"][0]["micro_batch"]
+    code, out, _ = run(capsys, "estimate", "--plan", str(saved), "--method", "analytic", "--json")
+    estimate = json.loads(out)
+    assert code == 0 and estimate["peak_bytes"] + estimate["overhead_bytes"] == data["plans"][0]["peak_bytes"]
+    code, out, _ = run(capsys, "measure", "--plan", str(saved), "--plan-index", "1", "--no-estimates", "--json")
+    assert code == 0 and json.loads(out)["workload"]["techniques"] == data["plans"][1]["workload"]["techniques"]
+
+
+def test_plan_cli_table_and_pareto_plot(capsys, tmp_path):
+    png = tmp_path / "front.png"
+    code, out, _ = run(capsys, "plan", "tiny-llama", "--gpu", "t4", "--seq-len", "128", "--global-batch", "4",
+                       "--plot", str(png))
+    assert code == 0 and "micro×acc" in out and "run plan 1: memfit estimate tiny-llama" in out
+    assert png.stat().st_size > 10_000
+
+
+def test_plan_cli_infeasible_exits_0_with_the_reason(capsys):
+    code, out, _ = run(capsys, "plan", "llama-3.1-70b", "--gpu", "rtx-4090", "--seq-len", "2048", "--host-ram", "0",
+                       "--json")
+    data = json.loads(out)
+    assert code == 0 and data["feasible"] is False and "short by" in data["reason"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["tiny-llama", "--gpu", "t4", "--gpus", "0"], "--gpus"),
+    (["tiny-llama", "--gpu", "nope"], "unknown GPU"),
+    (["tiny-llama", "--gpu", "t4", "--max-ppl-increase", "2%"], "--allow lossy"),
+    (["tiny-llama", "--gpu", "t4", "--allow", "lossy", "--max-ppl-increase", "two"], "percentage"),
+    (["tiny-llama", "--gpu", "t4", "--objective", "cheapest"], "--objective"),
+    (["tiny-llama", "--gpu", "t4", "--host-ram", "lots"], "size"),
+    (["tiny-llama", "--gpu", "t4", "--task", "inference", "--global-batch", "4"], "--batch-size"),
+    (["memfit.examples.convnet:build", "--gpu", "t4"], "custom module"),
+])
+def test_plan_cli_bad_input_exits_2(capsys, argv, fragment):
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 2 and fragment in err and out == ""
+
+
+def test_estimate_plan_file_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "memfit.estimate/1"}))
+    code, _, err = run(capsys, "estimate", "--plan", str(bad))
+    assert code == 2 and "memfit.plan/1" in err
+    code, _, err = run(capsys, "estimate", "--plan", str(tmp_path / "missing.json"))
+    assert code == 2 and "no such file" in err
+    code, _, err = run(capsys, "estimate")
+    assert code == 2 and "--plan" in err
