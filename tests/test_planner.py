@@ -187,3 +187,10 @@ def test_estimate_plan_file_errors(capsys, tmp_path):
     assert code == 2 and "no such file" in err
     code, _, err = run(capsys, "estimate")
     assert code == 2 and "--plan" in err
+
+
+def test_verify_traced_rechecks_the_chosen_plans():
+    request = PlanRequest(model="tiny-llama", gpu=get_gpu("a100-80gb"), seq_len=128, global_batch=2, top=1)
+    result = plan(request, verify_traced=True)
+    data = result.plan_json(0)
+    assert abs(data["traced_peak_bytes"] / data["peak_bytes"] - 1) < 0.05

@@ -4,6 +4,8 @@
     w = Workload(model="llama-3.1-8b", task="train", batch_size=1, seq_len=4096, precision="bf16-mixed")
     e = estimate(w, gpu=get_gpu("rtx-4090"))          # traced where it can run, else analytic
     print(e.peak_bytes, e.peak_phase, e.at_peak, e.fits)
+    p = plan(PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=64))
+    print(p.to_json()["plans"][0])                    # the fastest configuration that fits
 
 The names below load on first use, so `import memfit` stays light (the CLI sets up torch's logging
 before torch loads).
@@ -15,6 +17,7 @@ _EXPORTS = {
     "MemfitError": "memfit.core.errors", "MemoryEstimate": "memfit.estimators.breakdown",
     "Workload": "memfit.specs.workload", "estimate": "memfit.estimators", "get_gpu": "memfit.specs.hardware",
     "measure": "memfit.measurement", "apply_": "memfit.techniques.compose", "StepSetup": "memfit.techniques.setup",
+    "plan": "memfit.planner", "PlanRequest": "memfit.planner",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
+from memfit.estimators.analytic import count_parameters
 from memfit.planner.cost import step_time
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
-from memfit.planner.search import Evaluated, Search, lower_bound_estimate, risk_of
+from memfit.planner.search import Evaluated, Search, estimate_for, lower_bound_estimate, risk_of
 from memfit.specs.workload import DISTRIBUTED_TECHNIQUES, Workload
 
 
@@ -22,8 +23,6 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
     _require_analytic(request)
     search = Search(request, progress)
     accepted = search.workloads()
-    from memfit.estimators.analytic import count_parameters
-
     num_parameters = count_parameters(accepted[0][1]) if accepted else 0
     ordered = []
     for candidate, workload, per_replica in accepted:
@@ -47,7 +46,7 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
         timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
                           num_gpus=candidate.num_gpus)
         result.time = timed
-        tokens = request.sequences * (request.new_tokens or _seq(workload))
+        tokens = request.sequences * (request.new_tokens or workload.effective_seq_len)
         result.throughput = tokens / timed.total_s / candidate.num_gpus
         if result.fits:
             feasible.append(result)
@@ -75,17 +74,11 @@ def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
         if technique.name in DISTRIBUTED_TECHNIQUES:   # how the GPUs are used, not a saving on them
             continue
         try:
-            without = search_estimate(without_technique(workload, technique), request)
+            without = estimate_for(request, without_technique(workload, technique))
         except MemfitError:   # the plan needs it (e.g. its rules): no saving to compare
             continue
         rows.append(describe(technique, without=without, with_it=chosen.estimate) | {"method": "analytic"})
     return rows
-
-
-def search_estimate(workload: Workload, request: PlanRequest):
-    from memfit.estimators.analytic import analytic_estimate
-
-    return analytic_estimate(workload, request.gpu)
 
 
 def why_nothing_fits(request: PlanRequest, search: Search) -> tuple[str, list[str]]:
@@ -181,7 +174,7 @@ def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> Non
 
     for index, chosen in enumerate(plans):
         search.progress(f"tracing plan {index + 1}/{len(plans)}")
-        traced = traced_estimate(chosen.workload(request), request.gpu)
+        traced = traced_estimate(chosen.workload(request), None if request.on_cpu else request.gpu)
         chosen.estimate.extra["traced_peak_bytes"] = traced.peak_bytes + traced.overhead_bytes
 
 
@@ -192,7 +185,3 @@ def _require_analytic(request: PlanRequest) -> None:
         raise MemfitError(f"memfit plan sizes thousands of configurations with the analytic estimator, which needs "
                           f"a transformer config; {request.model!r} is a custom module: try techniques on it with "
                           "`memfit estimate ... -t NAME` (traced).")
-
-
-def _seq(workload: Workload) -> int:
-    return workload.effective_seq_len

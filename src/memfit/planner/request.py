@@ -32,6 +32,8 @@ class PlanRequest:
     objective: str = "fastest"
     margin: float = DEFAULT_MARGIN
     top: int = 5
+    on_cpu: bool = False    # plan a run on this machine's CPU (`gpu` then describes the CPU): CPU kernels in the
+    # estimates and no CUDA overheads (benchmarks/planner_oracle.py)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

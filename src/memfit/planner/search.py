@@ -57,6 +57,13 @@ class Evaluated:
             request, self.micro_batch)
 
 
+def estimate_for(request: PlanRequest, workload: Workload) -> MemoryEstimate:
+    """The analytic estimate for the request's target (the GPU's kernels and overheads, or this CPU's)."""
+    from memfit.estimators.analytic import analytic_estimate
+
+    return analytic_estimate(workload, None if request.on_cpu else request.gpu)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -79,10 +86,8 @@ class Search:
 
     # ---- one candidate -----------------------------------------------------------------------
     def _estimate(self, workload: Workload) -> MemoryEstimate:
-        from memfit.estimators.analytic import analytic_estimate
-
         self.num_estimates += 1
-        return analytic_estimate(workload, self.request.gpu)
+        return estimate_for(self.request, workload)
 
     def _sized(self, candidate: Candidate, micro_batch: int, estimate: MemoryEstimate,
                per_replica: int) -> Evaluated:

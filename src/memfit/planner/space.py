@@ -59,6 +59,8 @@ class Candidate:
 
 
 def _precisions(request: PlanRequest) -> tuple[str, ...]:
+    if request.on_cpu:   # CPUs run float32 fastest more often than not
+        return ("fp32", "bf16") if request.task == "inference" else ("fp32", "bf16-mixed", "bf16")
     if request.task == "inference":
         return ("bf16",) if request.gpu.bf16_tflops else ("fp16-mixed", "fp32")
     return ("bf16-mixed", "bf16") if request.gpu.bf16_tflops else ("fp16-mixed", "fp32")

@@ -1,0 +1,220 @@
+"""Does `memfit plan` pick what a brute-force search of real runs would pick?
+
+On a zoo of small training workloads on this machine's CPU, each with a memory budget it cannot meet
+without techniques, the oracle runs every configuration of the planner's search space for real: every
+combination of techniques the composition rules accept, at every micro-batch that splits the global batch
+(smaller to larger, until the measured peak passes the budget). A configuration is feasible when its
+measured peak (memfit measure's CPU allocator tracking) is within the budget; its step time is the
+measured median micro-step (forward, backward, optimizer step) times the gradient-accumulation steps. The
+oracle's best is the fastest feasible configuration. memfit's top plan — from the analytic estimator and
+the cost model only, with the CPU described by its measured matmul throughput and memory bandwidth — must
+fit when run, and its measured step time must be within 10 % of the oracle's best in at least 80 % of the
+cases.
+
+All configurations of one case are measured in one process one after the other, on the same batches; the
+machine is shared, so each time is the median of several steps. The micro-step includes an optimizer step,
+so configurations with more accumulation steps pay a few extra (small, at these sizes) optimizer steps in
+the measurement that a real accumulation loop would not; the planner and the oracle are both compared
+under this measurement.
+
+Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N]
+Writes benchmarks/results/planner_oracle.{txt,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+import warnings
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from memfit.core.errors import MemfitError  # noqa: E402
+from memfit.core.units import format_bytes  # noqa: E402
+from memfit.estimators.analytic import analytic_estimate  # noqa: E402
+from memfit.measurement import measure  # noqa: E402
+from memfit.measurement.training import text_batches, train_run  # noqa: E402
+from memfit.planner import PlanRequest, plan  # noqa: E402
+from memfit.planner.search import Search, divisors  # noqa: E402
+from memfit.specs.hardware import GPU  # noqa: E402
+from memfit.specs.workload import Workload  # noqa: E402
+
+# (model, seq_len, global batch, budget as a fraction of the plain float32 AdamW step's peak at the whole batch)
+ZOO = [
+    ("tiny-llama", 256, 8, 0.5),
+    ("tiny-gpt2", 256, 8, 0.5),
+    ("tiny-bert", 128, 16, 0.5),
+    ("tiny-qwen2", 256, 8, 0.4),
+    ("tiny-llama", 512, 4, 0.35),
+]
+TOLERANCE = 0.10
+TARGET_SHARE = 0.8
+
+
+def cpu_as_gpu(memory_bytes: int) -> GPU:
+    """This CPU described as the planner's cost model reads a GPU: measured matmul throughput (float32 and
+    bfloat16) and memory bandwidth (a large copy), no interconnect, no CUDA context."""
+    def matmul_tflops(dtype: torch.dtype) -> float:
+        a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        a @ b
+        started, runs = time.perf_counter(), 10
+        for _ in range(runs):
+            a @ b
+        return 2 * 1024**3 * runs / (time.perf_counter() - started) / 1e12
+
+    source = torch.empty(64 * 2**20, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    started = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    bandwidth = 2 * source.numel() * 10 / (time.perf_counter() - started) / 1e9   # read + write
+    bf16 = matmul_tflops(torch.bfloat16)
+    return GPU(name="cpu (measured)", vendor="cpu", memory_bytes=memory_bytes, fp32_tflops=matmul_tflops(torch.float32),
+               bf16_tflops=bf16, fp16_tflops=bf16, memory_bandwidth_gbps=bandwidth, interconnect="none",
+               interconnect_gbps=0.0, host_link_gbps=bandwidth, context_bytes=0)
+
+
+def measured(workload: Workload, batches: list[dict]) -> tuple[int, float]:
+    """(peak bytes of one real step, median seconds per step over `batches` after a warm-up step)."""
+    peak = measure(workload, device="cpu", estimates=()).peak_bytes
+    run = train_run(workload, batches)
+    times = run.step_seconds[1:]
+    return peak, sorted(times)[len(times) // 2]
+
+
+def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
+    """Every configuration of the planner's space, measured, with its feasibility under the budget."""
+    search = Search(request)
+    rows = []
+    for candidate, _, per_replica in search.workloads():
+        for micro in [m for m in divisors(per_replica) if m % candidate.batch_multiple == 0]:
+            workload = candidate.workload(request, micro)
+            batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
+            try:
+                peak, seconds = measured(workload, batches)
+            except (MemfitError, RuntimeError) as exc:
+                console.print(f"[dim]  {' + '.join(candidate.labels())} mb {micro}: failed ({exc})[/dim]")
+                break
+            rows.append({"techniques": candidate.labels(), "micro_batch": micro, "grad_accum": per_replica // micro,
+                         "peak_bytes": peak, "step_time_s": seconds * (per_replica // micro),
+                         "fits": peak <= request.budget_bytes})
+            console.print(f"[dim]  {' + '.join(candidate.labels())} {micro}×{per_replica // micro}: "
+                          f"{format_bytes(peak)}, {rows[-1]['step_time_s']:.3f} s{'' if rows[-1]['fits'] else ' (over)'}"
+                          "[/dim]")
+            if peak > request.budget_bytes:
+                break   # a larger micro-batch only needs more
+    return rows
+
+
+def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps: int, console: Console) -> dict:
+    plain = analytic_estimate(Workload(model=model, task="train", batch_size=global_batch, seq_len=seq_len))
+    budget = int(plain.peak_bytes * fraction)
+    request = PlanRequest(model=model, gpu=cpu_as_gpu(budget), seq_len=seq_len, global_batch=global_batch,
+                          margin=0.0, on_cpu=True, top=3)
+    started = time.perf_counter()
+    chosen = plan(request)
+    planning_s = time.perf_counter() - started
+    console.print(f"{model} s{seq_len} G{global_batch}, budget {format_bytes(budget)}: planned in {planning_s:.1f} s; "
+                  "measuring every configuration ...")
+    rows = oracle(request, steps, console)
+    feasible = [r for r in rows if r["fits"]]
+    best = min(feasible, key=lambda r: r["step_time_s"]) if feasible else None
+    case = {"model": model, "seq_len": seq_len, "global_batch": global_batch, "budget_bytes": budget,
+            "plain_peak_bytes": plain.peak_bytes, "configurations_measured": len(rows), "feasible": len(feasible),
+            "oracle_best": best, "planning_s": round(planning_s, 2), "plan": None}
+    if not chosen.feasible:
+        case["plan"] = {"feasible": False, "reason": chosen.reason}
+        return case
+    top = chosen.plan_json(0)
+    mine = next((r for r in rows if r["techniques"] == top["techniques"] and r["micro_batch"] == top["micro_batch"]),
+                None)
+    if mine is None:   # expandable-segments (a CUDA setting) or a row the oracle could not run: measure it now
+        workload = chosen.plans[0].workload(request)
+        batches = text_batches(batch_size=top["micro_batch"], seq_len=seq_len, num_batches=steps + 1)
+        peak, seconds = measured(workload, batches)
+        mine = {"peak_bytes": peak, "step_time_s": seconds * top["grad_accum"], "fits": peak <= budget}
+    case["plan"] = {"techniques": top["techniques"], "micro_batch": top["micro_batch"], "grad_accum": top["grad_accum"],
+                    "predicted_peak_bytes": top["peak_bytes"], "predicted_step_time_s": top["step_time_s"],
+                    "measured_peak_bytes": mine["peak_bytes"], "measured_step_time_s": mine["step_time_s"],
+                    "fits_when_run": mine["fits"]}
+    if best:
+        case["plan"]["time_vs_oracle"] = mine["step_time_s"] / best["step_time_s"]
+    return case
+
+
+def render(cases: list[dict]) -> Table:
+    table = Table(title="memfit plan vs the oracle (every configuration measured for real on this CPU)",
+                  title_justify="left")
+    for column in ("case", "budget", "measured / feasible", "oracle's best", "oracle time", "memfit's plan",
+                   "plan peak: predicted / measured", "plan time", "vs oracle", "pass"):
+        table.add_column(column, justify="left" if column in ("case", "oracle's best", "memfit's plan") else "right")
+    for case in cases:
+        best, mine = case["oracle_best"], case["plan"]
+        name = f"{case['model']} s{case['seq_len']} G{case['global_batch']}"
+        best_text = f"{' + '.join(best['techniques'])} {best['micro_batch']}×{best['grad_accum']}" if best else "none"
+        if not mine or mine.get("feasible") is False:
+            table.add_row(name, format_bytes(case["budget_bytes"]), f"{case['configurations_measured']} / "
+                          f"{case['feasible']}", best_text, "", "no plan", "", "", "", "no" if best else "yes")
+            continue
+        ok = mine["fits_when_run"] and mine.get("time_vs_oracle", 99) <= 1 + TOLERANCE
+        table.add_row(name, format_bytes(case["budget_bytes"]), f"{case['configurations_measured']} / {case['feasible']}",
+                      best_text, f"{best['step_time_s']:.3f} s" if best else "",
+                      f"{' + '.join(mine['techniques'])} {mine['micro_batch']}×{mine['grad_accum']}",
+                      f"{format_bytes(mine['predicted_peak_bytes'])} / {format_bytes(mine['measured_peak_bytes'])}",
+                      f"{mine['measured_step_time_s']:.3f} s", f"{mine.get('time_vs_oracle', 0):.3f}",
+                      "yes" if ok else "no")
+    return table
+
+
+def passed(case: dict) -> bool:
+    mine = case["plan"]
+    if not mine or mine.get("feasible") is False:
+        return case["oracle_best"] is None
+    return mine["fits_when_run"] and mine.get("time_vs_oracle", 99) <= 1 + TOLERANCE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--cases", type=int, default=len(ZOO), help=f"the first N cases of the zoo (default all "
+                                                                     f"{len(ZOO)}; each takes 10-30 minutes here)")
+    args = parser.parse_args()
+    console = Console(width=200)
+    command = f"python benchmarks/planner_oracle.py --steps {args.steps} --cases {args.cases}"
+    header = f"{command}\n{platform.platform()}, torch {torch.__version__}, {os.cpu_count()} CPUs\n"
+    cases = []
+    for entry in ZOO[:args.cases]:   # the results are written after every case: nothing is lost on a stop
+        cases.append(run_case(*entry, args.steps, console))
+        write(cases, header, console, final=len(cases) == args.cases)
+
+
+def write(cases: list[dict], header: str, console: Console, final: bool) -> None:
+    share = sum(passed(c) for c in cases) / len(cases)
+    table = render(cases)
+    verdict = (f"{sum(passed(c) for c in cases)} of {len(cases)} cases pass ({share:.0%}; target "
+               f"{TARGET_SHARE:.0%}): the plan fits when run and is within {TOLERANCE:.0%} of the oracle's best"
+               + ("" if final else " (run still in progress)"))
+    if final:
+        console.print(table)
+        console.print(verdict)
+    os.makedirs("benchmarks/results", exist_ok=True)
+    with open("benchmarks/results/planner_oracle.txt", "w") as fh:
+        file_console = Console(file=fh, width=200)
+        file_console.print(header)
+        file_console.print(table)
+        file_console.print(verdict)
+    with open("benchmarks/results/planner_oracle.json", "w") as fh:
+        json.dump({"command": header.splitlines()[0], "cases": cases, "share_passed": share}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
