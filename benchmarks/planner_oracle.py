@@ -7,7 +7,8 @@ combination of techniques the composition rules accept, at every micro-batch tha
 measured peak (memfit measure's CPU allocator tracking) is within the budget; its step time is the
 measured median micro-step (forward, backward, optimizer step) times the gradient-accumulation steps. The
 oracle's best is the fastest feasible configuration. memfit's top plan — from the analytic estimator and
-the cost model only, with the CPU described by its measured matmul throughput and memory bandwidth — must
+the cost model only, with the CPU described by its measured matmul throughput (at the model's own matmul
+shape, small and large micro-batch), memory bandwidth and optimizer step speed — must
 fit when run, and its measured step time must be within 10 % of the oracle's best in at least 80 % of the
 cases.
 
@@ -40,9 +41,11 @@ from rich.table import Table  # noqa: E402
 from memfit.core.errors import MemfitError  # noqa: E402
 from memfit.core.units import format_bytes  # noqa: E402
 from memfit.estimators.analytic import analytic_estimate  # noqa: E402
+from memfit.estimators.analytic.families import registry  # noqa: E402
 from memfit.measurement import measure  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.planner import PlanRequest, plan  # noqa: E402
+from memfit.planner.cost import CostModel  # noqa: E402
 from memfit.planner.search import Search, divisors  # noqa: E402
 from memfit.specs.hardware import GPU  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
@@ -83,6 +86,43 @@ def cpu_as_gpu(memory_bytes: int) -> GPU:
                interconnect_gbps=0.0, host_link_gbps=bandwidth, context_bytes=0)
 
 
+def _seconds(fn, runs: int = 5) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(runs):
+        fn()
+    return (time.perf_counter() - started) / runs
+
+
+def calibrate(gpu: GPU, hidden: int, seq_len: int, micro_batches: list[int]) -> CostModel:
+    """The cost model's constants measured on this CPU, not assumed: the throughput of the model's own
+    matmul shape (tokens x hidden @ hidden x 4 hidden) at the smallest and largest micro-batch gives the
+    utilisation and the half-utilisation token count; one optimizer step over 2M parameters gives each
+    optimizer's seconds per parameter; the CPU has no copy engine and no interconnect (nothing overlaps)."""
+    def tflops(tokens: int) -> float:
+        x, w = torch.randn(tokens, hidden), torch.randn(hidden, 4 * hidden)
+        return 2 * tokens * hidden * 4 * hidden / _seconds(lambda: x @ w) / 1e12
+
+    t1, t2 = seq_len * micro_batches[0], seq_len * micro_batches[-1]
+    g1, g2 = tflops(t1), tflops(t2)
+    ratio = g2 / g1
+    half = max(0.0, t1 * t2 * (1 - ratio) / (ratio * t1 - t2)) if ratio > 1 else 0.0
+    mfu = min(1.0, g2 / gpu.fp32_tflops * (t2 + half) / t2)
+
+    def per_param(name: str) -> float:
+        from memfit.steps.optim import make_optimizer
+
+        params = [torch.nn.Parameter(torch.randn(512, 512)) for _ in range(8)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = make_optimizer(params, name)
+        return _seconds(optimizer.step) / sum(p.numel() for p in params)
+
+    return CostModel(mfu=mfu, tokens_half=int(half), comm_overlap=0.0, copy_overlap=0.0,
+                     optimizer_s_per_param=tuple((name, per_param(name)) for name in ("adamw", "adamw8bit")),
+                     source="measured on this CPU (benchmarks/planner_oracle.py)")
+
+
 def measured(workload: Workload, batches: list[dict]) -> tuple[int, float]:
     """(peak bytes of one real step, median seconds per step over `batches` after a warm-up step)."""
     peak = measure(workload, device="cpu", estimates=()).peak_bytes
@@ -116,10 +156,15 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
 
 
 def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps: int, console: Console) -> dict:
-    plain = analytic_estimate(Workload(model=model, task="train", batch_size=global_batch, seq_len=seq_len))
+    plain_workload = Workload(model=model, task="train", batch_size=global_batch, seq_len=seq_len)
+    plain = analytic_estimate(plain_workload)
     budget = int(plain.peak_bytes * fraction)
-    request = PlanRequest(model=model, gpu=cpu_as_gpu(budget), seq_len=seq_len, global_batch=global_batch,
-                          margin=0.0, on_cpu=True, top=3)
+    gpu = cpu_as_gpu(budget)
+    spec = registry.family_of(plain_workload.source)[1]
+    cost = calibrate(gpu, getattr(spec, "hidden", None) or spec.d_model, seq_len, divisors(global_batch))
+    console.print(f"calibrated: {cost}")
+    request = PlanRequest(model=model, gpu=gpu, seq_len=seq_len, global_batch=global_batch, margin=0.0,
+                          on_cpu=True, top=3, cost=cost)
     started = time.perf_counter()
     chosen = plan(request)
     planning_s = time.perf_counter() - started
@@ -130,7 +175,8 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     best = min(feasible, key=lambda r: r["step_time_s"]) if feasible else None
     case = {"model": model, "seq_len": seq_len, "global_batch": global_batch, "budget_bytes": budget,
             "plain_peak_bytes": plain.peak_bytes, "configurations_measured": len(rows), "feasible": len(feasible),
-            "oracle_best": best, "planning_s": round(planning_s, 2), "plan": None}
+            "oracle_best": best, "planning_s": round(planning_s, 2), "plan": None,
+            "cost_model": {k: v for k, v in vars(cost).items()}, "configurations": rows}
     if not chosen.feasible:
         case["plan"] = {"feasible": False, "reason": chosen.reason}
         return case
@@ -184,7 +230,7 @@ def passed(case: dict) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--cases", type=int, default=len(ZOO), help=f"the first N cases of the zoo (default all "
                                                                      f"{len(ZOO)}; each takes 10-30 minutes here)")
     args = parser.parse_args()

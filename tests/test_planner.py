@@ -194,3 +194,16 @@ def test_verify_traced_rechecks_the_chosen_plans():
     result = plan(request, verify_traced=True)
     data = result.plan_json(0)
     assert abs(data["traced_peak_bytes"] / data["peak_bytes"] - 1) < 0.05
+
+
+def test_a_measured_cost_model_replaces_the_assumed_constants():
+    from memfit.planner.cost import ASSUMED, CostModel, step_time
+
+    workload = Workload(model="tiny-llama", task="train", batch_size=4, seq_len=128)
+    gpu = get_gpu("a100-80gb")
+    estimate = analytic_estimate(workload, gpu)
+    assumed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1)
+    measured = CostModel(mfu=ASSUMED.mfu / 2, optimizer_s_per_param=(("adamw", 1e-6),), source="measured")
+    timed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1, cost=measured)
+    assert timed.parts["compute"] == pytest.approx(2 * assumed.parts["compute"])
+    assert timed.parts["optimizer"] == pytest.approx(estimate.num_parameters * 1e-6)

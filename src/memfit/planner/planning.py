@@ -30,9 +30,8 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
         if request.max_ppl_increase is not None and (ppl is None or ppl > request.max_ppl_increase):
             search.rejected["over the accuracy budget (or no perplexity cost measured)"] += 1
             continue
-        bound = step_time(replace(workload, batch_size=per_replica),
-                          lower_bound_estimate(num_parameters), request.gpu, grad_accum=1,
-                          num_gpus=candidate.num_gpus).total_s
+        bound = step_time(replace(workload, batch_size=per_replica), lower_bound_estimate(num_parameters),
+                          request.gpu, grad_accum=1, num_gpus=candidate.num_gpus, cost=request.cost).total_s
         ordered.append((bound, candidate, workload, per_replica, ppl))
     ordered.sort(key=lambda item: item[0])
     feasible: list[Evaluated] = []
@@ -44,7 +43,7 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
         result = search.evaluate(candidate, workload, per_replica)
         result.risk, result.ppl_increase = risk_of(workload), ppl
         timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
-                          num_gpus=candidate.num_gpus)
+                          num_gpus=candidate.num_gpus, cost=request.cost)
         result.time = timed
         tokens = request.sequences * (request.new_tokens or workload.effective_seq_len)
         result.throughput = tokens / timed.total_s / candidate.num_gpus

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError, closest, require_positive_int
+from memfit.planner.cost import ASSUMED, CostModel
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import TASKS
 
@@ -32,6 +33,7 @@ class PlanRequest:
     objective: str = "fastest"
     margin: float = DEFAULT_MARGIN
     top: int = 5
+    cost: CostModel = ASSUMED   # the cost model's constants (planner/cost.py)
     on_cpu: bool = False    # plan a run on this machine's CPU (`gpu` then describes the CPU): CPU kernels in the
     # estimates and no CUDA overheads (benchmarks/planner_oracle.py)
 

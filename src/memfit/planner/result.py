@@ -44,7 +44,7 @@ class PlanResult:
             "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
             "headroom_bytes": self.request.gpu.memory_bytes - chosen.device_bytes,
             "peak_phase": estimate.peak_phase, "time_parts_s": {k: round(v, 6) for k, v in chosen.time.parts.items()},
-            "ppl_increase": chosen.ppl_increase, "sources": {"memory": "analytic", "time": "assumed"},
+            "ppl_increase": chosen.ppl_increase, "sources": {"memory": "analytic", "time": self.request.cost.source},
             "workload": chosen.workload(self.request).to_json(),
         }
         if "traced_peak_bytes" in estimate.extra:
