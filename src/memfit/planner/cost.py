@@ -37,8 +37,10 @@ HOST_STEP_GBPS = 100.0     # host memory traffic of a CPU optimizer step, per no
 NETWORK_GBPS = 50.0        # per GPU between nodes: 400 Gb/s InfiniBand (assumed)
 COLLECTIVE_LATENCY_S = 15e-6   # per collective (decode-time tensor parallel; assumed)
 SELECTIVE_RECOMPUTE = 0.1  # of one forward (assumed)
+QLORA_DEQUANT = 1.2        # QLoRA's compute against LoRA's: every 4-bit weight dequantized in forward and backward
+                           # (assumed)
 MODELLED = frozenset({"checkpointing", "cpu-offload", "stream-layers", "fsdp2", "ddp", "tensor-parallel",
-                      "pipeline-parallel", "lora", "chunked-ce", "expandable-segments", "sdpa"})
+                      "pipeline-parallel", "lora", "qlora", "chunked-ce", "expandable-segments", "sdpa"})
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def step_time(workload: Workload, estimate: MemoryEstimate, gpu: GPU, *, grad_ac
               cost: CostModel = ASSUMED) -> StepTime:
     """Seconds per optimizer step (train) or per served batch (inference) of `workload` repeated
     `grad_accum` times on each of its ranks. `estimate` (analytic, for the target GPU) gives the bytes the
-    step moves; with `estimate.peak_bytes == 0` only FLOPs count (a lower bound, see `lower_bound`)."""
+    step moves; an estimate without bytes counts FLOPs only (a lower bound: search.lower_bound_estimate)."""
     shape = ModelShape.of(workload, estimate.num_parameters)
     if workload.task == "train":
         return _train_step(workload, estimate, gpu, shape, grad_accum, num_gpus, cost)
@@ -150,7 +152,7 @@ def _train_step(w: Workload, e: MemoryEstimate, gpu: GPU, shape: ModelShape, acc
     if w.technique("chunked-ce"):
         recompute += 2 * shape.hidden * shape.vocab * tokens
     split = n if (w.technique("tensor-parallel") or w.technique("pipeline-parallel")) else 1
-    factor = unmodelled_factor(w) / split
+    factor = unmodelled_factor(w) / split * (QLORA_DEQUANT if w.technique("qlora") else 1.0)
     work = _compute_s(forward + backward, gpu, w.precision, tokens, cost) * factor
     redo = _compute_s(recompute, gpu, w.precision, tokens, cost) * factor
     if pipeline := w.technique("pipeline-parallel"):   # the bubble
