@@ -18,12 +18,15 @@ so configurations with more accumulation steps pay a few extra (small, at these 
 the measurement that a real accumulation loop would not; the planner and the oracle are both compared
 under this measurement.
 
-Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N]
-Writes benchmarks/results/planner_oracle.{txt,json}.
+Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N] [--resume]
+Writes benchmarks/results/planner_oracle.{txt,json} after every case; --resume keeps the cases that file already
+holds for the same workload, budget and steps (a long run can be finished in a later session).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -59,6 +62,7 @@ ZOO = [
     ("tiny-llama", 512, 4, 0.35),
 ]
 TOLERANCE = 0.10
+RESULTS = "benchmarks/results/planner_oracle"
 TARGET_SHARE = 0.8
 
 
@@ -128,7 +132,15 @@ def measured(workload: Workload, batches: list[dict]) -> tuple[int, float]:
     peak = measure(workload, device="cpu", estimates=()).peak_bytes
     run = train_run(workload, batches)
     times = run.step_seconds[1:]
+    release_freed_memory()
     return peak, sorted(times)[len(times) // 2]
+
+
+def release_freed_memory() -> None:
+    """Hundreds of runs in one process: collect, and give freed heap back to the system (glibc keeps it)."""
+    gc.collect()
+    if platform.system() == "Linux":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
@@ -233,14 +245,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--cases", type=int, default=len(ZOO), help=f"the first N cases of the zoo (default all "
                                                                      f"{len(ZOO)}; each takes 10-30 minutes here)")
+    parser.add_argument("--resume", action="store_true", help=f"keep the cases {RESULTS}.json already holds for the "
+                                                                  "same workload, budget and steps")
     args = parser.parse_args()
     console = Console(width=200)
     command = f"python benchmarks/planner_oracle.py --steps {args.steps} --cases {args.cases}"
     header = f"{command}\n{platform.platform()}, torch {torch.__version__}, {os.cpu_count()} CPUs\n"
+    done = earlier_cases(args.steps) if args.resume else {}
     cases = []
     for entry in ZOO[:args.cases]:   # the results are written after every case: nothing is lost on a stop
-        cases.append(run_case(*entry, args.steps, console))
+        model, seq_len, global_batch, _ = entry
+        if (model, seq_len, global_batch) in done:
+            console.print(f"{model} s{seq_len} G{global_batch}: kept from the earlier run")
+            cases.append(done[model, seq_len, global_batch])
+        else:
+            cases.append(run_case(*entry, args.steps, console))
         write(cases, header, console, final=len(cases) == args.cases)
+
+
+def earlier_cases(steps: int) -> dict[tuple, dict]:
+    """The cases of an earlier run with these steps, by workload, whose budget is the zoo's budget today."""
+    try:
+        with open(f"{RESULTS}.json") as fh:
+            earlier = json.load(fh)
+    except FileNotFoundError:
+        return {}
+    if f"--steps {steps} " not in earlier["command"] + " ":
+        return {}
+    fractions = {(m, s, g): f for m, s, g, f in ZOO}
+    return {(c["model"], c["seq_len"], c["global_batch"]): c for c in earlier["cases"]
+            if c["budget_bytes"] == int(c["plain_peak_bytes"] * fractions.get((c["model"], c["seq_len"],
+                                                                                 c["global_batch"]), -1))}
 
 
 def write(cases: list[dict], header: str, console: Console, final: bool) -> None:
@@ -253,12 +288,12 @@ def write(cases: list[dict], header: str, console: Console, final: bool) -> None
         console.print(table)
         console.print(verdict)
     os.makedirs("benchmarks/results", exist_ok=True)
-    with open("benchmarks/results/planner_oracle.txt", "w") as fh:
+    with open(f"{RESULTS}.txt", "w") as fh:
         file_console = Console(file=fh, width=200)
         file_console.print(header)
         file_console.print(table)
         file_console.print(verdict)
-    with open("benchmarks/results/planner_oracle.json", "w") as fh:
+    with open(f"{RESULTS}.json", "w") as fh:
         json.dump({"command": header.splitlines()[0], "cases": cases, "share_passed": share}, fh, indent=2)
 
 

@@ -1,6 +1,8 @@
 """Techniques applied for real: predicted peak (traced, analytic) against a real CPU run, the measured
 saving against the predicted one, and the results against the same training without the technique."""
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -373,6 +375,11 @@ def test_offload_in_a_users_own_loop_changes_no_result():
     assert isinstance(setup.optimizer, HostOffloadOptimizer)
     assert type(setup.optimizer.inner) is torch.optim.AdamW and setup.optimizer.param_groups[0]["weight_decay"] == 0.05
     assert runs[1] == runs[0] and runs[0][-1] < runs[0][0]
+    # The gradient hooks stay on the user's model; they must not keep the optimizer and its host copies alive.
+    optimizer = weakref.ref(setup.optimizer)
+    del setup
+    gc.collect()
+    assert optimizer() is None and model is not None
 
 
 def test_lora_on_a_mixture_of_experts_keeps_no_expert_inputs():

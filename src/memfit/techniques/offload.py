@@ -42,6 +42,7 @@ on a GPU. On the CPU the copies stay in one memory; memfit still counts the host
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,20 +92,19 @@ class HostOffloadOptimizer:
         note_host(self.grads)
         self._empty = [True] * len(self.params)    # no gradient arrived for it since zero_grad
         self.inner = build(self.masters)
+        owner = weakref.ref(self)   # a hook holding the optimizer would keep its host copies alive for ever
         for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(self._to_host(index))
+            param.register_post_accumulate_grad_hook(functools.partial(_gradient_to_host, owner, index))
 
-    def _to_host(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            arrived = param.grad.to("cpu")      # device -> host (nothing moves when the step runs on the CPU)
-            if self._empty[index]:
-                self.grads[index].copy_(arrived)
-            else:                               # gradient accumulation: later micro-batches add on the host
-                self.grads[index].add_(arrived)
-            self._empty[index] = False
-            del arrived
-            param.grad = None                   # freed on the device as soon as it is on the host
-        return hook
+    def _receive(self, index: int, param: torch.Tensor) -> None:
+        arrived = param.grad.to("cpu")          # device -> host (nothing moves when the step runs on the CPU)
+        if self._empty[index]:
+            self.grads[index].copy_(arrived)
+        else:                                   # gradient accumulation: later micro-batches add on the host
+            self.grads[index].add_(arrived)
+        self._empty[index] = False
+        del arrived
+        param.grad = None                       # freed on the device as soon as it is on the host
 
     @property
     def param_groups(self) -> list[dict]:
@@ -129,6 +129,12 @@ class HostOffloadOptimizer:
         self._empty = [True] * len(self.params)
         for param in self.params:
             param.grad = None
+
+
+def _gradient_to_host(owner: weakref.ref, index: int, param: torch.Tensor) -> None:
+    optimizer = owner()
+    if optimizer is not None:
+        optimizer._receive(index, param)
 
 
 def offload_saved_tensors_(block: torch.nn.Module, keep: WeakIdKeyDictionary) -> None:
