@@ -216,7 +216,7 @@ def _strip(value, folder: str):
     if isinstance(value, list):
         return [_strip(v, folder) for v in value]
     if isinstance(value, str):
-        return value.replace(folder, "<inputs>")
+        return value.replace(folder, "<inputs>").replace(Path(folder).name, "<inputs>")
     return value
 
 

@@ -10,9 +10,15 @@ import warnings
 from memfit.core.errors import MemfitError
 
 
+def one_line(text: str) -> str:
+    """A message on one line: control characters a user's value brought in (a newline, a carriage return) are
+    shown escaped, as repr would show them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, as for every user error
-        print(f"memfit: error: {message}", file=sys.stderr)
+        print(f"memfit: error: {one_line(message)}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -41,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except MemfitError as exc:
-        print(f"memfit: error: {exc}", file=sys.stderr)
+        print(f"memfit: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)

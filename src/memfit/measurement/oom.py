@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from memfit.core.errors import MemfitError
 
-_SIZE = r"([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)"
+_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB)\b"
 _UNIT = {"bytes": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 
 
@@ -72,6 +72,9 @@ def parse_oom_message(text: str) -> OomMessage:
                           "allocate ...\"); pass the log or traceback that holds it, or a memory snapshot .pickle.")
     body = " ".join(text[starts[-1]:].split())   # a log may wrap the message over lines
     tried = re.search(r"Tried to allocate " + _SIZE, body)
+    if tried is None:
+        raise MemfitError(f"the out-of-memory message is cut off or garbled after \"Tried to allocate\" "
+                          f"({body[:80]!r}); pass the whole message, as PyTorch printed it.")
     message = OomMessage(device="GPU 0", tried_bytes=_bytes(*tried.groups()))
     modern = re.search(r"(GPU|Device) (\d+) has a total capac\w* of " + _SIZE + r" of which " + _SIZE + r" is free",
                        body)
@@ -115,12 +118,73 @@ def load_snapshot(path: str) -> dict:
         raise MemfitError(f"no such snapshot file {path!r}.") from None
     try:
         data = _PlainDataUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
-        raise MemfitError(f"{path!r} is not a PyTorch memory snapshot pickle ({exc}).") from None
+    except _MALFORMED_PICKLE as exc:
+        raise MemfitError(f"{path!r} is not a PyTorch memory snapshot pickle ({type(exc).__name__}: "
+                          f"{str(exc)[:80]}).") from None
     if not isinstance(data, dict) or "segments" not in data:
         raise MemfitError(f"{path!r} is a pickle but not a memory snapshot (no \"segments\"); write one with "
                           "torch.cuda.memory._dump_snapshot().")
+    problem = _snapshot_problem(data)
+    if problem:
+        raise MemfitError(f"{path!r} is not a memory snapshot memfit can read: {problem}.")
     return data
+
+
+# What the unpickler raises on bytes that are not a well-formed pickle (the pickle module documents an open
+# list: "including but not necessarily limited to" these)
+_MALFORMED_PICKLE = (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
+                     AttributeError, OverflowError, MemoryError, RecursionError)
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _frames_problem(entry: dict, where: str) -> str | None:
+    frames = entry.get("frames", [])
+    if not isinstance(frames, list) or not all(isinstance(f, dict) for f in frames):
+        return f"{where} has frames that are not a list of stack frames"
+    if any(not isinstance(f.get(key, ""), str) for f in frames for key in ("filename", "name")):
+        return f"{where} has a stack frame whose file or function name is not text"
+    return None
+
+
+def _snapshot_problem(data: dict) -> str | None:
+    """What in `data` does not have the snapshot format's shape (torch.cuda.memory._snapshot), or None: the
+    summary below may then read every field it uses without checking it again."""
+    segments = data["segments"]
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        return '"segments" is not a list of segments'
+    for i, segment in enumerate(segments):
+        blocks = segment.get("blocks", [])
+        if not _is_size(segment.get("total_size", 0)) or not isinstance(segment.get("device", 0), int):
+            return f"segment {i} has no valid total_size or device"
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) and _is_size(b.get("size")) for b in blocks):
+            return f"segment {i}'s blocks are not a list of blocks with a size in bytes"
+        for block in blocks:
+            if not isinstance(block.get("state", ""), str):
+                return f"a block of segment {i} has a state that is not text"
+            if problem := _frames_problem(block, f"a block of segment {i}"):
+                return problem
+    traces = data.get("device_traces") or []
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        return '"device_traces" is not a list of traces (one per device)'
+    for trace in traces:
+        for entry in trace:
+            if not isinstance(entry, dict) or not isinstance(entry.get("action"), str):
+                return "a trace entry has no action"
+            action = entry["action"]
+            if action == "alloc" and not (_is_size(entry.get("size")) and isinstance(entry.get("addr"), int)):
+                return "an alloc entry has no address or size in bytes"
+            if action.startswith("free") and not isinstance(entry.get("addr", 0), int):
+                return "a free entry's address is not a number"
+            if action == "oom" and not all(_is_size(entry.get(k, 0)) for k in ("size", "device_free")):
+                return "the oom entry's size or free bytes are not numbers"
+            if not isinstance(entry.get("category", ""), (str, type(None))):
+                return "a trace entry's category is not text"
+            if problem := _frames_problem(entry, f"a {action} entry"):
+                return problem
+    return None
 
 
 # Where a stack frame says the memory came from, first match wins (a heuristic: labelled so).

@@ -49,8 +49,8 @@ def _run_ranks(workload: Workload, job: dict) -> list[dict]:
             lines = (done.stderr or done.stdout).strip().splitlines()
             errors = [line for line in lines if "Error" in line or "error:" in line]
             errors = [line for line in errors if line.startswith("[rank")][-5:] or errors[-5:]   # the ranks' own
-            raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}):\n"
-                              + "\n".join(errors or lines[-15:]))
+            raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}): "
+                              + " | ".join(line.strip() for line in errors or lines[-15:]))
         results = []
         for rank in range(n):
             with open(os.path.join(out, f"rank{rank}.json")) as fh:

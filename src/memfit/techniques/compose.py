@@ -81,8 +81,24 @@ RULES: tuple[Rule, ...] = (
         ("cpu-offload", "the pipeline schedule runs its own backward; cpu-offload's host optimizer is not wired "
          "into it", "drop cpu-offload"),
         ("chunked-ce", "the last stage computes the loss from the logits it sends", "drop chunked-ce"),
-        ("sequence-chunks", "the schedule splits the batch into micro-batches itself", "drop sequence-chunks"))),
+        ("sequence-chunks", "the schedule splits the batch into micro-batches itself", "drop sequence-chunks"),
+        ("fp16-mixed", "the schedule runs backward itself, on a loss the GradScaler never scaled",
+         "use bf16-mixed with pipeline-parallel"))),
     Rule(frozenset({"qlora", "lora"}), "qlora is lora on a 4-bit base", "keep one of them"),
+    Rule(frozenset({"lora", "tensor-parallel"}), "peft replaces the target linears with LoRA layers, which tensor "
+         "parallel's plans do not split", "drop -t tensor-parallel (use fsdp2 with lora)"),
+    Rule(frozenset({"qat", "tensor-parallel"}), "torchao's fake-quantized linears are not the nn.Linear that tensor "
+         "parallel's plans split", "drop -t tensor-parallel"),
+    Rule(frozenset({"fp16-mixed", "tensor-parallel"}), "GradScaler unscales plain and DTensor gradients in one "
+         "kernel, which takes one kind", "use bf16-mixed with tensor-parallel"),
+    Rule(frozenset({"checkpointing", "tensor-parallel"}), "checkpointing:mode=offload copies saved tensors to the host "
+         "as plain tensors, and tensor parallel saves DTensors", "use checkpointing:mode=full or selective",
+         lambda w: w.technique("checkpointing").mode == "offload"),
+    *(Rule(frozenset({"stream-layers", quantized}), "stream-layers copies plain weights between host and device; "
+           f"{quantized}'s weights are tensor subclasses", f"drop -t {quantized} or -t stream-layers")
+      for quantized in ("int8-weight-only", "int8-dynamic", "bnb-4bit")),
+    Rule(frozenset({"lora", "pipeline-parallel"}), "peft wraps the model, and the pipeline splits the blocks of the "
+         "model itself", "drop -t pipeline-parallel (use fsdp2 with lora)"),
     *(Rule(frozenset(pair), "a linear weight is quantized one way", "keep one quantization")
       for pair in ({"bnb-4bit", "int8-weight-only"}, {"qlora", "int8-weight-only"}, {"qlora", "bnb-4bit"},
                    {"qat", "qlora"}, {"qat", "lora"})),

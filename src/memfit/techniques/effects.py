@@ -67,6 +67,7 @@ def _accuracy_costs() -> dict[str, list[dict]]:
 
 def all_techniques(workload: Workload) -> list[Technique]:
     """Every technique the workload uses, the precision and optimizer ones included."""
+    from memfit.techniques import catalog  # noqa: F401  (registers every technique)
     from memfit.techniques.base import REGISTRY
 
     # DeepSpeed's engine needs its half precision: there is no "without" to compare with
