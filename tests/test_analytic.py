@@ -7,7 +7,7 @@ from memfit.estimators.sharding import zero_paper_table
 from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import get_gpu
 from memfit.specs.model_source import catalog
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import rel
 
 TINY = ["tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-mixtral", "tiny-vit", "tiny-gemma2", "tiny-phi3",
@@ -33,7 +33,7 @@ def test_every_family_matches_the_trace(name, precision, target):
     for task in ("train", "inference"):
         for batch in (1, 4):
             extra = {"new_tokens": 3} if task == "inference" and name not in ("tiny-bert", "tiny-vit") else {}
-            workload = Workload(model=name, task=task, batch_size=batch, seq_len=seq, precision=precision, **extra)
+            workload = ResolvedWorkload(model=name, task=task, batch_size=batch, seq_len=seq, precision=precision, **extra)
             assert_close(analytic_estimate(workload, gpu), traced_estimate(workload, gpu))
 
 
@@ -56,13 +56,13 @@ def _points(name):
 def test_every_bundled_transformer_matches_the_trace_at_three_points(name):
     gpu = get_gpu("h100-sxm-80gb")
     for batch, seq in _points(name):
-        workload = Workload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
+        workload = ResolvedWorkload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
         assert_close(analytic_estimate(workload, gpu), traced_estimate(workload, gpu))
 
 
 def test_extrapolation_equals_simulating_every_layer():
     for name, batch, seq in [("llama-2-7b", 1, 512), ("gemma-2-9b", 2, 256), ("t5-base", 4, 128), ("gpt2", 2, 256)]:
-        workload = Workload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
+        workload = ResolvedWorkload(model=name, batch_size=batch, seq_len=seq, precision="bf16-mixed")
         full = simulate(workload, None, workload.source.num_layers)
         top = max((p for (phase, _), p in full.peaks.items() if phase != "setup"), key=lambda p: p.total)
         estimate = analytic_estimate(workload)
@@ -78,7 +78,7 @@ def test_zero_paper_figure_1():
 def test_gpt3_model_states_corrected():
     """175B fp32 Adam: 4 + 4 + 8 bytes per parameter; REFERENCE.md's 700 + 700 + 1,400 GB (the seed
     article's figures were off by ten). The bundled config counts 174.6B parameters, within 1 %."""
-    estimate = analytic_estimate(Workload(model="gpt3-175b", batch_size=1, seq_len=128))
+    estimate = analytic_estimate(ResolvedWorkload(model="gpt3-175b", batch_size=1, seq_len=128))
     psi = estimate.num_parameters
     states = estimate.model_state_bytes
     assert states["parameters"] == 4 * psi and states["gradients"] == 4 * psi
@@ -95,22 +95,22 @@ def test_deepspeed_engine_counts_its_states_and_bucket():
                 world_size=8)
     grads = {}
     for stage in (2, 3):
-        estimate = analytic_estimate(Workload(**base, zero_stage=stage))
+        estimate = analytic_estimate(ResolvedWorkload(**base, zero_stage=stage))
         states, psi = estimate.model_state_bytes, estimate.num_parameters
         assert states["parameters"] == (-(-2 * psi // 8) if stage == 3 else 2 * psi)
         assert states["optimizer_states"] == -(-12 * psi // 8)
         assert states["gradients"] >= -(-4 * psi // 8) + 2 * 500_000_000
         grads[stage] = states["gradients"]
-    small = analytic_estimate(Workload(**base, zero_stage=2, reduce_bucket=10**6)).model_state_bytes
+    small = analytic_estimate(ResolvedWorkload(**base, zero_stage=2, reduce_bucket=10**6)).model_state_bytes
     assert grads[2] - small["gradients"] == 2 * (500_000_000 - 10**6)
 
 
 def test_zero_stages_shard_pytorch_model_states():
     base = dict(model="llama-2-7b", batch_size=1, seq_len=512, precision="bf16-mixed")
-    single = analytic_estimate(Workload(**base)).model_state_bytes
-    stage3 = analytic_estimate(Workload(**base, world_size=8, zero_stage=3)).model_state_bytes
+    single = analytic_estimate(ResolvedWorkload(**base)).model_state_bytes
+    stage3 = analytic_estimate(ResolvedWorkload(**base, world_size=8, zero_stage=3)).model_state_bytes
     for name in single:
         assert stage3[name] == -(-single[name] // 8)
-    ddp = analytic_estimate(Workload(**base, world_size=8)).model_state_bytes
+    ddp = analytic_estimate(ResolvedWorkload(**base, world_size=8)).model_state_bytes
     # DDP's reduction buckets: a flat copy of the gradients, and a second while the buckets are rebuilt
     assert ddp["gradients"] == 3 * single["gradients"]

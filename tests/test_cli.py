@@ -97,7 +97,8 @@ def test_savings_fall_back_to_traced_where_the_analytic_model_has_no_program(cap
     (["estimate", "nosuchpkg.mod:build", "--inputs", "nosuchpkg.mod:inputs"], "cannot import"),
     (["estimate", "./nowhere/config.json"], "no model config"),
     (["estimate", "tiny-llama", "--timeline", "plot.gif"], "--timeline"),
-    (["estimate", "tiny-llama", "--engine", "deepspeed"], "bf16-mixed"),
+    (["estimate", "tiny-llama", "--engine", "deepspeed"], "--zero 1, 2 or 3"),
+    (["estimate", "tiny-llama", "--engine", "deepspeed", "--world-size", "2", "--zero", "2"], "bf16-mixed"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, fragment):

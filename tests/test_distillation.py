@@ -5,7 +5,7 @@ import torch
 
 import memfit
 from memfit.core.errors import MemfitError
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import rel
 from tests.test_techniques import SHAPE, _predicted, losses, measured
 
@@ -36,7 +36,7 @@ def test_pruning_after_distill_narrows_the_student_only():
     assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
     assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
     torch.manual_seed(0)
-    teacher = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
+    teacher = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
     student = memfit.apply_(teacher, None, ["distill", "prune-structured"]).model
     assert student.model.layers[0].mlp.down_proj.in_features == 344
     assert teacher.model.layers[0].mlp.down_proj.in_features == 688
@@ -44,7 +44,7 @@ def test_pruning_after_distill_narrows_the_student_only():
 
 def test_the_student_starts_from_the_teachers_blocks_and_learns():
     torch.manual_seed(0)
-    teacher = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
+    teacher = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
     setup = memfit.apply_(teacher, None, ["distill"])
     student = setup.model
     assert len(student.model.layers) == 2 and student.config.num_hidden_layers == 2
@@ -60,6 +60,6 @@ def test_distillation_refuses_what_it_cannot_do():
     for techniques, match in ((("distill:layers=4",), "fewer blocks"), (("distill", "lora"), "adapters"),
                               (("distill:temperature=0",), "positive"), (("distill:alpha=2",), "between 0 and 1")):
         with pytest.raises(MemfitError, match=match):
-            Workload(**SHAPE, techniques=techniques)
+            ResolvedWorkload(**SHAPE, techniques=techniques)
     with pytest.raises(MemfitError, match="student"):
-        Workload(**{**SHAPE, "task": "inference"}, techniques=("distill",))
+        ResolvedWorkload(**{**SHAPE, "task": "inference"}, techniques=("distill",))

@@ -2,12 +2,12 @@
 import pytest
 
 from memfit.measurement import measure
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import rel
 
 
 def test_measured_categories_agree_with_the_profiler_timeline():
-    measured = measure(Workload(model="tiny-llama", batch_size=2, seq_len=128), estimates=("traced", "analytic"))
+    measured = measure(ResolvedWorkload(model="tiny-llama", batch_size=2, seq_len=128), estimates=("traced", "analytic"))
     profiler = measured.extra["profiler_categories_at_peak"]
     assert rel(measured.extra["profiler_timeline_peak_bytes"], measured.peak_bytes) < 0.001
     assert profiler["parameters"] == measured.at_peak["parameters"]
@@ -19,7 +19,7 @@ def test_measured_categories_agree_with_the_profiler_timeline():
 
 
 def test_measurement_json_has_the_estimates():
-    data = measure(Workload(model="tiny-gpt2", task="inference", batch_size=2, seq_len=64, new_tokens=4)).to_json()
+    data = measure(ResolvedWorkload(model="tiny-gpt2", task="inference", batch_size=2, seq_len=64, new_tokens=4)).to_json()
     assert data["schema"] == "memfit.estimate/1" and data["method"] == "measured" and data["device"] == "cpu"
     assert set(data["estimates"]) == {"traced", "analytic"} and data["at_peak"]["kv_cache"] > 0
     assert sum(data["at_peak"].values()) == data["peak_bytes"]
@@ -28,7 +28,7 @@ def test_measurement_json_has_the_estimates():
 
 @pytest.mark.gpu
 def test_cuda_measurement_reports_the_allocator(tmp_path):
-    measured = measure(Workload(model="tiny-llama", batch_size=2, seq_len=128, precision="bf16-mixed"),
+    measured = measure(ResolvedWorkload(model="tiny-llama", batch_size=2, seq_len=128, precision="bf16-mixed"),
                        device="cuda:0", snapshot_path=str(tmp_path / "snap.pickle"))
     assert measured.extra["max_memory_reserved"] >= measured.extra["max_memory_allocated"] == measured.peak_bytes
     assert (tmp_path / "snap.pickle").exists()

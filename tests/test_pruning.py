@@ -5,7 +5,7 @@ import torch
 
 import memfit
 from memfit.core.errors import MemfitError
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import rel
 from tests.test_techniques import SHAPE, _predicted, measured
 
@@ -25,7 +25,7 @@ def test_structured_pruning_of_a_bert_encoder_as_predicted():
     assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
     assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
     assert run.at_peak["parameters"] < base.at_peak["parameters"] and run.peak_bytes < base.peak_bytes
-    model = Workload(**{**SHAPE, "model": "tiny-bert"}).source.build(device="cpu", dtype=torch.float32)
+    model = ResolvedWorkload(**{**SHAPE, "model": "tiny-bert"}).source.build(device="cpu", dtype=torch.float32)
     memfit.apply_(model, None, ["prune-structured"])
     attention = model.bert.encoder.layer[0].attention.self
     assert attention.query.out_features == attention.num_attention_heads * attention.attention_head_size
@@ -35,14 +35,14 @@ def test_structured_pruning_of_a_bert_encoder_as_predicted():
 def test_pruning_comes_before_quantization():
     """The issue's example: pruning scores full-precision weights, so it runs before int8 quantization."""
     shape = {**SHAPE, "model": "tiny-bert", "task": "inference"}
-    both = memfit.estimate(Workload(**shape, techniques=("int8-dynamic", "prune-structured:ratio=0.5")))
-    alone = memfit.estimate(Workload(**shape, techniques=("int8-dynamic",)))
+    both = memfit.estimate(ResolvedWorkload(**shape, techniques=("int8-dynamic", "prune-structured:ratio=0.5")))
+    alone = memfit.estimate(ResolvedWorkload(**shape, techniques=("int8-dynamic",)))
     assert both.at_peak["parameters"] < alone.at_peak["parameters"]
 
 
 def test_structured_pruning_removes_the_weakest_groups_and_keeps_generating():
     torch.manual_seed(0)
-    model = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32).eval()
+    model = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32).eval()
     attn = model.model.layers[0].self_attn
     with torch.no_grad():   # make key/value group 1 (query heads 2 and 3) the strongest by far
         for linear, rows in ((attn.q_proj, slice(64, 128)), (attn.k_proj, slice(32, 64)), (attn.v_proj, slice(32, 64))):
@@ -61,7 +61,7 @@ def test_unstructured_pruning_saves_nothing_while_the_weights_stay_dense():
     assert run.peak_bytes == base.peak_bytes, "zeros in dense tensors take the same bytes"
     assert _predicted(run, "analytic") == _predicted(base, "analytic")
     assert _predicted(run, "traced") == _predicted(base, "traced")
-    model = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
+    model = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
     memfit.apply_(model, None, ["prune-unstructured:sparsity=0.7"])
     weight = model.model.layers[0].mlp.up_proj.weight
     assert abs(float((weight == 0).float().mean()) - 0.7) < 0.001 and not hasattr(model.model.layers[0].mlp.up_proj,
@@ -73,6 +73,6 @@ def test_pruning_refuses_bad_input():
     for spec, match in (("prune-structured:ratio=1.0", "between 0 and 1"), ("prune-structured:part=ffn", "part"),
                         ("prune-unstructured:sparsity=0", "between 0 and 1")):
         with pytest.raises(MemfitError, match=match):
-            Workload(**SHAPE, techniques=(spec,))
+            ResolvedWorkload(**SHAPE, techniques=(spec,))
     with pytest.raises(MemfitError, match="removes heads and channels"):
-        Workload(**{**SHAPE, "model": "tiny-t5"}, techniques=("prune-structured",))
+        ResolvedWorkload(**{**SHAPE, "model": "tiny-t5"}, techniques=("prune-structured",))

@@ -7,7 +7,7 @@ import torch
 import memfit
 from memfit.core.errors import MemfitError
 from memfit.measurement.training import text_batches
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import rel
 from tests.test_techniques import SHAPE, _predicted, measured
 
@@ -63,7 +63,7 @@ def test_qat_trains_through_fake_quantization_and_converts_to_int8():
     got = losses(("qat",))
     assert got[-1] < got[0] - 0.1 and got != losses(())
     torch.manual_seed(0)
-    model = Workload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
+    model = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
     setup = memfit.apply_(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ["qat"])
     for batch in text_batches(batch_size=2, seq_len=64, num_batches=3):
         setup.step(batch)
@@ -77,26 +77,26 @@ def test_qat_trains_through_fake_quantization_and_converts_to_int8():
 
 def test_4bit_refuses_what_it_cannot_do():
     with pytest.raises(MemfitError, match="qlora"):
-        Workload(**SHAPE, techniques=("bnb-4bit",))
+        ResolvedWorkload(**SHAPE, techniques=("bnb-4bit",))
     with pytest.raises(MemfitError, match="format"):
-        Workload(**{**SHAPE, "task": "inference"}, techniques=("bnb-4bit:format=int3",))
+        ResolvedWorkload(**{**SHAPE, "task": "inference"}, techniques=("bnb-4bit:format=int3",))
     with pytest.raises(MemfitError, match="Conv1D"):
-        Workload(**{**SHAPE, "model": "tiny-gpt2"}, techniques=("qlora",))
+        ResolvedWorkload(**{**SHAPE, "model": "tiny-gpt2"}, techniques=("qlora",))
     with pytest.raises(MemfitError, match="fp16"):
-        Workload(**SHAPE, precision="fp16-mixed", techniques=("qlora",))
+        ResolvedWorkload(**SHAPE, precision="fp16-mixed", techniques=("qlora",))
     with pytest.raises(MemfitError, match="int8-dynamic"):
-        Workload(**{**SHAPE, "task": "inference"}, techniques=("qat",))
+        ResolvedWorkload(**{**SHAPE, "task": "inference"}, techniques=("qat",))
     with pytest.raises(MemfitError, match="one quantization"):
-        Workload(**SHAPE, techniques=("qat", "lora"))
+        ResolvedWorkload(**SHAPE, techniques=("qat", "lora"))
 
 
 def test_effect_carries_the_measured_accuracy_cost_with_its_source():
     import memfit
-    from memfit.techniques.effects import effect
+    from memfit.estimators.effects import effect
 
-    workload = Workload(**{**SHAPE, "task": "inference", "new_tokens": 4})
+    workload = ResolvedWorkload(**{**SHAPE, "task": "inference", "new_tokens": 4})
     changed = effect("int8-weight-only", memfit.estimate(workload, method="analytic"), workload)
     encoder = [m for m in changed.extra["effect"]["accuracy"] if "all-MiniLM-L6-v2" in m["source"]]
     assert len(encoder) == 1 and 0.99 < encoder[0]["mean_cosine"] < 1
-    lossless = effect("checkpointing", memfit.estimate(Workload(**SHAPE), method="analytic"), Workload(**SHAPE))
+    lossless = effect("checkpointing", memfit.estimate(ResolvedWorkload(**SHAPE), method="analytic"), ResolvedWorkload(**SHAPE))
     assert lossless.extra["effect"]["accuracy"] is None

@@ -12,8 +12,9 @@ from memfit.core.errors import MemfitError
 from memfit.measurement import measure
 from memfit.measurement.training import text_batches, train_run
 from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload, resolve
 from memfit.techniques.base import REGISTRY, parse_technique
-from memfit.techniques.effects import effect
+from memfit.estimators.effects import effect
 from tests.conftest import EXAMPLES, rel
 
 SHAPE = {"model": "tiny-llama", "task": "train", "batch_size": 4, "seq_len": 256}
@@ -48,7 +49,7 @@ MODES = [
 @functools.cache
 def measured(techniques: tuple[str, ...], model: str = "tiny-llama", task: str = "train"):
     shape = {**SHAPE, "model": model, "task": task} | ({"new_tokens": 8} if task == "inference" else {})
-    return measure(Workload(**shape, techniques=techniques), estimates=("traced", "analytic"))
+    return measure(ResolvedWorkload(**shape, techniques=techniques), estimates=("traced", "analytic"))
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +105,7 @@ def test_sdpa_gives_eager_attention_results(eager_llama):
 
 @functools.cache
 def losses(techniques: tuple[str, ...], model: str = "tiny-llama") -> list[float]:
-    workload = Workload(model=model, task="train", batch_size=4, seq_len=192, techniques=techniques)
+    workload = ResolvedWorkload(model=model, task="train", batch_size=4, seq_len=192, techniques=techniques)
     batches = text_batches(batch_size=4, seq_len=192, num_batches=5)
     return train_run(workload, batches, lr=1e-3).losses
 
@@ -128,7 +129,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     from memfit.techniques.compose import prepare_step
 
     torch.manual_seed(0)
-    workload = Workload(model="tiny-llama", task="train", batch_size=2, seq_len=32, precision="fp16-mixed")
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=32, precision="fp16-mixed")
     model = workload.source.build(device="cpu", dtype=torch.float32)
     loop = TrainLoop(prepare_step(model, workload, device_type="cpu"))
     loop.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60, backoff_factor=2.0**-50)
@@ -187,7 +188,7 @@ def test_data_parallel_on_two_real_ranks(techniques, zero):
     analytic model: FSDP2's shards, all-gathers and reduce-scatters (and CPUOffloadPolicy's host shards);
     DDP's buckets, rebuilt in the second step (with --zero 1, ZeroRedundancyOptimizer's share of the
     states); tensor parallel's split heads and MLP channels."""
-    run = measure(Workload(**SHAPE, world_size=2, zero_stage=zero, techniques=techniques),
+    run = measure(ResolvedWorkload(**SHAPE, world_size=2, zero_stage=zero, techniques=techniques),
                   estimates=("traced", "analytic"))
     sharded = bool(techniques) and techniques[0].partition(":")[0] in ("fsdp2", "tensor-parallel", "pipeline-parallel")
     single = measured(techniques[1:] if sharded or techniques[:1] == ("ddp",) else techniques)
@@ -211,7 +212,7 @@ def test_data_parallel_results_equal_one_process(techniques, zero):
     agree within numerics (the all-reduce sums in another order), on both ranks."""
     from memfit.measurement.ranks import train_ranks
 
-    workload = Workload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2, zero_stage=zero,
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2, zero_stage=zero,
                         techniques=techniques)
     ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
     for got in ranks:
@@ -229,7 +230,7 @@ def test_deepspeed_engine_on_two_real_ranks(zero, techniques):
     """DeepSpeed's ZeRO optimizers (and ZeRO-Offload) run on 2 gloo ranks; the analytic model of its states
     and buffers against the measured peak, and the host RAM offload needs. A 1M-element reduction bucket
     (2 MB) keeps the bucket from dominating the peak (see the default-bucket test)."""
-    run = measure(Workload(**DEEPSPEED, zero_stage=zero, reduce_bucket=1_000_000, techniques=techniques),
+    run = measure(ResolvedWorkload(**DEEPSPEED, zero_stage=zero, reduce_bucket=1_000_000, techniques=techniques),
                   estimates=("analytic",))
     assert len(run.extra["rank_peak_bytes"]) == 2
     assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
@@ -244,7 +245,7 @@ def test_deepspeed_engine_on_two_real_ranks(zero, techniques):
 def test_deepspeed_default_bucket_is_a_gigabyte_per_rank():
     """DeepSpeed's default reduce_bucket_size (5e8 elements) is a 1 GB half-precision buffer on every rank,
     ten times this model's whole step: memfit predicts it (and --reduce-bucket sizes it)."""
-    run = measure(Workload(**DEEPSPEED, zero_stage=2), estimates=("analytic",))
+    run = measure(ResolvedWorkload(**DEEPSPEED, zero_stage=2), estimates=("analytic",))
     assert run.peak_bytes > 1e9
     assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.03
 
@@ -255,7 +256,7 @@ def test_deepspeed_results_match_one_process():
     losses within bf16 numerics, on both ranks."""
     from memfit.measurement.ranks import train_ranks
 
-    workload = Workload(**{**DEEPSPEED, "seq_len": 192}, zero_stage=2, reduce_bucket=1_000_000)
+    workload = ResolvedWorkload(**{**DEEPSPEED, "seq_len": 192}, zero_stage=2, reduce_bucket=1_000_000)
     ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
     for got in ranks:
         assert all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
@@ -288,7 +289,7 @@ def test_park_frozen_keeps_idle_frozen_weights_on_the_host():
     backward and the optimizer step run without them; the trace predicts it, and training is unchanged."""
     model, inputs = EXAMPLES["frozen_encoder"]
     shape = {"model": model, "inputs": inputs, "task": "train", "batch_size": 8, "seq_len": 128}
-    run, base = (measure(Workload(**shape, techniques=t), estimates=("traced",)) for t in (("park-frozen",), ()))
+    run, base = (measure(ResolvedWorkload(**shape, techniques=t), estimates=("traced",)) for t in (("park-frozen",), ()))
     from memfit.examples.frozen_encoder import build, make_inputs
 
     frozen = sum(p.numel() * 4 for p in build().parameters() if not p.requires_grad)
@@ -313,9 +314,9 @@ def test_allocator_techniques_change_only_the_cuda_reserve():
     from memfit.specs.hardware import get_gpu
 
     gpu = get_gpu("h100")
-    base = memfit.estimate(Workload(**SHAPE), method="analytic", gpu=gpu)
+    base = memfit.estimate(ResolvedWorkload(**SHAPE), method="analytic", gpu=gpu)
     for name, fraction in (("expandable-segments", 0.02), ("release-cache", 0.10)):
-        run = memfit.estimate(Workload(**SHAPE, techniques=(name,)), method="analytic", gpu=gpu)
+        run = memfit.estimate(ResolvedWorkload(**SHAPE, techniques=(name,)), method="analytic", gpu=gpu)
         assert run.peak_bytes == base.peak_bytes and run.sources["allocator_reserve"] == "assumed"
         assert run.overhead_detail["allocator_reserve"] == int(run.peak_bytes * fraction)
         cpu = measured((name,))
@@ -325,14 +326,14 @@ def test_allocator_techniques_change_only_the_cuda_reserve():
 def test_custom_module_blocks_are_found_or_named():
     model, inputs = EXAMPLES["convnet"]
     shape = {"model": model, "inputs": inputs, "batch_size": 8, "seq_len": 32}
-    base = measure(Workload(**shape), estimates=("traced",))
+    base = measure(ResolvedWorkload(**shape), estimates=("traced",))
     for spec in ("checkpointing", r"checkpointing:blocks=blocks\.[02]"):
-        run = measure(Workload(**shape, techniques=(spec,)), estimates=("traced",))
+        run = measure(ResolvedWorkload(**shape, techniques=(spec,)), estimates=("traced",))
         assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
         assert run.peak_bytes < base.peak_bytes
     lstm, lstm_inputs = EXAMPLES["lstm"]
     with pytest.raises(MemfitError, match="blocks=REGEX"):
-        measure(Workload(model=lstm, inputs=lstm_inputs, techniques=("checkpointing",)), estimates=("traced",))
+        measure(ResolvedWorkload(model=lstm, inputs=lstm_inputs, techniques=("checkpointing",)), estimates=("traced",))
 
 
 def test_apply_to_a_users_own_model_and_optimizer():
@@ -432,25 +433,25 @@ def test_bad_input_is_one_error_and_changes_nothing():
             memfit.apply_(model, None, bad)
     assert [layer.forward for layer in model.model.layers] == forwards
     with pytest.raises(MemfitError, match="ZeRO-1/2"):
-        Workload(model="tiny-llama", world_size=2, zero_stage=1, techniques=("adamw8bit",))
+        ResolvedWorkload(model="tiny-llama", world_size=2, zero_stage=1, techniques=("adamw8bit",))
     with pytest.raises(MemfitError, match="inference"):
-        Workload(model="tiny-llama", task="inference", techniques=("checkpointing",))
+        ResolvedWorkload(model="tiny-llama", task="inference", techniques=("checkpointing",))
     with pytest.raises(MemfitError, match="bf16-mixed"):
-        Workload(model="tiny-llama", techniques=("cpu-offload", "fp16-mixed"))
+        ResolvedWorkload(model="tiny-llama", techniques=("cpu-offload", "fp16-mixed"))
     with pytest.raises(MemfitError, match="other blocks"):
-        Workload(model="tiny-gpt2", world_size=2, techniques=("tensor-parallel",))
+        ResolvedWorkload(model="tiny-gpt2", world_size=2, techniques=("tensor-parallel",))
     with pytest.raises(MemfitError, match="do not split over 3 ranks"):
-        Workload(model="tiny-llama", world_size=3, techniques=("tensor-parallel",))
+        ResolvedWorkload(model="tiny-llama", world_size=3, techniques=("tensor-parallel",))
     for techniques, fragment in ((("pipeline-parallel:microbatches=3",), "does not split into 3"),
                                  (("pipeline-parallel:microbatches=1",), "at least as many micro-batches"),
                                  (("pipeline-parallel:schedule=zb",), "1f1b, gpipe"),
                                  (("pipeline-parallel", "fsdp2"), "no 2-D mesh")):
         with pytest.raises(MemfitError, match=fragment):
-            Workload(model="tiny-llama", batch_size=4, world_size=2, techniques=techniques)
+            ResolvedWorkload(model="tiny-llama", batch_size=4, world_size=2, techniques=techniques)
     with pytest.raises(MemfitError, match="ties its embeddings"):
-        Workload(model="tiny-qwen2", world_size=2, techniques=("pipeline-parallel",))
+        ResolvedWorkload(model="tiny-qwen2", world_size=2, techniques=("pipeline-parallel",))
     with pytest.raises(MemfitError, match="drop chunked-ce"):   # --world-size N alone is DDP
-        Workload(model="tiny-llama", world_size=2, techniques=("chunked-ce",))
+        ResolvedWorkload(model="tiny-llama", world_size=2, techniques=("chunked-ce",))
 
 
 def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
@@ -460,7 +461,7 @@ def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
              "bnb-4bit": {"task": "inference"}, "int8-dynamic": {"task": "inference"}}
     where["park-frozen"] = dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))
     for name, cls in REGISTRY.items():
-        workload = Workload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
+        workload = ResolvedWorkload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
         method = "analytic" if workload.source.is_hf else "traced"
         base = memfit.estimate(workload, method=method)
         technique = parse_technique(name)
@@ -470,6 +471,6 @@ def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
         assert changed.extra["effect"]["risk"] == cls.risk
     spec = parse_technique("sequence-chunks:window=64,stride=32").spec
     assert spec == "sequence-chunks:window=64,stride=32"
-    data = Workload(**SHAPE, techniques=("checkpointing:every=2", "bf16-mixed")).to_json()
+    data = ResolvedWorkload(**SHAPE, techniques=("checkpointing:every=2", "bf16-mixed")).to_json()
     assert data["precision"] == "bf16-mixed" and data["techniques"] == ["checkpointing:every=2"]
-    assert Workload.from_json(data) == Workload(**SHAPE, techniques=("bf16-mixed", "checkpointing:every=2"))
+    assert resolve(Workload.from_json(data)) == ResolvedWorkload(**SHAPE, techniques=("bf16-mixed", "checkpointing:every=2"))

@@ -9,7 +9,7 @@ import torch
 from memfit.estimators.traced import traced_estimate
 from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import EXAMPLES, rel
 
 ZOO = {   # (model, inputs, seq_len): decoder, encoder, encoder-decoder, MoE, ViT, decoder (GPT-2), CNN, LSTM
@@ -26,7 +26,7 @@ def _workload(name, setting):
     kwargs = dict(SETTINGS[setting])
     if kwargs["task"] == "inference" and name in ("tiny-llama", "tiny-t5", "tiny-mixtral", "tiny-gpt2"):
         kwargs["new_tokens"] = 3
-    return Workload(model=model, inputs=inputs, batch_size=2, seq_len=seq, **kwargs)
+    return ResolvedWorkload(model=model, inputs=inputs, batch_size=2, seq_len=seq, **kwargs)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -76,7 +76,7 @@ def test_extrapolated_trace_equals_the_full_trace(tmp_path, model_type, layers, 
     config = _deep_config(tmp_path, model_type, **layers)
     extra = {"new_tokens": 2} if task == "inference" and model_type != "bert" else {}
     for batch, seq in [(1, 32), (4, 48)]:
-        workload = Workload(model=config, task=task, batch_size=batch, seq_len=seq, **extra)
+        workload = ResolvedWorkload(model=config, task=task, batch_size=batch, seq_len=seq, **extra)
         short = traced_estimate(workload)
         full = traced_estimate(workload, full_trace=True)
         assert "extrapolated" in " ".join(short.notes)
@@ -89,12 +89,12 @@ def test_large_vocabulary_backward_peak_crosses_over(tmp_path):
     (gradients); extrapolation must follow the right one at every depth."""
     config = _deep_config(tmp_path, "llama", num_hidden_layers=12, vocab_size=60000)
     for batch, seq in [(1, 16), (8, 128)]:
-        workload = Workload(model=config, batch_size=batch, seq_len=seq)
+        workload = ResolvedWorkload(model=config, batch_size=batch, seq_len=seq)
         assert traced_estimate(workload).at_peak == traced_estimate(workload, full_trace=True).at_peak
 
 
 def test_gpu_target_models_cuda():
-    workload = Workload(model="tiny-llama", batch_size=2, seq_len=64, precision="bf16-mixed")
+    workload = ResolvedWorkload(model="tiny-llama", batch_size=2, seq_len=64, precision="bf16-mixed")
     cpu, gpu = traced_estimate(workload), traced_estimate(workload, get_gpu("h100"))
     params = gpu.model_state_bytes["parameters"]
     assert gpu.component_peaks["temporaries"] >= params          # foreach AdamW: sqrt of every exp_avg_sq at once
@@ -129,7 +129,7 @@ def test_tracing_a_huge_model_allocates_nothing_real():
     # The child's own peak resident memory: VmHWM of its address space. (ru_maxrss would also count the
     # pages it shared with this test process between fork and exec: the whole pytest process.)
     code = ("import re, memfit.estimators.traced as t, memfit.specs.workload as w;"
-            "e = t.traced_estimate(w.Workload(model='llama-3.1-405b', batch_size=1, seq_len=4096, precision='bf16-mixed'));"
+            "e = t.traced_estimate(w.ResolvedWorkload(model='llama-3.1-405b', batch_size=1, seq_len=4096, precision='bf16-mixed'));"
             "print(e.peak_bytes, re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert int(out[0]) > 4 * 405e9          # terabytes estimated ...

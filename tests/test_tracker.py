@@ -8,7 +8,7 @@ from torch import nn
 from memfit.estimators.traced import traced_estimate
 from memfit.estimators.tracker import MemoryTracker
 from memfit.measurement.run import measure_run
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 from memfit.steps.hooks import tensors_in
 
 IN, HID, OUT, BATCH = 64, 128, 10, 8
@@ -27,7 +27,7 @@ MLP = dict(model="tests.test_tracker:build_mlp", inputs="tests.test_tracker:mlp_
 
 
 def test_model_states_are_exact():
-    estimate = traced_estimate(Workload(**MLP, batch_size=BATCH, seq_len=1))
+    estimate = traced_estimate(ResolvedWorkload(**MLP, batch_size=BATCH, seq_len=1))
     assert estimate.model_state_bytes == {
         "parameters": PARAM_BYTES,
         "gradients": PARAM_BYTES,
@@ -38,15 +38,15 @@ def test_model_states_are_exact():
 
 
 def test_sgd_and_adafactor_states():
-    sgd = traced_estimate(Workload(**MLP, batch_size=BATCH, seq_len=1, optimizer="sgd"))
+    sgd = traced_estimate(ResolvedWorkload(**MLP, batch_size=BATCH, seq_len=1, optimizer="sgd"))
     assert sgd.model_state_bytes["optimizer_states"] == PARAM_BYTES
-    ada = traced_estimate(Workload(**MLP, batch_size=BATCH, seq_len=1, optimizer="adafactor"))
+    ada = traced_estimate(ResolvedWorkload(**MLP, batch_size=BATCH, seq_len=1, optimizer="adafactor"))
     factors = (HID + IN) + HID + (OUT + HID) + OUT   # row + column factors of matrices, full variance of biases
     assert ada.model_state_bytes["optimizer_states"] == factors * 4 + 4 * 4
 
 
 def test_traced_equals_the_real_run():
-    workload = Workload(**MLP, batch_size=BATCH, seq_len=1)
+    workload = ResolvedWorkload(**MLP, batch_size=BATCH, seq_len=1)
     traced, measured = traced_estimate(workload), measure_run(workload)
     assert traced.peak_bytes == measured.extra["tracked_peak_bytes"]     # every tensor, to the byte
     assert measured.extra["untracked_bytes"] < 64                         # the allocator saw only a few scalars more
@@ -92,6 +92,6 @@ def test_tensors_in_keeps_nothing_alive():
 def test_estimate_json_round_trip():
     from memfit.estimators.breakdown import MemoryEstimate
 
-    estimate = traced_estimate(Workload(**MLP, batch_size=BATCH, seq_len=1), modules=True)
+    estimate = traced_estimate(ResolvedWorkload(**MLP, batch_size=BATCH, seq_len=1), modules=True)
     data = estimate.to_json()
     assert MemoryEstimate.from_json(data).to_json() == data

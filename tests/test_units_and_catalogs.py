@@ -6,7 +6,7 @@ from memfit.core.units import GiB, MiB, format_bytes, parse_bytes
 from memfit.estimators.analytic import count_parameters
 from memfit.specs.hardware import get_gpu, gpu_catalog
 from memfit.specs.model_source import catalog, resolve_source
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 
 REQUIRED_MODELS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b", "bert-base-uncased",
                    "bert-large-uncased", "t5-base", "vit-base-patch16-224", "llama-2-7b", "llama-2-13b",
@@ -42,7 +42,7 @@ def test_analytic_parameter_count_equals_the_built_model(name):
     source = resolve_source(name)
     model = source.build(device="meta", dtype=torch.float32)
     seq = source.image_size if source.head == "image-classification" else 8
-    assert count_parameters(Workload(model=name, seq_len=seq)) == sum(p.numel() for p in model.parameters())
+    assert count_parameters(ResolvedWorkload(model=name, seq_len=seq)) == sum(p.numel() for p in model.parameters())
 
 
 def test_gpu_catalog():

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "MemfitError": "memfit.core.errors", "MemoryEstimate": "memfit.estimators.breakdown",
     "Workload": "memfit.specs.workload", "estimate": "memfit.estimators", "get_gpu": "memfit.specs.hardware",
-    "measure": "memfit.measurement", "apply_": "memfit.techniques.compose", "StepSetup": "memfit.techniques.setup",
+    "measure": "memfit.measurement", "apply_": "memfit.techniques.compose", "StepSetup": "memfit.steps.setup",
     "plan": "memfit.planner", "PlanRequest": "memfit.planner",
 }
 __all__ = sorted(_EXPORTS)

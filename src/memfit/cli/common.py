@@ -7,7 +7,8 @@ import json
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
 from memfit.specs.hardware import GPU, get_gpu
-from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, OPTIMIZERS, TASKS, Workload
+from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, TASKS, Workload
+from memfit.techniques.resolve import ResolvedWorkload, optimizers, resolve
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per sequence; image side for vision models (default 512, or the image size)")
     parser.add_argument("--new-tokens", type=int, default=0, help="decode steps after the prefill (inference)")
     parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (default fp32)")
-    parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(optimizers())} (default adamw)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 over --world-size")
     parser.add_argument("--engine", default="pytorch", help=f"training engine: {' or '.join(ENGINES)}")
@@ -39,20 +40,20 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def workload_from(args: argparse.Namespace) -> Workload:
+def workload_from(args: argparse.Namespace) -> ResolvedWorkload:
     if args.plan:
         from memfit.planner import load_plan
 
         if args.model or args.techniques:
             raise MemfitError("--plan gives the model and its techniques; drop the model name and -t flags.")
-        return load_plan(args.plan, args.plan_index)[0]
+        return resolve(load_plan(args.plan, args.plan_index)[0])
     if not args.model:
         raise MemfitError("name a model (memfit models lists them) or pass --plan PLAN.json.")
-    return Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
-                    seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
-                    optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
-                    engine=args.engine, reduce_bucket=args.reduce_bucket, allow_long_seq=args.allow_long_seq,
-                    techniques=tuple(args.techniques))
+    return resolve(Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
+                            seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
+                            optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
+                            engine=args.engine, reduce_bucket=args.reduce_bucket,
+                            allow_long_seq=args.allow_long_seq, techniques=tuple(args.techniques)))
 
 
 def gpu_from(name: str | None, args: argparse.Namespace | None = None) -> GPU | None:
@@ -66,7 +67,7 @@ def gpu_from(name: str | None, args: argparse.Namespace | None = None) -> GPU | 
     return None
 
 
-def command_line(workload: Workload) -> str:
+def command_line(workload: ResolvedWorkload) -> str:
     """The flags that reproduce `workload` (for `memfit estimate` or `memfit measure`)."""
     defaults = Workload.__dataclass_fields__
     parts = [workload.model, "--task", workload.task, "--batch-size", str(workload.batch_size),

@@ -8,6 +8,7 @@ from rich.console import Console
 from memfit.cli.common import add_workload_arguments, check_output_path, gpu_from, print_json, workload_from
 from memfit.core.errors import MemfitError
 from memfit.estimators import METHODS, estimate
+from memfit.estimators.effects import leave_one_out
 from memfit.estimators.sharding import zero_paper_table
 from memfit.report.tables import print_estimate, workload_line
 
@@ -55,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
 def technique_savings(workload, result, gpu) -> list[dict]:
     """Each technique's saving (leave one out): analytic where it models the workload (milliseconds per
     estimate), else traced (custom modules, or a technique the analytic model has only for decoders)."""
-    from memfit.techniques.effects import leave_one_out
-
     methods = ("analytic", "traced") if workload.source.is_hf else ("traced",)
     for method in methods:
         try:

@@ -10,6 +10,7 @@ from memfit.measurement.oom import load_snapshot, parse_oom_message, summarize_s
 from memfit.report.oom_fixes import print_report, ranked_fixes, to_json
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
+from memfit.techniques.resolve import resolve
 
 SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
 
@@ -45,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
         snapshot = summarize_snapshot(load_snapshot(snapshot_path))
     workload = None
     if args.model:
-        workload = Workload(model=args.model, task=args.task, batch_size=args.batch_size, seq_len=args.seq_len,
-                            new_tokens=args.new_tokens, precision=args.precision, optimizer=args.optimizer,
-                            techniques=tuple(args.techniques))
+        workload = resolve(Workload(model=args.model, task=args.task, batch_size=args.batch_size,
+                                    seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
+                                    optimizer=args.optimizer, techniques=tuple(args.techniques)))
     elif args.techniques:
         raise MemfitError("-t describes the workload that failed: pass --model with it.")
     fixes = ranked_fixes(message, snapshot, workload, get_gpu(args.gpu) if args.gpu else None)

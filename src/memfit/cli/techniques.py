@@ -7,8 +7,9 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.cli.common import print_json
-from memfit.techniques.base import REGISTRY, parse_technique
-from memfit.techniques.compose import ORDER, RULES
+from memfit.techniques import REGISTRY
+from memfit.techniques.base import TRAITS
+from memfit.techniques.compose import ORDER, declared_rules
 
 
 def add_parser(subparsers) -> None:
@@ -18,14 +19,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    parse_technique("bf16")   # loads the catalog
     stages = [stage for stage, _ in ORDER]
     rows = sorted(REGISTRY.values(), key=lambda cls: (stages.index(cls.stage), cls.name))
     if args.json:
         print_json({"techniques": [{"name": c.name, "stage": c.stage, "risk": c.risk, "summary": c.summary,
                                     "parameters": c.parameters(), "time_factor": c.time_factor} for c in rows],
                     "order": [{"stage": s, "why": why} for s, why in ORDER],
-                    "rules": [{"techniques": sorted(r.names), "reason": r.reason, "fix": r.fix} for r in RULES]})
+                    "rules": declared_rules(), "traits": TRAITS})
         return 0
     table = Table(title="memfit techniques (apply with -t NAME[:key=value,...]; applied in this order)",
                   title_justify="left")

@@ -24,6 +24,12 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
+def precision_of_dtype(dtype: torch.dtype) -> Precision:
+    """The precision that stores weights in `dtype` with no autocast (float32 for any dtype without one)."""
+    return next((p for p in PRECISIONS.values() if p.param_dtype == dtype and p.autocast_dtype is None),
+                PRECISIONS["fp32"])
+
+
 def get_precision(name: str) -> Precision:
     try:
         return PRECISIONS[name]

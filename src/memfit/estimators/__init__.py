@@ -5,6 +5,7 @@ from memfit.core.errors import MemfitError
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
+from memfit.techniques.resolve import resolve
 
 METHODS = ("auto", "traced", "analytic")
 
@@ -13,6 +14,7 @@ def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None
     """`auto`: traced where it can run (PyTorch engine), analytic otherwise."""
     if method not in METHODS:
         raise MemfitError(f"unknown --method {method!r}; choose auto, traced or analytic.")
+    workload = resolve(workload)
     if method == "auto":
         method = "traced" if workload.engine == "pytorch" else "analytic"
     if method == "traced":

@@ -16,6 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from memfit.steps.profiler import allocator_events, start_profiler, stop_profiler
+
 PROBE_LIMIT_BYTES = 1 << 30
 PROBED_OPS = {
     torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
@@ -53,7 +55,6 @@ def probe_scratch(func, args, kwargs, grad_enabled: bool = False) -> tuple[int, 
     if operand_bytes > PROBE_LIMIT_BYTES:
         _cache[key] = None
         return None
-    from memfit.measurement.profiler import allocator_events, start_profiler, stop_profiler
 
     with _disable_current_modes(), torch.set_grad_enabled(grad_enabled):
         real_args, real_kwargs = _real(args), {k: _real(v) for k, v in kwargs.items()}

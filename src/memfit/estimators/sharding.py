@@ -9,17 +9,17 @@ its gradient buckets in the analytic engine itself; a trace of a distributed tec
 from __future__ import annotations
 
 from memfit.core.categories import CATEGORIES
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 
 
-def state_weights(workload: Workload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
+def state_weights(workload: ResolvedWorkload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
     """`traced`: a trace of a distributed technique (ddp, fsdp2, tensor-parallel) runs rank 0's real step,
     so it needs no weights."""
     n = workload.world_size
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
     fsdp2 = workload.technique("fsdp2") is not None
-    if (n == 1 or workload.task != "train" or (workload.distributed_technique and traced)
+    if (n == 1 or workload.task != "train" or (workload.layout and traced)
             or workload.engine == "deepspeed"):   # the analytic estimator shards DeepSpeed's states itself
         return {name: 1 for name in CATEGORIES}, 1, notes
     stage = 3 if fsdp2 else workload.zero_stage

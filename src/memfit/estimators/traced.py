@@ -40,8 +40,10 @@ from memfit.estimators.timeline import timeline_of
 from memfit.estimators.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload, resolve
 from memfit.steps.hooks import tensors_in
 from memfit.steps.runner import run_workload
+from memfit.techniques.compose import prepare_step
 
 WHOLE_RUN = 10**9   # a "period" longer than any stack: regions cover every layer (no extrapolation)
 
@@ -67,7 +69,7 @@ def repeated_stacks(model: nn.Module, num_layers: int | None) -> list[nn.ModuleL
     return stacks
 
 
-def build_fake(workload: Workload, num_layers: int | None, fake_mode: FakeTensorMode) -> nn.Module:
+def build_fake(workload: ResolvedWorkload, num_layers: int | None, fake_mode: FakeTensorMode) -> nn.Module:
     source = workload.source
     precision = get_precision(workload.precision)
     model = source.build(device="meta", dtype=precision.param_dtype, num_layers=num_layers)
@@ -78,14 +80,14 @@ def build_fake(workload: Workload, num_layers: int | None, fake_mode: FakeTensor
     return model
 
 
-def _trace_once(workload: Workload, gpu: GPU | None, num_layers: int | None, rank: int = 0) -> _Run:
-    if workload.distributed_technique:
+def _trace_once(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None, rank: int = 0) -> _Run:
+    if workload.layout:
         with fake_process_group(workload.world_size, rank):
             return _trace_rank(workload, gpu, num_layers)
     return _trace_rank(workload, gpu, num_layers)
 
 
-def traced_ranks(workload: Workload) -> range:
+def traced_ranks(workload: ResolvedWorkload) -> range:
     """The ranks whose step differs: every pipeline stage holds other blocks; data and tensor parallel
     ranks are alike, so rank 0 stands for all."""
     return range(workload.world_size if workload.technique("pipeline-parallel") else 1)
@@ -107,7 +109,7 @@ def fake_process_group(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
-def _trace_rank(workload: Workload, gpu: GPU | None, num_layers: int | None) -> _Run:
+def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None) -> _Run:
     source = workload.source
     precision = get_precision(workload.precision)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -124,9 +126,10 @@ def _trace_rank(workload: Workload, gpu: GPU | None, num_layers: int | None) -> 
         tracker.watch_stacks(stacks)
         device_kernels = CudaKernels() if gpu else KernelScratchProbe()
         with FakeKernelFixes(), tracker, real_data_decisions(), device_kernels:
-            run_workload(model, batch, workload, device_type="cpu", hooks=tracker,
-                         before_measured_step=tracker.begin_measured_step, trace_safe=True,
-                         foreach=True if gpu else None, autocast=CudaAutocast if gpu else None)
+            setup = prepare_step(model, workload, device_type="cpu", foreach=True if gpu else None,
+                                 autocast=CudaAutocast if gpu else None)
+            run_workload(setup, batch, workload, head=source.head, hooks=tracker,
+                         before_measured_step=tracker.begin_measured_step, trace_safe=True)
     return _Run(tracker.trace(), model, stacks, getattr(device_kernels, "probed", set()),
                 getattr(device_kernels, "skipped", set()))
 
@@ -137,6 +140,7 @@ def count_parameters(model: nn.Module) -> int:
 
 def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: bool = False,
                     modules: bool = False, timeline: bool = False) -> MemoryEstimate:
+    workload = resolve(workload)
     if workload.engine != "pytorch":
         raise MemfitError("--method traced runs PyTorch's own step; --engine deepspeed is modelled by "
                           "--method analytic.")

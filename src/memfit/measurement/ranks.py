@@ -2,9 +2,8 @@
 on CPU), each runs the same measured step with its own allocator and profiler and writes its result;
 the rank with the highest peak is reported, every rank's peak beside it.
 
-`python -m memfit.measurement.ranks OUT_DIR WORKLOAD_JSON JOB_JSON` is the per-rank entry point; the job
-is a measured step (`measure_ranks`) or a short training run whose losses are compared with one
-process's (`train_ranks`).
+Each rank runs `python -m memfit.measurement.rank_main OUT_DIR WORKLOAD_JSON JOB_JSON`; the job is a measured
+step (`measure_ranks`) or a short training run whose losses are compared with one process's (`train_ranks`).
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ def _run_ranks(workload: Workload, job: dict) -> list[dict]:
     n = workload.world_size
     with tempfile.TemporaryDirectory(prefix="memfit-ranks-") as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   "-m", "memfit.measurement.ranks", out, json.dumps(workload.to_json()), json.dumps(job)]
+                   "-m", "memfit.measurement.rank_main", out, json.dumps(workload.to_json()), json.dumps(job)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
@@ -56,32 +55,3 @@ def _run_ranks(workload: Workload, job: dict) -> list[dict]:
             with open(os.path.join(out, f"rank{rank}.json")) as fh:
                 results.append(json.load(fh))
     return results
-
-
-def _rank_main(out: str, workload_json: str, job_json: str) -> None:
-    import torch.distributed as dist
-
-    workload, job = Workload.from_json(json.loads(workload_json)), json.loads(job_json)
-    dist.init_process_group("gloo")
-    try:
-        if job["job"] == "measure":
-            from memfit.measurement.run import measure_run
-
-            result = measure_run(workload, device="cpu").to_json()
-        else:
-            from memfit.measurement.training import text_batches, train_run
-
-            batches = text_batches(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
-                                   num_batches=job["steps"])
-            result = {"losses": train_run(workload, batches, lr=job["lr"]).losses}
-        with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as fh:
-            json.dump(result, fh)
-        # a rank that closes its connections while another still reads the tail of the last collective
-        # (a broadcast, an all-reduce) fails that one with "connection closed by peer"
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -15,13 +15,18 @@ from memfit.core.categories import CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.core.units import format_bytes
+from memfit.estimators import estimate as run_estimate
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.tracker import MemoryTracker
-from memfit.measurement import profiler
+from memfit.measurement.ranks import measure_ranks
+from memfit.specs.hardware import gpu_of_device
 from memfit.specs.workload import Workload
+from memfit.steps import profiler
 from memfit.steps.hooks import tensors_in
 from memfit.steps.runner import run_workload
+from memfit.techniques.compose import prepare_step
+from memfit.techniques.resolve import resolve
 
 
 def available_ram_bytes() -> int | None:
@@ -65,6 +70,7 @@ class _PhaseMarks:
 def measure_run(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
                 expected_bytes: int = 0) -> MemoryEstimate:
     """One real run of the workload; no estimates (see `measure`)."""
+    workload = resolve(workload)
     device = device or best_device()
     _check_room(workload, expected_bytes, device)
     started = time.perf_counter()
@@ -94,8 +100,8 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 
     hooks = _PhaseMarks(tracker, state) if not on_cuda else tracker
     with tracker:
-        run_workload(model, batch, workload, device_type=device.split(":")[0], hooks=hooks,
-                     before_measured_step=before_measured_step)
+        setup = prepare_step(model, workload, device_type=device.split(":")[0])
+        run_workload(setup, batch, workload, head=source.head, hooks=hooks, before_measured_step=before_measured_step)
     extra: dict = {}
     allocator_phase = None   # CPU: the phase the allocator's peak falls in (kernel scratch can move it)
     if on_cuda:
@@ -146,16 +152,12 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
             estimates: tuple[str, ...] = ("traced", "analytic")) -> MemoryEstimate:
     """Measure the workload for real and put memfit's estimates of the same run beside it."""
-    from memfit.estimators import estimate as run_estimate
-    from memfit.specs.hardware import gpu_of_device
-
+    workload = resolve(workload)
     device = device or best_device()
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
     predicted = {method: run_estimate(workload, method=method, gpu=gpu) for method in estimates}
     expected = max((e.peak_bytes for e in predicted.values()), default=0)
     if workload.runs_on_ranks:
-        from memfit.measurement.ranks import measure_ranks
-
         if device.startswith("cuda"):
             raise MemfitError("measuring several ranks runs on CPU (gloo) here; pass --device cpu.")
         _check_room(workload, expected * workload.world_size, device)

@@ -16,7 +16,9 @@ import torch
 from memfit.core.precision import get_precision
 from memfit.specs.workload import Workload
 from memfit.steps.runner import train_loop
+from memfit.steps.setup import model_loss
 from memfit.techniques.compose import prepare_step
+from memfit.techniques.resolve import resolve
 
 HELD_OUT_FRACTION = 0.1
 
@@ -59,6 +61,7 @@ def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: flo
               start_from: dict[str, torch.Tensor] | None = None) -> TrainRun:
     """Train the workload's model (built on CPU from `seed`, or loaded with the weights `start_from`) on
     `batches`, one step each."""
+    workload = resolve(workload)
     if workload.task != "train":
         raise ValueError("train_run needs a training workload")
     torch.manual_seed(seed)
@@ -87,8 +90,6 @@ def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: flo
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, setup, batches: list[dict]) -> float:
     """Mean causal-LM loss over `batches` (perplexity = exp of it), with the model's own loss."""
-    from memfit.techniques.setup import model_loss
-
     model.eval()
     losses = []
     for batch in batches:

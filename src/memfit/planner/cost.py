@@ -2,45 +2,40 @@
 
 Training, per micro-step of T = micro_batch x seq tokens:
   forward FLOPs F = 2 N_active T + 2 L b s^2 d_attn (causal attention, scores and values) [Kaplan et al.,
-  2020; Narayanan et al., 2021]; backward 2F (F when the base weights are frozen: LoRA/QLoRA compute
-  no weight gradients); recompute: full checkpointing one more forward of every n-th block, selective
-  ~10 % of one (Korthikanti et al., 2022), chunked-ce one more LM head forward. Compute time is FLOPs /
-  (peak TFLOP/s x mfu x T / (T + tokens_half)): small micro-batches use a GPU less well.
-  Tensor parallel divides the FLOPs by N and adds 4 all-reduces of T x h activations per block (not
-  overlapped); pipeline parallel divides them by N and stretches the step by the bubble (M + N - 1) / M.
-  Data parallel (DDP, ZeRO-1/2) all-reduces the gradients once per step, overlapped with backward;
-  FSDP2 / ZeRO-3 all-gathers the parameters in forward and backward and reduce-scatters the gradients
-  every micro-step, overlapped with compute. Ring collectives move 2 (N - 1) / N of the bytes (all-reduce)
-  or (N - 1) / N (all-gather, reduce-scatter) at the GPU's interconnect bandwidth (NVLink: half the
-  bidirectional figure; beyond one node: NETWORK_GBPS).
-  The optimizer step is memory-bound: 2x the states + 3x the gradients' bytes at HBM bandwidth; with
-  cpu-offload it runs on the host at HOST_STEP_GBPS and the weights cross PCIe back (gradients cross
-  during backward, overlapped); checkpointing's offload mode moves the saved tensors both ways.
-Inference: the prefill is compute-bound (as above, forward only); each decoded token reads the weights
-  and the KV cache once (HBM bandwidth) or computes (whichever is slower); stream-layers moves the block
-  weights over PCIe every forward.
-The constants (CostModel) are assumed for GPUs; a CostModel measured on the target replaces them (the
-oracle benchmark measures its CPU's). Techniques whose time this model does not derive (quantization kernels, QAT, distillation, pruning) use
-their own step-time factor (assumed, see `memfit techniques`).
+  2020; Narayanan et al., 2021]; backward 2F. Compute time is FLOPs / (peak TFLOP/s x mfu x T / (T +
+  tokens_half)): small micro-batches use a GPU less well.
+  The optimizer step is memory-bound: 2x the states + 3x the gradients' bytes at HBM bandwidth.
+Inference: the prefill is compute-bound (as above, forward only); each decoded token reads the weights and
+  the KV cache once (HBM bandwidth) or computes (whichever is slower).
+Each technique adds its own terms through two hooks (techniques/base.py): `cost_compute` changes the FLOPs
+(recompute, frozen weights, the ranks they split over, a pipeline's bubble) and by default multiplies the
+compute by its step-time factor (assumed, see `memfit techniques`); `cost_overhead` adds the seconds it spends
+beside the compute (collectives, host copies, a host optimizer step). The collectives are the formulas below:
+ring collectives move 2 (N - 1) / N of the bytes (all-reduce) or (N - 1) / N (all-gather, reduce-scatter) at
+the GPU's interconnect bandwidth (NVLink: half the bidirectional figure; beyond one node: NETWORK_GBPS),
+overlapped with compute where the technique's hook says so. DeepSpeed's engine (not a technique) uses the
+same: ZeRO-3 gathers like a sharded layout, ZeRO-1/2 all-reduce the gradients like data parallel.
+The constants (CostModel) are assumed for GPUs; a CostModel measured on the target replaces them (the oracle
+benchmark measures its CPU's).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from memfit.core.precision import get_precision
+from memfit.estimators.analytic import offload_host_bytes
+from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.specs.hardware import GPU
-from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload
 
 HBM_EFFICIENCY = 0.75      # fraction of the data-sheet memory bandwidth streaming kernels reach (assumed)
 LINK_EFFICIENCY = 0.8      # fraction of the data-sheet link bandwidth collectives and copies reach (assumed)
 HOST_STEP_GBPS = 100.0     # host memory traffic of a CPU optimizer step, per node (assumed)
 NETWORK_GBPS = 50.0        # per GPU between nodes: 400 Gb/s InfiniBand (assumed)
-COLLECTIVE_LATENCY_S = 15e-6   # per collective (decode-time tensor parallel; assumed)
-SELECTIVE_RECOMPUTE = 0.1  # of one forward (assumed)
-QLORA_DEQUANT = 1.2        # QLoRA's compute against LoRA's: every 4-bit weight dequantized in forward and backward
-                           # (assumed)
-MODELLED = frozenset({"checkpointing", "cpu-offload", "stream-layers", "fsdp2", "ddp", "tensor-parallel",
-                      "pipeline-parallel", "lora", "qlora", "chunked-ce", "expandable-segments", "sdpa"})
+GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
@@ -69,9 +64,7 @@ class ModelShape:
     causal: bool
 
     @classmethod
-    def of(cls, workload: Workload, num_parameters: int) -> ModelShape:
-        from memfit.estimators.analytic.families import registry
-
+    def of(cls, workload: ResolvedWorkload, num_parameters: int) -> ModelShape:
         _, spec = registry.family_of(workload.source)
         hidden = getattr(spec, "hidden", None) or spec.d_model
         heads = spec.heads
@@ -96,19 +89,103 @@ class StepTime:
     parts: dict[str, float] = field(default_factory=dict)   # compute, recompute, communication, offload, optimizer
 
 
+@dataclass
+class Compute:
+    """One micro-step's FLOPs, as the techniques' `cost_compute` hooks leave them."""
+
+    forward: float
+    backward: float
+    shape: ModelShape
+    tokens: int
+    world_size: int
+    recompute: float = 0.0
+    split: int = 1           # ranks that divide the FLOPs (tensor, pipeline parallel)
+    factor: float = 1.0      # step-time factors of the techniques this model does not derive
+    bubble: float = 1.0      # a pipeline schedule's stretch
+
+
+@dataclass
+class Step:
+    """What the techniques' `cost_overhead` hooks read (the workload, its estimate, the hardware, the compute
+    already timed) and add to (`parts`: seconds by part of the step)."""
+
+    workload: ResolvedWorkload
+    estimate: MemoryEstimate
+    gpu: GPU
+    cost: CostModel
+    compute: Compute
+    accum: int               # micro-steps per step (gradient accumulation; inference: chunks served)
+    num_gpus: int
+    work_s: float = 0.0      # one micro-step's compute, seconds
+    redo_s: float = 0.0      # its recompute
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        per_direction = (self.gpu.interconnect_gbps / 2 if self.gpu.interconnect.startswith("nvlink")
+                         else self.gpu.interconnect_gbps)
+        if self.num_gpus > GPUS_PER_NODE:
+            per_direction = min(per_direction, NETWORK_GBPS)
+        return per_direction * LINK_EFFICIENCY * 1e9
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        return self.gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
+
+    @property
+    def host_step_bytes_per_s(self) -> float:
+        return HOST_STEP_GBPS * 1e9
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per element of the activations that cross the links (half precision, or float32)."""
+        return 4 if self.workload.precision == "fp32" else 2
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes per element of the gradients (the weights' dtype)."""
+        return 2 if get_precision(self.workload.precision).param_dtype == torch.bfloat16 else 4
+
+    def state_bytes(self, category: str) -> int:
+        return int(self.estimate.model_state_bytes.get(category, 0))
+
+    def backward_share(self, compute_s: float) -> float:
+        return compute_s * 2 / 3
+
+    def sharded_gathers_s(self, gathers: int) -> float:
+        """A sharded layout's collectives (FSDP2, ZeRO-3): `gathers` all-gathers of the parameters and one
+        reduce-scatter of the gradients per micro-step, overlapped with its compute."""
+        n = self.workload.world_size
+        full_params = self.state_bytes("parameters") * n
+        per_micro = (gathers + 1) * (n - 1) / n * full_params / self.link_bytes_per_s
+        return max(0.0, per_micro - self.cost.comm_overlap * (self.work_s + self.redo_s)) * self.accum
+
+    def gradient_all_reduce_s(self, gradient_bytes: float) -> float:
+        """Data parallel (DDP, ZeRO-1/2): one all-reduce of the gradients per step, overlapped with backward."""
+        n = self.workload.world_size
+        all_reduce = 2 * (n - 1) / n * gradient_bytes / self.link_bytes_per_s
+        return max(0.0, all_reduce - self.cost.comm_overlap * self.backward_share(self.work_s))
+
+    def activation_host_bytes(self) -> int:
+        """Host bytes the step's saved activations take (the host bytes beyond an offloaded optimizer's)."""
+        return max(0, self.estimate.host_bytes - sum(offload_host_bytes(self.workload)))
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+
 def _tflops(gpu: GPU, precision: str) -> float:
-    if precision == "fp32":
+    compute = get_precision(precision)
+    dtype = compute.autocast_dtype or compute.param_dtype
+    if dtype == torch.float32:
         return gpu.fp32_tflops
-    if precision.startswith("bf16") and gpu.bf16_tflops:
+    if dtype == torch.bfloat16 and gpu.bf16_tflops:
         return gpu.bf16_tflops
     return gpu.fp16_tflops
-
-
-def link_gbps(gpu: GPU, num_gpus: int) -> float:
-    per_direction = gpu.interconnect_gbps / 2 if gpu.interconnect.startswith("nvlink") else gpu.interconnect_gbps
-    if num_gpus > 8:
-        per_direction = min(per_direction, NETWORK_GBPS)
-    return per_direction * LINK_EFFICIENCY * 1e9
 
 
 def _compute_s(flops: float, gpu: GPU, precision: str, tokens: int | None, cost: CostModel) -> float:
@@ -117,131 +194,56 @@ def _compute_s(flops: float, gpu: GPU, precision: str, tokens: int | None, cost:
     return flops / (_tflops(gpu, precision) * 1e12 * efficiency)
 
 
-def unmodelled_factor(workload: Workload) -> float:
-    factor = 1.0
-    for technique in workload.technique_configs:
-        if technique.name not in MODELLED:
-            factor *= technique.step_time_factor()
-    return factor
-
-
-def step_time(workload: Workload, estimate: MemoryEstimate, gpu: GPU, *, grad_accum: int, num_gpus: int,
+def step_time(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, *, grad_accum: int, num_gpus: int,
               cost: CostModel = ASSUMED) -> StepTime:
     """Seconds per optimizer step (train) or per served batch (inference) of `workload` repeated
     `grad_accum` times on each of its ranks. `estimate` (analytic, for the target GPU) gives the bytes the
     step moves; an estimate without bytes counts FLOPs only (a lower bound: search.lower_bound_estimate)."""
     shape = ModelShape.of(workload, estimate.num_parameters)
-    if workload.task == "train":
-        return _train_step(workload, estimate, gpu, shape, grad_accum, num_gpus, cost)
-    return _inference_batch(workload, estimate, gpu, shape, grad_accum, num_gpus, cost)
-
-
-def _train_step(w: Workload, e: MemoryEstimate, gpu: GPU, shape: ModelShape, accum: int, num_gpus: int,
-                cost: CostModel) -> StepTime:
-    n, seq, batch = w.world_size, w.effective_seq_len, w.batch_size
-    tokens = batch * seq
+    seq, batch = workload.effective_seq_len, workload.batch_size
     forward = shape.forward_flops(batch, seq)
-    frozen = w.technique("lora") or w.technique("qlora")
-    backward = forward if frozen else 2 * forward
-    recompute = 0.0
-    if ckpt := w.technique("checkpointing"):
-        if ckpt.mode == "full":
-            recompute = forward / ckpt.every
-        elif ckpt.mode == "selective":
-            recompute = SELECTIVE_RECOMPUTE * forward
-    if w.technique("chunked-ce"):
-        recompute += 2 * shape.hidden * shape.vocab * tokens
-    split = n if (w.technique("tensor-parallel") or w.technique("pipeline-parallel")) else 1
-    factor = unmodelled_factor(w) / split * (QLORA_DEQUANT if w.technique("qlora") else 1.0)
-    work = _compute_s(forward + backward, gpu, w.precision, tokens, cost) * factor
-    redo = _compute_s(recompute, gpu, w.precision, tokens, cost) * factor
-    if pipeline := w.technique("pipeline-parallel"):   # the bubble
-        bubble = (pipeline.microbatches + n - 1) / pipeline.microbatches
-        work, redo = work * bubble, redo * bubble
-    link = link_gbps(gpu, num_gpus)
-    comm = 0.0
-    half = 2 if w.precision != "fp32" else 4
-    if w.technique("tensor-parallel"):   # not overlapped: every block waits for its all-reduce
-        per_block = 2 * (n - 1) / n * tokens * shape.hidden * half / link
-        comm += (4 + (2 if recompute else 0)) * shape.layers * per_block * accum
-    elif w.technique("fsdp2") or (w.engine == "deepspeed" and w.zero_stage == 3):
-        gathers = 1 if (w.technique("fsdp2") and not w.technique("fsdp2").reshard) else 2
-        full_params = shape_bytes(e, "parameters") * n
-        per_micro = (gathers + 1) * (n - 1) / n * full_params / link
-        comm += max(0.0, per_micro - cost.comm_overlap * (work + redo)) * accum
-    elif n > 1 and not w.technique("pipeline-parallel"):   # DDP, ZeRO-1/2: one gradient all-reduce per step
-        grads = e.num_parameters * half if w.engine == "deepspeed" else shape_bytes(e, "gradients")
-        all_reduce = 2 * (n - 1) / n * grads / link
-        comm += max(0.0, all_reduce - cost.comm_overlap * _backward_share(work))
-    parts = {"compute": work * accum, "recompute": redo * accum, "communication": comm}
-    parts.update(_optimizer_and_offload(w, e, gpu, num_gpus, work * accum, cost))
-    return StepTime(sum(parts.values()), parts)
-
-
-def shape_bytes(e: MemoryEstimate, category: str) -> int:
-    return int(e.model_state_bytes.get(category, 0))
-
-
-def _backward_share(compute_s: float) -> float:
-    return compute_s * 2 / 3
-
-
-def _optimizer_and_offload(w: Workload, e: MemoryEstimate, gpu: GPU, num_gpus: int, compute_s: float,
-                           cost: CostModel) -> dict:
-    hbm = gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
-    pcie = gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
-    parts = {"optimizer": 0.0, "offload": 0.0}
-    per_param = dict(cost.optimizer_s_per_param).get(w.optimizer)
-    grad_bytes = 2 if w.precision == "bf16" else 4
-    if w.technique("cpu-offload"):
-        ranks_per_node = min(num_gpus, 8)
-        trainable_numel = e.num_parameters // max(1, w.world_size)
-        parts["optimizer"] = (trainable_numel * ranks_per_node * per_param if per_param
-                              else 2 * e.host_bytes * ranks_per_node / (HOST_STEP_GBPS * 1e9))
-        weights_up = grads_down = trainable_numel * grad_bytes
-        parts["offload"] = weights_up / pcie + max(0.0, grads_down / pcie - cost.copy_overlap * _backward_share(
-            compute_s))
-    elif per_param:
-        parts["optimizer"] = shape_bytes(e, "gradients") / grad_bytes * per_param
+    compute = Compute(forward=forward, backward=2 * forward, shape=shape, tokens=batch * seq,
+                      world_size=workload.world_size)
+    for technique in workload.technique_configs:
+        technique.cost_compute(compute)
+    step = Step(workload, estimate, gpu, cost, compute, grad_accum, num_gpus)
+    if workload.task == "train":
+        _train_step(step)
     else:
-        states, grads = shape_bytes(e, "optimizer_states"), shape_bytes(e, "gradients")
-        parts["optimizer"] = (2 * states + 3 * grads) / hbm
-    ckpt = w.technique("checkpointing")
-    if ckpt and ckpt.mode == "offload":   # the saved tensors: the host bytes beyond the optimizer's
-        from memfit.estimators.analytic import offload_host_bytes
-
-        saved = max(0, e.host_bytes - sum(offload_host_bytes(w)))
-        parts["offload"] += max(0.0, 2 * saved / pcie - cost.copy_overlap * compute_s)
-    return parts
+        _inference_batch(step)
+    for technique in workload.technique_configs:
+        technique.cost_overhead(step)
+    return StepTime(sum(step.parts.values()), step.parts)
 
 
-def _inference_batch(w: Workload, e: MemoryEstimate, gpu: GPU, shape: ModelShape, chunks: int,
-                     num_gpus: int, cost: CostModel) -> StepTime:
-    n, seq, batch = w.world_size, w.effective_seq_len, w.batch_size
-    tp = n if w.technique("tensor-parallel") else 1
-    factor = unmodelled_factor(w) / tp
-    hbm = gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
-    pcie = gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
-    link = link_gbps(gpu, num_gpus)
-    half = 4 if w.precision == "fp32" else 2
-    prefill = _compute_s(shape.forward_flops(batch, seq), gpu, w.precision, batch * seq, cost) * factor
-    weights = shape_bytes(e, "parameters")
-    streamed = 0.0
-    if w.technique("stream-layers"):
-        streamed = e.host_bytes / pcie
-    comm = 0.0
-    if tp > 1:
-        comm = 2 * shape.layers * (2 * (tp - 1) / tp * batch * seq * shape.hidden * half / link + COLLECTIVE_LATENCY_S)
+def _train_step(step: Step) -> None:
+    w, c, cost = step.workload, step.compute, step.cost
+    factor = c.factor / c.split
+    step.work_s = _compute_s(c.forward + c.backward, step.gpu, w.precision, c.tokens, cost) * factor * c.bubble
+    step.redo_s = _compute_s(c.recompute, step.gpu, w.precision, c.tokens, cost) * factor * c.bubble
+    step.parts.update(compute=step.work_s * step.accum, recompute=step.redo_s * step.accum, communication=0.0)
+    if w.engine == "deepspeed":   # its ZeRO stages: stage 3 gathers like a sharded layout, 1-2 all-reduce
+        step.add("communication", step.sharded_gathers_s(2) if w.zero_stage == 3 else
+                 step.gradient_all_reduce_s(step.estimate.num_parameters * step.activation_bytes))
+    per_param = dict(cost.optimizer_s_per_param).get(w.optimizer)
+    if per_param:
+        optimizer_s = step.state_bytes("gradients") / step.gradient_bytes * per_param
+    else:
+        optimizer_s = (2 * step.state_bytes("optimizer_states") + 3 * step.state_bytes("gradients")) / step.hbm_bytes_per_s
+    step.parts.update(optimizer=optimizer_s, offload=0.0)
+
+
+def _inference_batch(step: Step) -> None:
+    w, c, cost, gpu = step.workload, step.compute, step.cost, step.gpu
+    seq, batch = w.effective_seq_len, w.batch_size
+    factor = c.factor / c.split
+    prefill = _compute_s(c.forward, gpu, w.precision, c.tokens, cost) * factor
     decode = 0.0
     if w.new_tokens:
-        kv_mean = e.at_peak.get("kv_cache", 0) * (seq + w.new_tokens / 2) / (seq + w.new_tokens)
-        memory_s = (weights + kv_mean) / hbm
-        flops_s = _compute_s(shape.forward_flops(batch, 1) + 4 * shape.layers * batch * seq * shape.attn_width,
+        kv_mean = step.estimate.at_peak.get("kv_cache", 0) * (seq + w.new_tokens / 2) / (seq + w.new_tokens)
+        memory_s = (step.state_bytes("parameters") + kv_mean) / step.hbm_bytes_per_s
+        flops_s = _compute_s(c.shape.forward_flops(batch, 1) + 4 * c.shape.layers * batch * seq * c.shape.attn_width,
                              gpu, w.precision, None, cost) * factor
         decode = max(memory_s, flops_s) * w.new_tokens
-        if tp > 1:
-            comm += w.new_tokens * 2 * shape.layers * (2 * (tp - 1) / tp * batch * shape.hidden * half / link
-                                                       + COLLECTIVE_LATENCY_S)
-    parts = {"compute": (prefill + decode) * chunks, "communication": comm * chunks,
-             "offload": streamed * (1 + w.new_tokens) * chunks}
-    return StepTime(sum(parts.values()), parts)
+    step.work_s = prefill + decode
+    step.parts.update(compute=(prefill + decode) * step.accum, communication=0.0, offload=0.0)

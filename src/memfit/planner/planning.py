@@ -12,7 +12,9 @@ from memfit.planner.cost import step_time
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, estimate_for, lower_bound_estimate, risk_of
-from memfit.specs.workload import DISTRIBUTED_TECHNIQUES, Workload
+from memfit.estimators.effects import describe, measured_accuracy
+from memfit.specs.workload import Workload
+from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve, without_technique
 
 
 def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None, explore_all: bool = False,
@@ -65,12 +67,10 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
 
 def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
     """What each technique of the plan saves: the analytic peak without it, minus the plan's (same batch)."""
-    from memfit.techniques.effects import all_techniques, describe, without_technique
-
     workload = chosen.workload(request)
     rows = []
     for technique in all_techniques(workload):
-        if technique.name in DISTRIBUTED_TECHNIQUES:   # how the GPUs are used, not a saving on them
+        if "layout" in technique.traits:   # how the GPUs are used, not a saving on them
             continue
         try:
             without = estimate_for(request, without_technique(workload, technique))
@@ -150,11 +150,9 @@ def rank(plans: list[Evaluated], objective: str) -> list[Evaluated]:
     return sorted(plans, key=lambda p: (p.time.total_s, p.device_bytes))
 
 
-def ppl_increase(workload: Workload) -> float | None:
+def ppl_increase(workload: ResolvedWorkload) -> float | None:
     """The measured held-out perplexity increase of the workload's lossy techniques (summed), 0 when it has
-    none, None when one of them has no measured figure (techniques/effects.py's accuracy data)."""
-    from memfit.techniques.effects import all_techniques, measured_accuracy
-
+    none, None when one of them has no measured figure (estimators/effects.py's accuracy data)."""
     total = 0.0
     for technique in all_techniques(workload):
         if technique.risk != "lossy":
@@ -178,8 +176,8 @@ def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> Non
 
 
 def _require_analytic(request: PlanRequest) -> None:
-    workload = Workload(model=request.model, task=request.task, seq_len=request.seq_len,
-                        new_tokens=request.new_tokens)
+    workload = resolve(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
+                                new_tokens=request.new_tokens))
     if not workload.source.is_hf:
         raise MemfitError(f"memfit plan sizes thousands of configurations with the analytic estimator, which needs "
                           f"a transformer config; {request.model!r} is a custom module: try techniques on it with "

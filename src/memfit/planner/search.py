@@ -5,8 +5,8 @@ micro-batch; a candidate that fits there is sized at the next micro-batch too, t
 in the micro-batch between them (activations grow with it, model states do not), the largest
 micro-batch predicted to fit is estimated exactly, and stepped down until it does. Gradient accumulation
 makes up the rest of the user's global batch. Fit means tensors + CUDA context + cuBLAS workspace +
-the allocator's reserve (gpu_overhead.py) <= device memory x (1 - margin); with expandable segments the
-reserve is smaller, so a plan that only fits that way gets `expandable-segments`.
+the allocator's reserve (gpu_overhead.py) <= device memory x (1 - margin); an allocator technique (expandable
+segments) makes the reserve smaller, so a plan that only fits that way gets it (space.allocator_options).
 
 With the `fastest` objective candidates are tried in order of a FLOPs-only lower bound on their step
 time, and the search stops once that bound is slower than the plans already found. Nothing is traced
@@ -23,10 +23,10 @@ from memfit.core.errors import MemfitError
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.planner.cost import StepTime
 from memfit.planner.request import GPUS_PER_NODE, PlanRequest
-from memfit.planner.space import Candidate, candidates
+from memfit.planner.space import Candidate, allocator_options, candidates
 from memfit.specs.workload import Workload
-from memfit.techniques.allocator import EXPANDABLE_RESERVE_FRACTION_ASSUMED
-from memfit.techniques.base import RISKS
+from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve
+from memfit.techniques.base import RISKS, parse_technique
 
 MAX_VERIFY = 4          # exact estimates while stepping the micro-batch down
 
@@ -39,7 +39,7 @@ class Evaluated:
     estimate: MemoryEstimate
     device_bytes: int           # tensors + overheads per GPU
     host_ram_bytes: int         # per node
-    expandable: bool
+    added: tuple[str, ...]      # allocator techniques the plan needs to fit (space.allocator_options)
     fits: bool
     short: str | None = None    # "device memory" | "host RAM"
     time: StepTime | None = None
@@ -49,15 +49,14 @@ class Evaluated:
 
     @property
     def techniques(self) -> list[str]:
-        return self.candidate.labels() + (["expandable-segments"] if self.expandable else [])
+        return self.candidate.labels() + list(self.added)
 
-    def workload(self, request: PlanRequest) -> Workload:
-        extra = ("expandable-segments",) if self.expandable else ()
-        return replace(self.candidate, techniques=self.candidate.techniques + extra).workload(
+    def workload(self, request: PlanRequest) -> ResolvedWorkload:
+        return replace(self.candidate, techniques=self.candidate.techniques + self.added).workload(
             request, self.micro_batch)
 
 
-def estimate_for(request: PlanRequest, workload: Workload) -> MemoryEstimate:
+def estimate_for(request: PlanRequest, workload: ResolvedWorkload) -> MemoryEstimate:
     """The analytic estimate for the request's target (the GPU's kernels and overheads, or this CPU's)."""
     from memfit.estimators.analytic import analytic_estimate
 
@@ -68,12 +67,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def device_bytes(estimate: MemoryEstimate, expandable: bool) -> int:
-    if not expandable:
+def device_bytes(estimate: MemoryEstimate, reserve_fraction: float | None = None) -> int:
+    """Tensors and overheads per GPU; with `reserve_fraction`, the allocator's reserve that fraction of the peak."""
+    if reserve_fraction is None:
         return estimate.peak_bytes + estimate.overhead_bytes
     detail = estimate.overhead_detail
     return (estimate.peak_bytes + detail.get("cuda_context", 0) + detail.get("cublas_workspace", 0)
-            + int(estimate.peak_bytes * EXPANDABLE_RESERVE_FRACTION_ASSUMED))
+            + int(estimate.peak_bytes * reserve_fraction))
 
 
 class Search:
@@ -83,9 +83,12 @@ class Search:
         self.rejected: Counter[str] = Counter()
         self.evaluated: list[Evaluated] = []
         self.num_estimates = 0
+        self.base = resolve(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
+                                     new_tokens=request.new_tokens))
+        self.allocator_options = allocator_options(request, self.base)
 
     # ---- one candidate -----------------------------------------------------------------------
-    def _estimate(self, workload: Workload) -> MemoryEstimate:
+    def _estimate(self, workload: ResolvedWorkload) -> MemoryEstimate:
         self.num_estimates += 1
         return estimate_for(self.request, workload)
 
@@ -93,8 +96,11 @@ class Search:
                per_replica: int) -> Evaluated:
         request = self.request
         budget = request.budget_bytes
-        expandable = device_bytes(estimate, False) > budget and device_bytes(estimate, True) <= budget
-        device = device_bytes(estimate, expandable)
+        device, added = device_bytes(estimate), ()
+        for option in self.allocator_options if device > budget else ():
+            if device_bytes(estimate, option.reserve_fraction) <= budget:
+                device, added = device_bytes(estimate, option.reserve_fraction), (option.spec,)
+                break
         processes_per_node = min(candidate.num_gpus, GPUS_PER_NODE)
         host = estimate.host_bytes * processes_per_node
         short = None
@@ -102,10 +108,10 @@ class Search:
             short = "device memory"
         elif request.host_ram_bytes is not None and host > request.host_ram_bytes:
             short = "host RAM"
-        return Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, expandable,
+        return Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, added,
                          fits=short is None, short=short)
 
-    def evaluate(self, candidate: Candidate, workload: Workload, per_replica: int) -> Evaluated:
+    def evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated:
         """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does)."""
         smallest = candidate.batch_multiple
         first = self._sized(candidate, smallest, self._estimate(workload), per_replica)
@@ -131,12 +137,11 @@ class Search:
         return best
 
     # ---- all of them -------------------------------------------------------------------------
-    def workloads(self) -> list[tuple[Candidate, Workload, int]]:
+    def workloads(self) -> list[tuple[Candidate, ResolvedWorkload, int]]:
         """Candidates the rules accept, with their smallest workload and the sequences per model replica."""
         request = self.request
-        eager = bool(getattr(_spec(request), "eager", False))
         out = []
-        for candidate in candidates(request, eager_attention=eager):
+        for candidate in candidates(request, self.base):
             sequences = request.sequences
             if sequences % candidate.data_parallel:
                 self.rejected[f"batch {sequences} does not split over {candidate.data_parallel} GPUs"] += 1
@@ -151,20 +156,13 @@ class Search:
             except MemfitError as exc:
                 self.rejected[str(exc)] += 1
                 continue
-            out.append((candidate, workload, per_replica))
+            given = {parse_technique(spec).name for spec in candidate.techniques}
+            implied = tuple(t.name for t in workload.technique_configs if t.name not in given)
+            out.append((replace(candidate, implied=implied), workload, per_replica))
         return out
 
 
-def _spec(request: PlanRequest):
-    from memfit.estimators.analytic.families import registry
-
-    return registry.family_of(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
-                                       new_tokens=request.new_tokens).source)[1]
-
-
-def risk_of(workload: Workload) -> str:
-    from memfit.techniques.effects import all_techniques
-
+def risk_of(workload: ResolvedWorkload) -> str:
     risks = [t.risk for t in all_techniques(workload)]
     return max(risks, key=RISKS.index) if risks else "lossless"
 

@@ -1,45 +1,52 @@
 """The search space: every combination of techniques the planner may propose for a request.
 
-One candidate is one way to run the step (precision, optimizer, techniques, how the GPUs are used);
-the micro-batch is chosen later, per candidate, by the search. A combination the composition rules
-(techniques/compose.py) or a technique's own check refuse never becomes a candidate: building its
-Workload raises, and the search records why.
+A technique takes part by declaring the axis it is one value of (`search_axis`) and the configurations to try
+(`search_values`); the space is the product of the axes (each may also stay empty), so a new technique joins it
+without an edit here. One candidate is one way to run the step (precision, optimizer, techniques, how the GPUs
+are used); the micro-batch is chosen later, per candidate, by the search. A combination the composition rules
+or a technique's own check refuse never becomes a candidate: building its workload raises, and the search
+records why. A lossy technique is tried only under `--allow lossy`, and at most one per candidate.
 
-Left out on purpose: techniques that change what is computed rather than how (truncate, sequence-chunks,
-sliding-window change the sequence the model sees; distillation trains another model), and unstructured
-pruning (it saves no memory, measured).
+Left out on purpose (they declare no values): techniques that change what is computed rather than how
+(truncate, sequence-chunks, sliding-window change the sequence the model sees; distillation trains another
+model), and unstructured pruning (it saves no memory, measured).
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from memfit.core.precision import get_precision
 from memfit.planner.request import PlanRequest
 from memfit.specs.workload import Workload
+from memfit.techniques import REGISTRY
+from memfit.techniques.base import Technique, parse_technique
+from memfit.techniques.compose import ordered
+from memfit.techniques.resolve import ResolvedWorkload, resolve
 
-CHECKPOINTING = (None, "checkpointing", "checkpointing:mode=selective", "checkpointing:mode=offload")
-LOSSLESS_OPTIMIZERS = ("adamw", "adamw8bit")
-LOSSY_OPTIMIZERS = ("adamw4bit", "adafactor")
-LOSSY_TRAIN = (None, "lora", "qlora", "prune-structured:ratio=0.25")
-LOSSY_INFERENCE = (None, "int8-weight-only", "int8-dynamic", "bnb-4bit", "prune-structured:ratio=0.25")
+# The axes a technique can be a value of, in the order a plan lists them; "allocator" values are not searched but
+# added to a plan that fits only with them (search.py)
+AXES = ("layout", "precision", "optimizer", "weights", "attention", "checkpointing", "loss", "offload")
+DEFAULTS = Workload.__dataclass_fields__
 
 
 @dataclass(frozen=True)
 class Candidate:
     precision: str
-    optimizer: str = "adamw"
+    optimizer: str = DEFAULTS["optimizer"].default
     techniques: tuple[str, ...] = ()
     world_size: int = 1          # ranks one step runs over (the Workload's)
     zero_stage: int = 0
     engine: str = "pytorch"
     data_parallel: int = 1       # copies of the model the batch is split over
     batch_multiple: int = 1      # the micro-batch must be a multiple of this (pipeline micro-batches)
+    implied: tuple[str, ...] = field(default=(), compare=False)   # techniques the workload adds by itself
 
-    def workload(self, request: PlanRequest, micro_batch: int) -> Workload:
-        return Workload(model=request.model, task=request.task, batch_size=micro_batch, seq_len=request.seq_len,
-                        new_tokens=request.new_tokens, precision=self.precision, optimizer=self.optimizer,
-                        world_size=self.world_size, zero_stage=self.zero_stage, engine=self.engine,
-                        techniques=self.techniques)
+    def workload(self, request: PlanRequest, micro_batch: int) -> ResolvedWorkload:
+        return resolve(Workload(model=request.model, task=request.task, batch_size=micro_batch,
+                                seq_len=request.seq_len, new_tokens=request.new_tokens, precision=self.precision,
+                                optimizer=self.optimizer, world_size=self.world_size, zero_stage=self.zero_stage,
+                                engine=self.engine, techniques=self.techniques))
 
     @property
     def num_gpus(self) -> int:
@@ -47,63 +54,81 @@ class Candidate:
 
     def labels(self) -> list[str]:
         """The plan's techniques as a user reads them: precision, optimizer and parallelism included."""
-        names = [self.precision] + ([self.optimizer] if self.optimizer != "adamw" else [])
+        names = [self.precision] + ([self.optimizer] if self.optimizer != DEFAULTS["optimizer"].default else [])
         if self.engine == "deepspeed":
             names.append(f"deepspeed-zero{self.zero_stage}")
-        elif self.world_size > 1 and not any(t.split(":")[0] in ("fsdp2", "tensor-parallel", "pipeline-parallel")
-                                             for t in self.techniques):
-            names.append("ddp" if self.zero_stage == 0 else "ddp+zero1")
+        elif self.implied:
+            names.append("+".join(self.implied) + ("+zero1" if self.zero_stage == 1 else ""))
         elif self.data_parallel > 1 and self.world_size == 1:
             names.append(f"{self.data_parallel} replicas")
         return names + list(self.techniques)
 
 
-def _precisions(request: PlanRequest) -> tuple[str, ...]:
-    if request.on_cpu:   # CPUs run float32 fastest more often than not
-        return ("fp32", "bf16") if request.task == "inference" else ("fp32", "bf16-mixed", "bf16")
-    if request.task == "inference":
-        return ("bf16",) if request.gpu.bf16_tflops else ("fp16-mixed", "fp32")
-    return ("bf16-mixed", "bf16") if request.gpu.bf16_tflops else ("fp16-mixed", "fp32")
+def searched(request: PlanRequest, base: ResolvedWorkload) -> dict[str, list[str]]:
+    """Each axis's values: the configurations the registered techniques declare for this request (lossy ones only
+    under --allow lossy), in the canonical order."""
+    values: dict[str, list[str]] = {axis: [] for axis in AXES + ("allocator",)}
+    for technique in ordered(cls() for cls in REGISTRY.values()):
+        if technique.search_axis is None:
+            continue
+        for spec in technique.search_values(request, base):
+            if request.allow == "lossy" or parse_technique(spec).risk != "lossy":
+                values[technique.search_axis].append(spec)
+    return values
 
 
-def _parallel_layouts(request: PlanRequest) -> list[Candidate]:
-    """How the GPUs are used: each layout a partial candidate (precision filled in later)."""
+def _precisions(request: PlanRequest, values: list[str]) -> list[str]:
+    """The precision techniques' values, and the default (fp32) where half precision has no bf16: on GPUs without
+    it, and on CPUs, which run float32 fastest more often than not."""
+    default = DEFAULTS["precision"].default
+    return values + ([default] if request.on_cpu or not request.gpu.bf16_tflops else [])
+
+
+def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
+    """How the GPUs are used, each a partial candidate (precision filled in later): one device; or over N, the
+    workload's own data parallel (with ZeRO-1), DeepSpeed's ZeRO stages, replicas serving apart, and the layout
+    techniques' values."""
     n = request.num_gpus
     if n == 1:
         return [Candidate("fp32")]
+    layouts = []
     if request.task == "inference":
-        return [Candidate("fp32", data_parallel=n), Candidate("fp32", techniques=("tensor-parallel",), world_size=n)]
-    layouts = [Candidate("fp32", world_size=n, data_parallel=n),                    # DDP
-               Candidate("fp32", world_size=n, zero_stage=1, data_parallel=n),      # DDP + ZeRO-1
-               Candidate("fp32", techniques=("fsdp2",), world_size=n, data_parallel=n),
-               Candidate("fp32", techniques=("fsdp2:reshard=false",), world_size=n, data_parallel=n),
-               Candidate("fp32", techniques=("tensor-parallel",), world_size=n),
-               Candidate("fp32", techniques=(f"pipeline-parallel:microbatches={n}",), world_size=n,
-                         batch_multiple=n)]
-    layouts += [Candidate("fp32", world_size=n, zero_stage=stage, engine="deepspeed", data_parallel=n)
-                for stage in (1, 2, 3)]
+        layouts.append(Candidate("fp32", data_parallel=n))
+    else:
+        layouts += [Candidate("fp32", world_size=n, zero_stage=stage, data_parallel=n) for stage in (0, 1)]
+        layouts += [Candidate("fp32", world_size=n, zero_stage=stage, engine="deepspeed", data_parallel=n)
+                    for stage in (1, 2, 3)]
+    for spec in techniques:
+        world_size, data_parallel, batch_multiple = parse_technique(spec).layout_shape(n)
+        layouts.append(Candidate("fp32", techniques=(spec,), world_size=world_size, data_parallel=data_parallel,
+                                 batch_multiple=batch_multiple))
     return layouts
 
 
-def candidates(request: PlanRequest, *, eager_attention: bool) -> list[Candidate]:
+def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     """Every combination to consider, before the rules are checked (the search builds each Workload)."""
-    lossy = request.allow == "lossy"
-    attention = (None, "sdpa") if eager_attention else (None,)
+    values = searched(request, base)
+    optimizers = [DEFAULTS["optimizer"].default] + values["optimizer"]
+    rest = [[None] + values[axis] for axis in AXES[3:]]
     out = []
-    for layout, precision in itertools.product(_parallel_layouts(request), _precisions(request)):
-        if layout.engine == "deepspeed" and not precision.endswith("-mixed"):
-            continue
-        if request.task == "inference":
-            extras = itertools.product(attention, (None, "stream-layers"), LOSSY_INFERENCE if lossy else (None,))
-            for parts in extras:
-                out.append(replace(layout, precision=precision,
-                                   techniques=layout.techniques + tuple(p for p in parts if p)))
-            continue
-        optimizers = LOSSLESS_OPTIMIZERS + (LOSSY_OPTIMIZERS if lossy else ())
-        for optimizer, change in itertools.product(optimizers, LOSSY_TRAIN if lossy else (None,)):
-            if change and optimizer != "adamw":   # one lossy change at a time keeps the space small
-                continue
-            for parts in itertools.product(attention, CHECKPOINTING, (None, "chunked-ce"), (None, "cpu-offload")):
-                techniques = layout.techniques + tuple(p for p in (change, *parts) if p)
-                out.append(replace(layout, precision=precision, optimizer=optimizer, techniques=techniques))
+    for layout, precision in itertools.product(_layouts(request, values["layout"]),
+                                               _precisions(request, values["precision"])):
+        if layout.engine == "deepspeed" and get_precision(precision).autocast_dtype is None:
+            continue   # DeepSpeed's engine trains in mixed precision
+        for optimizer, *parts in itertools.product(optimizers, *rest):
+            chosen = [p for p in parts if p]
+            if _lossy(optimizer) + sum(parse_technique(p).risk == "lossy" for p in chosen) > 1:
+                continue   # one lossy change at a time keeps the space small
+            out.append(replace(layout, precision=precision, optimizer=optimizer,
+                               techniques=layout.techniques + tuple(chosen)))
     return out
+
+
+def _lossy(optimizer: str) -> bool:
+    return optimizer in REGISTRY and REGISTRY[optimizer].risk == "lossy"
+
+
+def allocator_options(request: PlanRequest, base: ResolvedWorkload) -> list[Technique]:
+    """Techniques a plan gets only when it needs them to fit (they change what the allocator reserves, not the
+    tensors: search.py sizes a candidate with each without estimating it again)."""
+    return [parse_technique(spec) for spec in searched(request, base)["allocator"]]

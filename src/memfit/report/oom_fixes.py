@@ -2,10 +2,10 @@
 each is predicted to save.
 
 Predictions come from one of three places, each labelled: the OOM message itself (fragmentation, other
-processes), the snapshot's categories with a published ratio (rough: 8-bit AdamW keeps 2 of 8 bytes of
-state per parameter; full checkpointing keeps about 2 of Korthikanti et al.'s 34 bytes per activation
-element; bf16 halves float32 weights), or — when the workload is given — memfit's analytic estimate of
-the workload with and without each technique (the same numbers `memfit estimate -t` prints).
+processes), the snapshot's categories with a published ratio (rough; each technique says which, e.g. 8-bit
+AdamW keeps 2 of 8 bytes of state per parameter), or — when the workload is given — memfit's estimate of
+the workload with and without each technique (the same numbers `memfit estimate -t` prints). The fixes
+are the techniques' own (`oom_fixes`, `oom_fix`); this module ranks and prints them.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
 from memfit.measurement.oom import OomMessage, SnapshotSummary
 from memfit.specs.hardware import GPU
-from memfit.specs.workload import Workload
+from memfit.estimators import estimate
+from memfit.techniques import REGISTRY
+from memfit.techniques.base import Technique, parse_technique
+from memfit.techniques.compose import ordered
+from memfit.techniques.resolve import ResolvedWorkload, all_techniques, with_technique
 
 SCHEMA = "memfit.oom/1"
-CANDIDATES = ("expandable-segments", "checkpointing", "checkpointing:mode=selective", "chunked-ce", "sdpa",
-              "bf16-mixed", "bf16", "adamw8bit", "cpu-offload", "checkpointing:mode=offload", "lora", "qlora",
-              "int8-weight-only", "bnb-4bit", "stream-layers")
-KEEP_8BIT_STATE, KEEP_CHECKPOINTED = 2 / 8, 2 / 34
 
 
 @dataclass
@@ -46,11 +46,18 @@ def shortfall_of(message: OomMessage | None, snapshot: SnapshotSummary | None) -
     return None
 
 
+def _techniques() -> list[Technique]:
+    return ordered(cls() for cls in REGISTRY.values())
+
+
+def evidence_fixes(message: OomMessage | None, snapshot: SnapshotSummary | None) -> list[Fix]:
+    """What each technique predicts from the message or the snapshot alone (`Technique.oom_fix`)."""
+    found = (technique.oom_fix(message, snapshot) for technique in _techniques())
+    return [Fix(*fix) for fix in found if fix is not None]
+
+
 def message_fixes(message: OomMessage) -> list[Fix]:
-    fixes = []
-    if message.reserved_unallocated_bytes:
-        fixes.append(Fix("expandable-segments", message.reserved_unallocated_bytes, "message: reserved, unallocated",
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+    fixes = evidence_fixes(message, None)
     others = sum(message.other_processes.values())
     if others:
         fixes.append(Fix("stop other processes", others, "message: " + ", ".join(message.other_processes),
@@ -58,42 +65,16 @@ def message_fixes(message: OomMessage) -> list[Fix]:
     return fixes
 
 
-def snapshot_fixes(snapshot: SnapshotSummary) -> list[Fix]:
-    by = snapshot.by_category
-    basis = "snapshot × published ratio (rough)"
-    fixes = []
-    if by.get("optimizer_states"):
-        states = by["optimizer_states"]
-        fixes.append(Fix("adamw8bit", int(states * (1 - KEEP_8BIT_STATE)), basis, "-t adamw8bit"))
-        fixes.append(Fix("cpu-offload", states + by.get("gradients", 0), basis, "-t cpu-offload"))
-    if by.get("activations"):
-        fixes.append(Fix("checkpointing", int(by["activations"] * (1 - KEEP_CHECKPOINTED)), basis,
-                         "-t checkpointing"))
-    if by.get("parameters"):
-        fixes.append(Fix("bf16", by["parameters"] // 2, basis + "; float32 weights", "-t bf16"))
-    if by.get("kv_cache"):
-        fixes.append(Fix("half the context", by["kv_cache"] // 2, basis, "shorter prompts or "
-                         "-t sliding-window:window=W"))
-    if snapshot.fragmentation_bytes > 0:
-        fixes.append(Fix("expandable-segments", snapshot.fragmentation_bytes, "snapshot: reserved − active",
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
-    return fixes
-
-
-def workload_fixes(workload: Workload, gpu: GPU | None) -> list[Fix]:
-    """Each candidate technique's saving on the user's workload: memfit's analytic estimate without and with it."""
-    from memfit.estimators import estimate
-    from memfit.techniques.base import parse_technique
-    from memfit.techniques.effects import with_technique
-
+def workload_fixes(workload: ResolvedWorkload, gpu: GPU | None) -> list[Fix]:
+    """Each configuration the techniques offer (`Technique.oom_fixes`), on the user's workload: memfit's estimate
+    of it without and with the technique (analytic where it models the model, else traced)."""
     method = "analytic" if workload.source.is_hf else "traced"
     base = estimate(workload, method=method, gpu=gpu)
+    present = {t.name for t in all_techniques(workload)}
     fixes = []
-    for spec in CANDIDATES:
+    for spec in (spec for cls in _techniques() for spec in cls.oom_fixes):
         technique = parse_technique(spec)
-        present = technique.name in {t.name for t in workload.technique_configs} or technique.name in (
-            workload.precision, workload.optimizer)
-        if present:
+        if technique.name in present:
             continue
         try:
             changed = estimate(with_technique(workload, technique), method=method, gpu=gpu)
@@ -105,7 +86,7 @@ def workload_fixes(workload: Workload, gpu: GPU | None) -> list[Fix]:
     return fixes
 
 
-def ranked_fixes(message: OomMessage | None, snapshot: SnapshotSummary | None, workload: Workload | None,
+def ranked_fixes(message: OomMessage | None, snapshot: SnapshotSummary | None, workload: ResolvedWorkload | None,
                  gpu: GPU | None) -> list[Fix]:
     fixes = []
     if message is not None:
@@ -113,11 +94,11 @@ def ranked_fixes(message: OomMessage | None, snapshot: SnapshotSummary | None, w
     if workload is not None:
         fixes += workload_fixes(workload, gpu)
     elif snapshot is not None:
-        fixes += snapshot_fixes(snapshot)
+        fixes += evidence_fixes(None, snapshot)
     best: dict[str, Fix] = {}
     for fix in fixes:   # one row per fix: what the run reported beats a model of it
         best.setdefault(fix.fix, fix)
-    return sorted(best.values(), key=lambda f: -f.saved_bytes)
+    return sorted(best.values(), key=lambda f: (-f.saved_bytes, f.fix))   # ties: by name, not by registry order
 
 
 def to_json(message, snapshot, fixes: list[Fix]) -> dict:

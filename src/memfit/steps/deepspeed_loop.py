@@ -18,14 +18,16 @@ import logging
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
 from memfit.steps.hooks import NullHooks, StepHooks, tensors_in
 from memfit.steps.host import note_host
-from memfit.steps.optim import DEFAULT_LR
+from memfit.steps.optim import default_lr
 from memfit.steps.train import enter_phase
 
 
 def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
     zero: dict = {"stage": workload.zero_stage, "reduce_bucket_size": workload.reduce_bucket}
+    half = get_precision(workload.precision).autocast_dtype   # DeepSpeed casts the model to it
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if workload.zero_stage == 3:
@@ -34,9 +36,9 @@ def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
         "train_micro_batch_size_per_gpu": workload.batch_size,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
-        "bf16": {"enabled": workload.precision == "bf16-mixed"},
-        "fp16": {"enabled": workload.precision == "fp16-mixed"},
-        "optimizer": {"type": "AdamW", "params": {"lr": DEFAULT_LR["adamw"] if lr is None else lr,
+        "bf16": {"enabled": half == torch.bfloat16},
+        "fp16": {"enabled": half == torch.float16},
+        "optimizer": {"type": "AdamW", "params": {"lr": default_lr("adamw") if lr is None else lr,
                                                   "weight_decay": 0.01}},   # torch.optim.AdamW's default
         "steps_per_print": 2**31 - 1,
     }
@@ -63,7 +65,7 @@ class DeepSpeedLoop:
                               "--world-size N`, which starts one).")
         deepspeed = _import_deepspeed()
         self.setup, self.hooks = setup, hooks or NullHooks()
-        self.offload, self.stage = setup.offload is not None, workload.zero_stage
+        self.offload, self.stage = setup.host_optimizer is not None, workload.zero_stage
         config = deepspeed_config(workload, lr=setup.lr, offload=self.offload)
         params = [p for p in setup.model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=setup.model, model_parameters=params,

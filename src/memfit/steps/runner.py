@@ -8,30 +8,28 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from torch import nn
-
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import StepHooks
 from memfit.steps.inference import run_inference
+from memfit.steps.setup import StepSetup
 from memfit.steps.train import TrainLoop
 
 
-def train_loop(setup, workload: Workload, *, hooks: StepHooks | None = None, trace_safe: bool = False):
+def train_loop(setup: StepSetup, workload: Workload, *, hooks: StepHooks | None = None, trace_safe: bool = False):
     """The workload's training loop: PyTorch's (TrainLoop) or DeepSpeed's engine, which casts and shards
     the weights itself."""
     if workload.engine == "deepspeed":
-        from memfit.steps.deepspeed_loop import DeepSpeedLoop
+        from memfit.steps.deepspeed_loop import DeepSpeedLoop   # DeepSpeed loads only when it is asked for
 
         return DeepSpeedLoop(setup, workload, hooks=hooks)
     return TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)
 
 
-def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: str, hooks: StepHooks,
-                 before_measured_step: Callable[[], None], trace_safe: bool = False,
-                 foreach: bool | None = None, autocast: Callable | None = None) -> None:
-    from memfit.techniques.compose import prepare_step  # techniques build on the steps package
-
-    setup = prepare_step(model, workload, device_type=device_type, foreach=foreach, autocast=autocast)
+def run_workload(setup: StepSetup, batch, workload: Workload, *, head: str, hooks: StepHooks,
+                 before_measured_step: Callable[[], None], trace_safe: bool = False) -> None:
+    """The workload's step on `setup` (its techniques applied: techniques.compose.prepare_step); `head` is the
+    model's (what inference generates with)."""
+    model = setup.model
     if workload.task == "train":
         model.train()
         loop = train_loop(setup, workload, hooks=hooks, trace_safe=trace_safe)
@@ -41,11 +39,10 @@ def run_workload(model: nn.Module, batch, workload: Workload, *, device_type: st
         before_measured_step()
         loop.step(batch)
         return
-    hooks.mark("parameters", list(setup.model.parameters()))
+    hooks.mark("parameters", list(model.parameters()))
     model.eval()
     gc.collect()
     if setup.batch_transform is not None:
         batch = setup.batch_transform(batch)
     before_measured_step()
-    run_inference(model, batch, head=workload.source.head, new_tokens=workload.new_tokens, hooks=hooks,
-                  autocast=setup.autocast())
+    run_inference(model, batch, head=head, new_tokens=workload.new_tokens, hooks=hooks, autocast=setup.autocast())

@@ -18,7 +18,7 @@ from memfit.steps.host import note_host, on_host
 from memfit.steps.optim import optimizer_state_tensors
 
 if TYPE_CHECKING:
-    from memfit.techniques.setup import StepSetup
+    from memfit.steps.setup import StepSetup
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -106,7 +106,7 @@ class TrainLoop:
             del loss
         grads = [p.grad for p in self.params if p.grad is not None]
         hooks.mark("gradients", grads)
-        host_step = setup.offload == "fsdp2"   # FSDP2's CPUOffloadPolicy: gradient shards, states and step on the host
+        host_step = setup.states_on_host   # e.g. FSDP2's CPUOffloadPolicy: gradient shards, states, step on the host
         if host_step:
             note_host(grads)
         self._phase("optimizer")

@@ -26,11 +26,12 @@ import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
-from memfit.techniques.quantization import check_4bit_model, check_format, quantize_4bit_
-from memfit.techniques.setup import StepSetup
+from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
+from memfit.steps.setup import StepSetup
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+QLORA_DEQUANT = 1.2   # QLoRA's compute against LoRA's: every 4-bit weight dequantized in forward and backward (assumed)
 
 
 @register
@@ -41,6 +42,15 @@ class Lora(Technique):
     stage = "adapters"
     summary = "LoRA (peft): every weight frozen, low-rank adapters on the target linears train"
     time_factor = 0.75   # no weight gradients for the frozen matrices (assumed)
+    traits = frozenset({"adapters"})
+    oom_fixes = ("lora",)
+    search_axis = "weights"
+    conflicts_with = {
+        "adapters": ("one set of low-rank adapters per model (qlora is lora on a 4-bit base)", "keep one of them"),
+        "splits-linears": ("peft replaces the target linears with LoRA layers, which {other}'s plans do not split",
+                           "drop -t {other}"),
+        "splits-blocks": ("peft wraps the model, and {other} splits the blocks of the model itself", "drop -t {other}"),
+    }
     rank: int = 16
     alpha: int | None = None        # default 2 x rank
     targets: str | None = None      # module-name suffixes joined by "|"; default q_proj|v_proj
@@ -59,6 +69,13 @@ class Lora(Technique):
     @property
     def scaling(self) -> float:
         return (self.alpha or 2 * self.rank) / self.rank
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "train" else []
+
+    def cost_compute(self, compute) -> None:   # frozen weights: backward computes input gradients only
+        compute.backward = compute.forward
 
     def check(self, workload) -> None:
         if workload.task != "train":
@@ -86,12 +103,20 @@ class Qlora(Lora):
     name = "qlora"
     summary = "QLoRA: the base's linears frozen as bitsandbytes 4-bit codes (NF4), LoRA adapters train"
     time_factor = 0.9    # LoRA's saving, less a dequantization per linear in forward and backward (assumed)
+    traits = frozenset({"adapters", "subclass-weights", "quantized-linears"})
+    conflicts_with = {**Lora.conflicts_with, **FOUR_BIT_CONFLICTS}
+    oom_fixes = ("qlora",)
+    deepspeed_conflict = ("casts every weight to its half type, 4-bit codes included", "use --engine pytorch")
     format: str = "nf4"
     double_quant: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_format(self.name, self.format)
+
+    def cost_compute(self, compute) -> None:
+        super().cost_compute(compute)
+        compute.factor *= QLORA_DEQUANT
 
     def check(self, workload) -> None:
         super().check(workload)

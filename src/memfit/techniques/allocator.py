@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+from memfit.techniques.base import OomFix, Technique, register
+from memfit.steps.setup import StepSetup
 
-RESERVE_FRACTION_ASSUMED = 0.10                     # PyTorch's default allocator, training loops
-EXPANDABLE_RESERVE_FRACTION_ASSUMED = 0.02          # with expandable segments
+EXPANDABLE_RESERVE_FRACTION_ASSUMED = 0.02   # of the tensor peak (PyTorch's default allocator: gpu_overhead.py)
 
 
 @register
@@ -35,6 +34,26 @@ class ExpandableSegments(Technique):
     risk = "lossless"
     stage = "memory"
     summary = "CUDA allocator segments that grow in place: less fragmentation, a smaller reserve (CUDA only)"
+    oom_fixes = ("expandable-segments",)
+    search_axis = "allocator"
+    reserve_fraction = EXPANDABLE_RESERVE_FRACTION_ASSUMED
+    how = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [] if request.on_cpu else [cls.name]
+
+    def cost_compute(self, compute) -> None:   # growing a segment in place costs no step time here
+        pass
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        """What the allocator held but no tensor used: the message's "reserved but unallocated", or a snapshot's
+        reserved segments less its active blocks."""
+        if message is not None and message.reserved_unallocated_bytes:
+            return OomFix(self.name, message.reserved_unallocated_bytes, "message: reserved, unallocated", self.how)
+        if snapshot is not None and snapshot.fragmentation_bytes > 0:
+            return OomFix(self.name, snapshot.fragmentation_bytes, "snapshot: reserved − active", self.how)
+        return None
 
     def apply_(self, setup: StepSetup) -> None:
         if setup.device_type == "cuda" and torch.cuda.is_available():
@@ -53,10 +72,3 @@ class ReleaseCache(Technique):
     def apply_(self, setup: StepSetup) -> None:
         if setup.device_type == "cuda" and torch.cuda.is_available():
             setup.phase_callbacks.append(lambda phase: torch.cuda.empty_cache())
-
-
-def reserve_fraction(workload) -> float:
-    """The caching allocator's reserve beyond the tensor peak, as a fraction of it (ASSUMED)."""
-    if workload is not None and workload.technique("expandable-segments"):
-        return EXPANDABLE_RESERVE_FRACTION_ASSUMED
-    return RESERVE_FRACTION_ASSUMED

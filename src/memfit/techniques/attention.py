@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError, require_positive_int
-from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.steps.setup import StepSetup
 
 SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "phi3")
 
@@ -33,6 +33,16 @@ class Sdpa(Technique):
     stage = "sequence"
     summary = "fused scaled-dot-product attention instead of eager attention (no seq x seq scores saved)"
     time_factor = 0.9
+    oom_fixes = ("sdpa",)
+    search_axis = "attention"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        eager = workload.source.is_hf and workload.source.hf_config.get("attn_implementation", "sdpa") != "sdpa"
+        return [cls.name] if eager else []
+
+    def cost_compute(self, compute) -> None:   # fused attention: the same FLOPs, which is what the roofline counts
+        pass
 
     def config_overrides(self, source) -> dict:
         return {"attn_implementation": "sdpa"} if source.is_hf else {}
@@ -62,6 +72,13 @@ class SlidingWindow(Technique):
     stage = "sequence"
     summary = "local attention over the last `window` tokens (KV cache capped at the window)"
     window: int = 4096
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        cache = snapshot.by_category.get("kv_cache") if snapshot is not None else None
+        if not cache:
+            return None
+        return OomFix("half the context", cache // 2, SNAPSHOT_RATIO,
+                      f"shorter prompts or -t {self.name}:window=W")
 
     def __post_init__(self) -> None:
         require_positive_int(self.window, "-t sliding-window: window")

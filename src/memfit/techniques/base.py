@@ -10,15 +10,43 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from typing import ClassVar, NamedTuple
 
 from memfit.core.errors import MemfitError, closest
-
-if TYPE_CHECKING:
-    from memfit.specs.workload import Workload
-    from memfit.techniques.setup import StepSetup
+from memfit.specs.workload import Workload
+from memfit.steps.setup import StepSetup
 
 RISKS = ("lossless", "numerical", "lossy")
+
+# What a technique can declare it is (`traits`), so that another can declare a rule against it without naming it:
+# a new sharding technique that declares "dtensor" meets every rule written against DTensor parameters.
+TRAITS = {
+    "layout": "lays the model out over the ranks (one per workload)",
+    "dtensor": "turns the parameters into DTensor shards",
+    "shards-weights": "leaves each rank a part of the weights (sharded, split or staged)",
+    "splits-linears": "splits every linear over the ranks with plans for nn.Linear (the step mixes DTensors and "
+                      "plain tensors)",
+    "splits-blocks": "leaves each rank a run of the model's own blocks",
+    "own-backward": "runs the step's micro-batches and their backward itself",
+    "wraps-forward": "the model runs through its wrapper (calling the base model directly skips it)",
+    "reduces-gradients": "reduces each gradient across the ranks as backward produces it",
+    "host-optimizer": "moves the optimizer and its states to host RAM",
+    "subclass-weights": "turns weights into tensor subclasses (quantized codes)",
+    "quantized-linears": "quantizes (or fake-quantizes) the linear layers' weights",
+    "adapters": "freezes the base and trains low-rank adapters beside it",
+    "replaces-loss": "computes the step's loss itself",
+}
+
+
+SNAPSHOT_RATIO = "snapshot × published ratio (rough)"   # a fix predicted from a snapshot's categories
+
+
+class OomFix(NamedTuple):
+    fix: str              # what to apply: a technique spec, or a plain description
+    saved_bytes: int
+    basis: str            # where the prediction comes from
+    how: str              # how to apply it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,13 +59,60 @@ class Technique:
     # Step time relative to the same step without the technique: a cost-model figure (`assumed`)
     # until benchmarks/technique_table.py measures it.
     time_factor: ClassVar[float] = 1.0
+    # What the technique is (keys of TRAITS), for other techniques' rules and the code that asks
+    traits: ClassVar[frozenset[str]] = frozenset()
+    # Rules: a technique name or a trait -> (reason, fix) why this technique does not work with it; "{other}" in
+    # either is the other technique's name. compose.check_rules applies them before anything runs.
+    conflicts_with: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    deepspeed_conflict: ClassVar[tuple[str, str] | None] = None   # (reason, fix) DeepSpeed's engine cannot run it
+    # explain-oom: the configurations it tries on the workload that ran out of memory (memfit's estimate of it
+    # with each), best saving first; `oom_fix` predicts one from the OOM message or a snapshot alone
+    oom_fixes: ClassVar[tuple[str, ...]] = ()
+    # The planner: the axis of its search this technique is one value of (planner/space.py AXES, or "allocator":
+    # added only to a plan that fits with it alone), None when it is not searched; `search_values` says which
+    # configurations to try
+    search_axis: ClassVar[str | None] = None
+    # the caching allocator's reserve beyond the tensor peak with this technique, as a fraction of the peak (an
+    # allocator setting); None: it does not change the reserve
+    reserve_fraction: ClassVar[float | None] = None
+
+    @classmethod
+    def implied_by(cls, workload: Workload, techniques: list[Technique]) -> bool:
+        """True when `workload` with `techniques` (those given) runs this technique without being asked."""
+        return False
+
+    @classmethod
+    def search_values(cls, request, workload: Workload) -> list[str]:
+        """The configurations (specs) the planner tries for `request` (a PlanRequest), `workload` being the request's
+        model and task resolved; [] for none. Lossy ones are kept only under --allow lossy."""
+        return []
 
     def step_time_factor(self) -> float:
         """This configuration's step-time factor (the class's `time_factor` unless a parameter changes it)."""
         return self.time_factor
 
+    def cost_compute(self, compute) -> None:
+        """Change one micro-step's FLOPs in the planner's cost model (planner/cost.py `Compute`: recompute,
+        backward, the ranks they split over, a bubble). By default: multiply the compute by this technique's
+        step-time factor, for a technique whose time the model does not derive."""
+        compute.factor *= self.step_time_factor()
+
+    def cost_overhead(self, step) -> None:
+        """Add the seconds this technique spends beside the compute (planner/cost.py `Step`: communication,
+        offload copies, a host optimizer step)."""
+
+    def conflicts(self) -> Mapping[str, tuple[str, str]]:
+        """This configuration's rules (`conflicts_with`, unless a parameter changes them)."""
+        return self.conflicts_with
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        """A fix read off the OOM message or the memory snapshot alone (no workload given; each may be None), or
+        None: the bytes it would free and where that prediction comes from."""
+        return None
+
     def check(self, workload: Workload) -> None:
-        """Raise MemfitError when this technique cannot apply to `workload`."""
+        """Raise MemfitError when this technique cannot apply to `workload` (its own conditions; the rules
+        between techniques are `conflicts_with`)."""
 
     def config_overrides(self, source) -> dict:
         """Fields this technique changes in a Hugging Face model's config (memfit builds the model with them)."""
@@ -62,7 +137,11 @@ REGISTRY: dict[str, type[Technique]] = {}
 
 
 def register(cls: type[Technique]) -> type[Technique]:
+    """Add a technique class to the registry (a decorator): from then on `-t NAME` parses to it, and the rules,
+    the planner's search, the cost model and explain-oom's fixes ask it what it declares."""
     assert cls.risk in RISKS and cls.name not in REGISTRY, cls
+    unknown = set(cls.traits) - set(TRAITS)
+    assert not unknown, f"{cls.name} declares unknown traits {unknown}; add them to TRAITS with their meaning"
     REGISTRY[cls.name] = cls
     return cls
 
@@ -83,8 +162,6 @@ def _coerce(value: str, kind: type, name: str, key: str):
 
 def parse_technique(spec: str) -> Technique:
     """`checkpointing:every=2` -> Checkpointing(every=2); unknown names and keys are one-line errors."""
-    from memfit.techniques import catalog  # noqa: F401  (registers every technique)
-
     if not isinstance(spec, str) or not spec.strip():
         raise MemfitError(f"-t needs a technique name, got {spec!r}; see `memfit techniques`.")
     name, _, rest = spec.strip().partition(":")

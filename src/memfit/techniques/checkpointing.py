@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
-from memfit.techniques.base import Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 MODES = ("full", "selective", "offload")
+SELECTIVE_RECOMPUTE = 0.1    # of one forward: the cheap ops selective checkpointing re-runs (assumed)
+KEEP_CHECKPOINTED = 2 / 34   # of a layer's activation bytes: full recompute keeps 2sbh of 34sbh (Korthikanti et al.)
 
 
 def _expensive_ops() -> set:
@@ -57,6 +59,10 @@ class Checkpointing(Technique):
     summary = ("recompute block activations in backward: full per block, every n-th block, selective per op; "
                "or offload them to host RAM (mode=offload)")
     time_factor = 1.33
+    conflicts_with = {"splits-linears": ("mode=offload copies the saved tensors to the host as plain tensors, and "
+                                         "{other} saves DTensors", "use checkpointing:mode=full or selective")}
+    oom_fixes = ("checkpointing", "checkpointing:mode=selective", "checkpointing:mode=offload")
+    search_axis = "checkpointing"
     every: int = 1
     mode: str = "full"
     blocks: str | None = None       # regular expression over module names; default: the repeated blocks
@@ -69,6 +75,32 @@ class Checkpointing(Technique):
     def step_time_factor(self) -> float:
         # offload: device <-> host copies of the saved tensors instead of a re-run (overlapped on a GPU)
         return {"full": self.time_factor, "selective": 1.1, "offload": 1.1}[self.mode]
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return list(cls.oom_fixes) if request.task == "train" else []
+
+    def cost_compute(self, compute) -> None:
+        """Full: one more forward of every n-th block; selective: the cheap ops of one (Korthikanti et al.,
+        2022); offload recomputes nothing (its copies are `cost_overhead`)."""
+        if self.mode == "full":
+            compute.recompute += compute.forward / self.every
+        elif self.mode == "selective":
+            compute.recompute += SELECTIVE_RECOMPUTE * compute.forward
+
+    def cost_overhead(self, step) -> None:
+        if self.mode == "offload":   # the saved tensors go to the host and back, overlapped with the compute
+            moved = 2 * step.activation_host_bytes() / step.pcie_bytes_per_s
+            step.add("offload", max(0.0, moved - step.cost.copy_overlap * step.work_s * step.accum))
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        activations = snapshot.by_category.get("activations") if snapshot is not None else None
+        if not activations:
+            return None
+        return OomFix(self.name, int(activations * (1 - KEEP_CHECKPOINTED)), SNAPSHOT_RATIO, f"-t {self.name}")
+
+    def conflicts(self):
+        return self.conflicts_with if self.mode == "offload" else {}
 
     def check(self, workload) -> None:
         if workload.task != "train":

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from memfit.core.errors import MemfitError, require_positive_int
+from memfit.core.precision import get_precision
 from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 
 @register
@@ -33,6 +34,14 @@ class Distill(Technique):
     stage = "student"
     summary = "knowledge distillation: a student with fewer blocks trains on the frozen teacher's soft targets"
     time_factor = 0.8       # a smaller student's step plus the teacher's forward (assumed)
+    traits = frozenset({"replaces-loss"})
+    conflicts_with = {
+        "layout": ("the teacher would stay outside the data-parallel, sharded or pipelined student", "drop -t {other}"),
+        "replaces-loss": ("distillation needs the student's whole logits for the soft targets", "drop -t {other}"),
+        "adapters": ("the student trains whole; adapters on a distilled student are not built here",
+                     "drop -t {other}"),
+    }
+    deepspeed_conflict = ("wraps one model; the teacher would stay outside it", "use --engine pytorch")
     layers: int | None = None       # the student's blocks; default half the teacher's
     temperature: float = 2.0
     alpha: float = 0.5
@@ -60,7 +69,7 @@ class Distill(Technique):
         if self.student_layers(teacher) >= teacher:
             raise MemfitError(f"-t distill: the student needs fewer blocks than the teacher's {teacher}; "
                               f"got layers={self.layers}.")
-        if self.teacher == "int8" and workload.precision not in ("fp32", "bf16"):
+        if self.teacher == "int8" and get_precision(workload.precision).autocast_dtype is not None:
             raise MemfitError("-t distill:teacher=int8 computes in the weights' own dtype; use --precision fp32 "
                               "or bf16.")
 

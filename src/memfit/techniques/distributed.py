@@ -44,7 +44,7 @@ from memfit.core.errors import MemfitError
 from memfit.steps.host import note_category, note_host
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 
 def require_process_group(name: str) -> None:
@@ -62,14 +62,43 @@ def _check_data_parallel(name: str, workload) -> None:
         raise MemfitError(f"-t {name} is for training; drop it for --task inference.")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayoutTechnique(Technique):
+    """A way to lay the model out over the ranks: one per workload."""
+
+    stage = "shard"
+    conflicts_with = {"layout": ("each lays the model out over every rank (memfit has no 2-D mesh yet)",
+                                 "keep one of them")}
+    deepspeed_conflict = ("wraps the model itself (ZeRO data parallel)", "drop -t {other}")
+    search_axis = "layout"
+
+    def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
+        """Over `num_gpus`: (ranks one step runs over, copies of the model the batch is split over, what the
+        micro-batch must be a multiple of)."""
+        return num_gpus, num_gpus, 1
+
+    def cost_compute(self, compute) -> None:   # the FLOPs stay; the layout's time is its collectives
+        pass
+
+
 @register
 @dataclass(frozen=True, kw_only=True)
-class Ddp(Technique):
+class Ddp(LayoutTechnique):
     name = "ddp"
     risk = "numerical"     # gradients are averaged across ranks in buckets: a different summation order
-    stage = "shard"
+    traits = frozenset({"layout", "reduces-gradients", "wraps-forward"})
     summary = "DistributedDataParallel: a whole model per rank, gradients all-reduced in buckets"
     bucket_view: bool = False
+
+    @classmethod
+    def implied_by(cls, workload, techniques) -> bool:
+        """`--world-size N` training with no layout and --zero 0 or 1 is DDP (with --zero 1 its optimizer is
+        ZeroRedundancyOptimizer); DeepSpeed's engine is its own data parallel."""
+        return (workload.task == "train" and workload.world_size > 1 and workload.zero_stage <= 1
+                and workload.engine == "pytorch" and not any("layout" in t.traits for t in techniques))
+
+    def cost_overhead(self, step) -> None:
+        step.add("communication", step.gradient_all_reduce_s(step.state_bytes("gradients")))
 
     def check(self, workload) -> None:
         _check_data_parallel(self.name, workload)
@@ -131,13 +160,21 @@ class _KeepBuckets:
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Fsdp2(Technique):
+class Fsdp2(LayoutTechnique):
     name = "fsdp2"
     risk = "numerical"
-    stage = "shard"
+    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward"})
     summary = ("fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks; "
                "reshard=false keeps each block gathered from its forward to its backward (ZeRO-2-like)")
     reshard: bool = True
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name, f"{cls.name}:reshard=false"] if request.task == "train" and request.num_gpus > 1 else []
+
+    def cost_overhead(self, step) -> None:
+        # an all-gather before forward and again before backward (once, without resharding), a reduce-scatter
+        step.add("communication", step.sharded_gathers_s(2 if self.reshard else 1))
 
     def check(self, workload) -> None:
         _check_data_parallel(self.name, workload)
@@ -154,17 +191,18 @@ class Fsdp2(Technique):
         with unset_fake_temporarily():   # the mesh reads real values
             mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
         options = {"mesh": mesh, "reshard_after_forward": self.reshard}
-        if setup.offload:   # -t cpu-offload: shards, gradients and optimizer states in host RAM
+        if setup.host_optimizer is not None:   # offload asked for: shards, gradients and states in host RAM
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=setup.device_type == "cuda")
-            setup.offload = "fsdp2"
+            setup.host_optimizer, setup.states_on_host = None, True
         for _, block in repeated_blocks(setup.model):
             fully_shard(block, **options)
         fully_shard(setup.model, **options)
-        if setup.offload:
+        if setup.states_on_host:
             note_host(setup.model.parameters())
 
 
 LLAMA_LAYOUTS = ("llama", "mistral", "qwen2")   # the model types tensor and pipeline parallel split
+COLLECTIVE_LATENCY_S = 15e-6   # per collective: what a decode step's small all-reduces cost (assumed)
 
 
 def check_split_over_ranks(name: str, workload, parts: str) -> None:
@@ -184,11 +222,35 @@ ROWWISE = ("o_proj", "down_proj")                                   # input feat
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class TensorParallel(Technique):
+class TensorParallel(LayoutTechnique):
     name = "tensor-parallel"
+    traits = frozenset({"layout", "dtensor", "shards-weights", "splits-linears"})
     risk = "numerical"      # each rank sums a part of every row-parallel matmul; the all-reduce adds them
-    stage = "shard"
     summary = "Megatron-style tensor parallel (DTensor): attention heads and MLP channels split over the ranks"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.num_gpus > 1 else []
+
+    def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
+        return num_gpus, 1, 1   # every rank sees the whole batch
+
+    def cost_compute(self, compute) -> None:
+        compute.split = compute.world_size
+
+    def cost_overhead(self, step) -> None:
+        """Every block all-reduces its attention and MLP outputs (not overlapped: the next op waits): in training
+        4 per block (forward and backward), 2 more with recompute; in inference 2 per block for the prefill
+        and for every decoded token."""
+        w, c = step.workload, step.compute
+        n, layers, hidden = w.world_size, c.shape.layers, c.shape.hidden
+        per_token = 2 * (n - 1) / n * hidden * step.activation_bytes / step.link_bytes_per_s
+        if w.task == "train":
+            step.add("communication", (4 + (2 if c.recompute else 0)) * layers * per_token * c.tokens * step.accum)
+            return
+        comm = 2 * layers * (per_token * c.tokens + COLLECTIVE_LATENCY_S)
+        comm += w.new_tokens * 2 * layers * (per_token * w.batch_size + COLLECTIVE_LATENCY_S)
+        step.add("communication", comm * step.accum)
 
     def check(self, workload) -> None:
         check_split_over_ranks(self.name, workload, "the q/k/v/o and gate/up/down projections")

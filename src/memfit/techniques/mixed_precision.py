@@ -14,14 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.precision import get_precision
-from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.steps.setup import StepSetup
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Precision(Technique):
     stage = "precision"
     workload_field = "precision"
+    search_axis = "precision"
 
     def apply_(self, setup: StepSetup) -> None:
         setup.precision = get_precision(self.name)
@@ -37,6 +38,17 @@ class Fp16Mixed(_Precision):
     summary = "fp16 autocast with dynamic loss scaling (GradScaler skips steps whose gradients overflow)"
     time_factor = 0.5
 
+    @classmethod
+    def search_values(cls, request, workload):   # where bf16 is missing: GPUs before Ampere
+        return [cls.name] if not request.on_cpu and not request.gpu.bf16_tflops else []
+
+    conflicts_with = {
+        "splits-linears": ("GradScaler unscales plain and DTensor gradients in one kernel, which takes one kind",
+                           "use bf16-mixed with {other}"),
+        "own-backward": ("{other} runs backward itself, on a loss the GradScaler never scaled",
+                         "use bf16-mixed with {other}"),
+    }
+
 
 @register
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +57,11 @@ class Bf16Mixed(_Precision):
     risk = "numerical"
     summary = "bf16 autocast over fp32 weights (half activations, cached half copies of the weights)"
     time_factor = 0.5
+    oom_fixes = ("bf16-mixed",)
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "train" and (request.on_cpu or request.gpu.bf16_tflops) else []
 
 
 @register
@@ -54,3 +71,14 @@ class PureBf16(_Precision):
     risk = "numerical"
     summary = "weights, gradients and optimizer states in bfloat16 (no fp32 master copy)"
     time_factor = 0.5
+    oom_fixes = ("bf16",)
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.on_cpu or request.gpu.bf16_tflops else []
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        weights = snapshot.by_category.get("parameters") if snapshot is not None else None
+        if not weights:
+            return None
+        return OomFix(self.name, weights // 2, SNAPSHOT_RATIO + "; float32 weights", f"-t {self.name}")

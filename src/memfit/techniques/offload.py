@@ -50,11 +50,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
 from memfit.steps.hooks import tensors_in
 from memfit.steps.host import host_copy, note_category, note_host, on_host
-from memfit.techniques.base import Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 
 @register
@@ -62,10 +63,46 @@ from memfit.techniques.setup import StepSetup
 class CpuOffload(Technique):
     name = "cpu-offload"
     risk = "lossless"
-    # In the shard stage and, by name, before fsdp2: fsdp2 reads `setup.offload` to offload its shards.
-    stage = "shard"
+    traits = frozenset({"host-optimizer"})
+    conflicts_with = {
+        "reduces-gradients": ("{other} reduces each gradient in buckets as backward produces it, but cpu-offload takes "
+                              "it off the device first", "shard the model instead (-t fsdp2 -t cpu-offload)"),
+        "splits-linears": ("the host optimizer copies plain tensors, and {other}'s weights are DTensor shards",
+                           "drop cpu-offload"),
+        "own-backward": ("{other} runs its own backward; the host optimizer is not wired into it", "drop cpu-offload"),
+    }
+    stage = "offload"
     summary = "gradients, optimizer states (and with fsdp2 the parameter shards) in host RAM; the step runs there"
     time_factor = 1.3
+
+    oom_fixes = ("cpu-offload",)
+    search_axis = "offload"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "train" else []
+
+    def cost_compute(self, compute) -> None:   # the compute stays; the time is the host step and the copies
+        pass
+
+    def cost_overhead(self, step) -> None:
+        """The optimizer steps on the host (every rank of a node shares its memory bandwidth); the updated weights
+        cross PCIe back after it, the gradients during backward (overlapped)."""
+        w, e = step.workload, step.estimate
+        ranks_per_node = min(step.num_gpus, 8)
+        trainable_numel = e.num_parameters // max(1, w.world_size)
+        per_param = dict(step.cost.optimizer_s_per_param).get(w.optimizer)
+        step.parts["optimizer"] = (trainable_numel * ranks_per_node * per_param if per_param
+                                   else 2 * e.host_bytes * ranks_per_node / step.host_step_bytes_per_s)
+        weights_up = grads_down = trainable_numel * step.gradient_bytes
+        overlap = step.cost.copy_overlap * step.backward_share(step.work_s * step.accum)
+        step.add("offload", weights_up / step.pcie_bytes_per_s + max(0.0, grads_down / step.pcie_bytes_per_s - overlap))
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        if snapshot is None or not snapshot.by_category.get("optimizer_states"):
+            return None
+        moved = snapshot.by_category["optimizer_states"] + snapshot.by_category.get("gradients", 0)
+        return OomFix(self.name, moved, SNAPSHOT_RATIO, f"-t {self.name}")
 
     def check(self, workload) -> None:
         if workload.task != "train":
@@ -74,9 +111,13 @@ class CpuOffload(Technique):
         if workload.zero_stage and workload.engine != "deepspeed":
             raise MemfitError("-t cpu-offload with --zero: memfit offloads sharded states through FSDP2 or "
                               "DeepSpeed; use --world-size N -t fsdp2 -t cpu-offload, or --engine deepspeed.")
+        if get_precision(workload.precision).loss_scaling and workload.engine == "pytorch":
+            raise MemfitError(f"{workload.precision} + cpu-offload: the loss scaler unscales and checks the gradients "
+                              "on the device, but cpu-offload moves each one to the host as it arrives; use bf16-mixed "
+                              "with cpu-offload.")
 
     def apply_(self, setup: StepSetup) -> None:
-        setup.offload = "optimizer"
+        setup.host_optimizer = HostOffloadOptimizer   # a sharding technique applied later may take it over
 
 
 class HostOffloadOptimizer:
@@ -187,9 +228,24 @@ def parameter_storages(model: torch.nn.Module) -> WeakIdKeyDictionary:
 class StreamLayers(Technique):
     name = "stream-layers"
     risk = "lossless"
-    stage = "shard"
+    stage = "offload"
     summary = "inference larger than the device: block weights in host RAM, each copied in just before it runs"
+    conflicts_with = {"subclass-weights": ("stream-layers copies plain weights between host and device; {other}'s "
+                                           "weights are tensor subclasses", "drop -t {other} or -t stream-layers")}
     time_factor = 3.0     # PCIe-bound: the whole model crosses the bus every forward (assumed)
+    oom_fixes = ("stream-layers",)
+    search_axis = "offload"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "inference" else []
+
+    def cost_compute(self, compute) -> None:
+        pass
+
+    def cost_overhead(self, step) -> None:   # the blocks' weights cross PCIe for every forward (each token's too)
+        streamed = step.estimate.host_bytes / step.pcie_bytes_per_s
+        step.add("offload", streamed * (1 + step.workload.new_tokens) * step.accum)
 
     def check(self, workload) -> None:
         if workload.task != "inference":
@@ -238,7 +294,7 @@ def stream_block_(block: torch.nn.Module, park_after: Callable[[object], bool] =
 class ParkFrozen(Technique):
     name = "park-frozen"
     risk = "lossless"
-    stage = "shard"
+    stage = "offload"
     summary = ("frozen modules that backward never needs (no gradient flows through them) wait in host RAM "
                "outside their own forward")
     time_factor = 1.1     # their weights cross PCIe once per step (assumed)

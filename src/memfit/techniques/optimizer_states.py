@@ -9,14 +9,24 @@ Mechanism and memory per parameter (fp32 AdamW keeps m and v: 8 bytes):
     Li et al., "Memory Efficient Optimizers with 4-bit States", 2023.
   adafactor (torch.optim.Adafactor): factored second moment (a row and a column vector per
     matrix), no first moment. Shazeer & Stern, 2018.
-These set the workload's optimizer (`--optimizer` and `-t` are the same setting).
+These set the workload's optimizer (`--optimizer` and `-t` are the same setting); each builds its optimizer
+for the step (`build`).
 """
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
+from typing import ClassVar
 
-from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+import torch
+
+from memfit.core.errors import MemfitError
+from memfit.steps.optim import torch_optimizer
+from memfit.steps.setup import StepSetup
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+
+KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,9 +34,26 @@ class _Optimizer(Technique):
     stage = "optimizer"
     workload_field = "optimizer"
     risk = "numerical"
+    default_lr: ClassVar[float] = 1e-4
+    search_axis = "optimizer"
+    deepspeed_conflict = ("runs DeepSpeed's own AdamW (float32 master weights and moments)", "use --engine pytorch")
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "train" else []
 
     def apply_(self, setup: StepSetup) -> None:
         setup.optimizer_name = self.name
+        setup.optimizer_factory = self.build
+
+    def build(self, params, *, lr: float | None = None, foreach: bool | None = None,
+              shard: bool = False) -> torch.optim.Optimizer:
+        """The optimizer over the trainable `params` (`lr` None: its default)."""
+        raise NotImplementedError
+
+    def _refuse_shard(self, shard: bool) -> None:
+        if shard:
+            raise MemfitError(f"--zero 1 shards torch.optim optimizers; {self.name} keeps its own state layout.")
 
 
 @register
@@ -34,6 +61,32 @@ class _Optimizer(Technique):
 class AdamW8bit(_Optimizer):
     name = "adamw8bit"
     summary = "AdamW with block-wise 8-bit m and v (bitsandbytes): ~2 bytes of state per parameter"
+    oom_fixes = ("adamw8bit",)
+    conflicts_with = {
+        "host-optimizer": ("the host optimizer keeps float32 states (DeepSpeed's CPU Adam does too); 8-bit states "
+                           "are kernels for the device", "use AdamW or Adafactor with {other}"),
+        "dtensor": ("bitsandbytes' 8-bit states are not DTensor-aware", "use AdamW with {other}"),
+    }
+
+    def check(self, workload) -> None:
+        _refuse_zero(self.name, workload, "bitsandbytes keeps 8-bit states per whole tensor in blocks of 256")
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        states = snapshot.by_category.get("optimizer_states") if snapshot is not None else None
+        if not states:
+            return None
+        return OomFix(self.name, int(states * (1 - KEEP_8BIT_STATE)), SNAPSHOT_RATIO, f"-t {self.name}")
+
+    def build(self, params, *, lr=None, foreach=None, shard=False):
+        # Imported and built outside any tracking or fake mode: the import creates constant tables and the
+        # constructor computes its quantization maps from real values; neither is the step's memory.
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self._refuse_shard(shard)
+        params = [p for p in params if p.requires_grad]
+        with _disable_current_modes():
+            bnb = _import("bitsandbytes", self.name)
+            return bnb.optim.AdamW8bit(params, lr=self.default_lr if lr is None else lr)
 
 
 @register
@@ -43,6 +96,29 @@ class AdamW4bit(_Optimizer):
     # measured: +24 % held-out perplexity after 60 steps from scratch (benchmarks/results/technique_table.txt)
     risk = "lossy"
     summary = "AdamW with block-wise 4-bit m and v (torchao): ~1 byte of state per parameter"
+    conflicts_with = {
+        "host-optimizer": ("the host optimizer keeps float32 states (DeepSpeed's CPU Adam does too); 4-bit states "
+                           "are kernels for the device", "use AdamW or Adafactor with {other}"),
+        "dtensor": ("memfit does not trace torchao's 4-bit states on DTensor shards yet", "use AdamW with {other}"),
+    }
+
+    def check(self, workload) -> None:
+        _refuse_zero(self.name, workload, "torchao's 4-bit states are per whole tensor (or per DTensor shard)")
+
+    def build(self, params, *, lr=None, foreach=None, shard=False):
+        from torch._subclasses.fake_tensor import is_fake
+
+        self._refuse_shard(shard)
+        params = [p for p in params if p.requires_grad]
+        lr = self.default_lr if lr is None else lr
+        if params and is_fake(params[0]):
+            # torchao's step is compiled and reads data, which fake tensors cannot do; trace its exact state
+            # layout instead (the compiled step allocates no parameter-sized temporaries).
+            return Blockwise4bitLayout(params, lr=lr)
+        os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+        optimizer = _import("torchao.optim", self.name).AdamW4bit(params, lr=lr)
+        optimizer.step = _outside_dispatch_modes(optimizer.step)
+        return optimizer
 
 
 @register
@@ -51,3 +127,74 @@ class Adafactor(_Optimizer):
     name = "adafactor"
     risk = "lossy"      # a different update rule (and learning rate) than AdamW: the training path changes
     summary = "Adafactor: factored second moment, no first moment (rows + columns per matrix)"
+    default_lr = 1e-2
+    conflicts_with = {"dtensor": ("torch.optim.Adafactor's in-place norm updates do not run on DTensor shards",
+                                  "use AdamW with {other}")}
+
+    def build(self, params, *, lr=None, foreach=None, shard=False):
+        return torch_optimizer(torch.optim.Adafactor, params, lr=self.default_lr if lr is None else lr,
+                               foreach=foreach, shard=shard)
+
+
+def _refuse_zero(name: str, workload, layout: str) -> None:
+    if workload.zero_stage >= 1:
+        raise MemfitError(f"{name}: {layout}, but ZeRO-1/2 partitions one flat optimizer state across ranks; drop "
+                          "--zero, or keep the fp32 optimizer under ZeRO.")
+
+
+def _outside_dispatch_modes(step):
+    """torch.compile will not run under a Python dispatch mode (memfit's tracker is one), so the compiled
+    step runs outside them; the allocator, which `measure` reads, still sees everything it allocates."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapped(*args, **kwargs):
+        with _disable_current_modes():
+            return step(*args, **kwargs)
+
+    return wrapped
+
+
+def _import(module: str, technique: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MemfitError(f"-t {technique} needs {module.split('.')[0]}: pip install 'memfit[optim]'.") from None
+
+
+# torchao's AdamW4bit state layout (torchao/optim/adam.py `_new_buffer`, subclass_4bit.py `OptimState4bit.zeros`)
+BLOCK_4BIT = 128
+QMAP_4BIT = 16
+MIN_QUANTIZED_NUMEL = 4096
+
+
+class Blockwise4bitLayout(torch.optim.Optimizer):
+    """A stand-in with the exact state layout of torchao's AdamW4bit, for traces: its real step compiles and
+    reads data, which FakeTensorMode forbids. The same state tensors are created at the first step as torchao
+    creates them, and the update is in place. The compiled step fuses dequantize-update-quantize into one
+    kernel per parameter, so no parameter-sized temporaries appear (checked against a real run in
+    tests/test_techniques.py)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @staticmethod
+    def _state(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = p.numel()
+        if n >= MIN_QUANTIZED_NUMEL and n % BLOCK_4BIT == 0:
+            return (torch.zeros(n // 2, dtype=torch.uint8), torch.zeros(n // BLOCK_4BIT), torch.zeros(QMAP_4BIT))
+        return (torch.zeros_like(p),)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        for i, tensor in enumerate(self._state(p)):
+                            state[f"{name}.{i}"] = tensor
+                state["step"] += 1
+                p.add_(p.grad, alpha=0.0)

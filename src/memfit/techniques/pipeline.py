@@ -23,19 +23,19 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, require_positive_int
-from memfit.techniques.base import Technique, register
-from memfit.techniques.distributed import check_split_over_ranks, require_process_group
-from memfit.techniques.setup import StepSetup
+from memfit.techniques.base import register
+from memfit.techniques.distributed import LayoutTechnique, check_split_over_ranks, require_process_group
+from memfit.steps.setup import StepSetup
 
 SCHEDULES = ("1f1b", "gpipe")
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class PipelineParallel(Technique):
+class PipelineParallel(LayoutTechnique):
     name = "pipeline-parallel"
     risk = "numerical"      # the batch's loss is a mean of micro-batch means: another summation order
-    stage = "shard"
+    traits = frozenset({"layout", "shards-weights", "splits-blocks", "own-backward", "wraps-forward"})
     summary = "pipeline parallel (torch.distributed.pipelining): each rank holds a run of the blocks; 1f1b or gpipe"
     microbatches: int = 2
     schedule: str = "1f1b"
@@ -45,6 +45,19 @@ class PipelineParallel(Technique):
         if self.schedule not in SCHEDULES:
             raise MemfitError(f"-t pipeline-parallel: schedule must be one of {', '.join(SCHEDULES)}, "
                               f"got {self.schedule!r}.")
+
+    @classmethod
+    def search_values(cls, request, workload):
+        n = request.num_gpus
+        return [f"{cls.name}:microbatches={n}"] if request.task == "train" and n > 1 else []
+
+    def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
+        return num_gpus, 1, self.microbatches   # the micro-batch splits into the schedule's micro-batches
+
+    def cost_compute(self, compute) -> None:
+        """Each rank computes 1/N of the FLOPs; the schedule's bubble stretches the step by (M + N - 1) / M."""
+        compute.split = compute.world_size
+        compute.bubble = (self.microbatches + compute.world_size - 1) / self.microbatches
 
     def check(self, workload) -> None:
         check_split_over_ranks(self.name, workload, "the embeddings, blocks and head")

@@ -25,7 +25,7 @@ import torch
 from memfit.core.errors import MemfitError
 from memfit.techniques.base import Technique, register
 from memfit.techniques.quantization import refuse_conv1d
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 PARTS = ("both", "heads", "mlp")
 
@@ -48,6 +48,7 @@ class PruneStructured(Technique):
     stage = "prune"
     summary = "torch-pruning: attention-head groups and MLP channels removed for real (Llama-style decoders)"
     time_factor = 0.6      # fewer FLOPs in every block (assumed)
+    search_axis = "weights"
     ratio: float = 0.5
     part: str = "both"
 
@@ -55,6 +56,10 @@ class PruneStructured(Technique):
         _check_ratio(self.ratio, "-t prune-structured: ratio")
         if self.part not in PARTS:
             raise MemfitError(f"-t prune-structured: part must be one of {', '.join(PARTS)}, not {self.part!r}.")
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [f"{cls.name}:ratio=0.25"]   # a quarter: the ratio whose accuracy cost is measured (accuracy.json)
 
     def check(self, workload) -> None:
         if not workload.source.is_hf or workload.source.model_type not in MODEL_TYPES:

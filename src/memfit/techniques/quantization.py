@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
 from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 
 def refuse_conv1d(name: str, workload) -> None:
@@ -50,6 +51,12 @@ def refuse_conv1d(name: str, workload) -> None:
                           "nothing.")
 
 
+ONE_QUANTIZATION = {"quantized-linears": ("a linear weight is quantized one way", "keep one quantization")}
+FOUR_BIT_CONFLICTS = {**ONE_QUANTIZATION, "shards-weights": (
+    "bitsandbytes' 4-bit weights are not split by {other} (no DTensor or pipeline stage support here)",
+    "drop -t {other}")}
+
+
 @register
 @dataclass(frozen=True, kw_only=True)
 class Int8WeightOnly(Technique):
@@ -57,12 +64,20 @@ class Int8WeightOnly(Technique):
     risk = "lossy"
     stage = "quantize"
     summary = "torchao int8 weight-only: every nn.Linear weight as int8 codes with a float32 scale per row"
+    traits = frozenset({"subclass-weights", "quantized-linears"})
+    conflicts_with = ONE_QUANTIZATION
+    oom_fixes = ("int8-weight-only",)
+    search_axis = "weights"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "inference" else []
 
     def check(self, workload) -> None:
         if workload.task != "inference":
             raise MemfitError(f"-t {self.name} quantizes a model for inference; to train for int8, use -t qat "
                               "(quantization-aware training), then convert_qat_.")
-        if workload.precision not in ("fp32", "bf16"):
+        if get_precision(workload.precision).autocast_dtype is not None:
             raise MemfitError(f"-t {self.name} computes in the weights' own dtype; use --precision fp32 or bf16, "
                               f"not {workload.precision}.")
         refuse_conv1d(self.name, workload)
@@ -86,6 +101,7 @@ class Int8WeightOnly(Technique):
 class Int8Dynamic(Int8WeightOnly):
     name = "int8-dynamic"
     summary = "torchao int8 dynamic: int8 weights (scale per row) and each token's activations quantized per call"
+    oom_fixes = ()
     time_factor = 1.2    # quantizing activations per call; the int8 matmul pays off on GPUs (assumed)
 
     def torchao_config(self):
@@ -102,6 +118,14 @@ class Qat(Technique):
     stage = "quantize"
     summary = "quantization-aware training (torchao): int8 fake quantization of weights and inputs in every linear"
     time_factor = 1.5    # the fake quantization of every weight and input, forward and backward (assumed)
+    traits = frozenset({"quantized-linears"})
+    conflicts_with = {
+        **ONE_QUANTIZATION,
+        "adapters": ("qat trains every weight through fake quantization, and adapters freeze them",
+                     "keep one of them"),
+        "splits-linears": ("torchao's fake-quantized linears are not the nn.Linear that {other}'s plans split",
+                           "drop -t {other}"),
+    }
 
     def check(self, workload) -> None:
         if workload.task != "train":
@@ -147,6 +171,14 @@ class Bnb4bit(Technique):
     stage = "quantize"
     summary = "bitsandbytes 4-bit weights (NF4 or FP4, blocks of 64) on every nn.Linear but the LM head"
     time_factor = 1.3    # a dequantization per linear per call (assumed)
+    traits = frozenset({"subclass-weights", "quantized-linears"})
+    conflicts_with = FOUR_BIT_CONFLICTS
+    oom_fixes = ("bnb-4bit",)
+    search_axis = "weights"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "inference" else []
     format: str = "nf4"
     double_quant: bool = True
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.techniques.base import Technique, register
-from memfit.techniques.setup import StepSetup
+from memfit.steps.setup import StepSetup
 
 IGNORE_INDEX = -100
 
@@ -69,6 +69,9 @@ class SequenceChunks(Technique):
     risk = "lossy"
     stage = "sequence"
     summary = "run a long sequence as windows of `window` tokens every `stride`, gradients accumulated"
+    conflicts_with = {"own-backward": ("{other}'s schedule splits each batch into micro-batches itself",
+                                       "drop sequence-chunks")}
+    deepspeed_conflict = ("runs one micro-batch per step here", "drop sequence-chunks")
     window: int = 512
     stride: int | None = None       # default: window (no overlap)
 
@@ -120,10 +123,26 @@ class ChunkedCrossEntropy(Technique):
     stage = "loss"
     summary = "LM head + cross-entropy over sequence slices under checkpoint: full logits never exist"
     time_factor = 1.02
+    traits = frozenset({"replaces-loss"})
+    oom_fixes = ("chunked-ce",)
+    search_axis = "loss"
+    conflicts_with = {
+        "wraps-forward": ("chunked-ce calls the base model and its LM head directly, past {other}'s own forward",
+                          "drop chunked-ce"),
+    }
+    deepspeed_conflict = ("runs its forward around the model; chunked-ce would call the model past it",
+                          "drop chunked-ce")
     chunks: int = 8
 
     def __post_init__(self) -> None:
         require_positive_int(self.chunks, "-t chunked-ce: chunks")
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "train" else []
+
+    def cost_compute(self, compute) -> None:   # the LM head runs again in backward (it is checkpointed)
+        compute.recompute += 2 * compute.shape.hidden * compute.shape.vocab * compute.tokens
 
     def check(self, workload) -> None:
         _require_causal_lm(workload, self.name)

@@ -33,17 +33,20 @@ from memfit.estimators.sharding import per_rank, state_weights
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
 from memfit.techniques.pipeline import stage_layers
+from memfit.techniques.resolve import ResolvedWorkload, resolve
 
-_DTYPE = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
+def _dtype(dtype) -> str:
+    """A torch dtype as the symbolic engine names it ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
 
 
-def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
+def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
     precision = get_precision(workload.precision)
     checkpointing = workload.technique("checkpointing")
     deepspeed = workload.engine == "deepspeed"   # DeepSpeed casts the model to the half type, no autocast
-    autocast = _DTYPE[str(precision.autocast_dtype)] if precision.autocast_dtype else None
+    autocast = _dtype(precision.autocast_dtype) if precision.autocast_dtype else None
     return Policy(
-        param_dtype=autocast if deepspeed else _DTYPE[str(precision.param_dtype)],
+        param_dtype=autocast if deepspeed else _dtype(precision.param_dtype),
         autocast_dtype=None if deepspeed else autocast,
         backend="cuda" if gpu else "cpu", train=workload.task == "train",
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
@@ -60,12 +63,12 @@ def policy_of(workload: Workload, gpu: GPU | None) -> Policy:
     )
 
 
-def host_optimizer(workload: Workload) -> bool:
+def host_optimizer(workload: ResolvedWorkload) -> bool:
     """cpu-offload in one process: the optimizer, its states and the gradients live on the host."""
     return workload.technique("cpu-offload") is not None and workload.technique("fsdp2") is None
 
 
-def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None,
+def simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None,
              rank: int = 0) -> Engine:
     """Run the family's program for one step at `num_layers` depth (with Python's cyclic garbage
     collector paused: the program frees by reference counting, and a collection pass only adds jitter)."""
@@ -78,7 +81,7 @@ def simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict
             gc.enable()
 
 
-def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None,
+def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None,
               rank: int) -> Engine:
     family, spec = registry.family_of(workload.source)
     pipeline = workload.technique("pipeline-parallel")
@@ -105,7 +108,7 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     batch, seq = workload.batch_size, workload.effective_seq_len
     windows = sequence_windows(workload)
     if windows.tokens != seq or windows.count > 1 or pipeline:   # the whole batch exists; the model sees views
-        e.keep += [e.input(batch * seq, "i64") for _ in range(2 if workload.task == "train" else 1)]
+        e.keep += [e.input(batch * seq, "int64") for _ in range(2 if workload.task == "train" else 1)]
         e.inputs_are_views = True
     deepspeed = workload.engine == "deepspeed"
     if workload.task == "train":
@@ -118,12 +121,12 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
         if not host_optimizer(workload) and not deepspeed:   # DeepSpeed's states: deepspeed_states
             e.keep += create_states(e, workload.optimizer)
         if get_precision(workload.precision).loss_scaling and not deepspeed:
-            e.keep += [e.new(1, "f32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
+            e.keep += [e.new(1, "float32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
         if pipeline:
             pipeline_schedule(e, family, spec, workload, pipeline, rank, num_layers)
         for window in range(0 if pipeline else min(windows.count, 2)):   # the second runs with gradients alive
             e.set_phase("forward")
-            relabelled = e.new(batch * windows.tokens, "i64", category="inputs") if window and windows.overlap else None
+            relabelled = e.new(batch * windows.tokens, "int64", category="inputs") if window and windows.overlap else None
             if distill:
                 loss = distillation_loss(e, family, (model_spec, spec), teacher, (num_layers, student_layers),
                                          batch, windows.tokens)
@@ -144,7 +147,7 @@ def _simulate(workload: Workload, gpu: GPU | None, num_layers: int, weights: dic
     return e
 
 
-def pipeline_schedule(e: Engine, family, spec, workload: Workload, pipeline, rank: int, num_layers: int) -> None:
+def pipeline_schedule(e: Engine, family, spec, workload: ResolvedWorkload, pipeline, rank: int, num_layers: int) -> None:
     """Rank `rank`'s micro-batches in the schedule's order (techniques/pipeline.py): GPipe runs every
     forward, then every backward; 1F1B runs min(M, N - rank) forwards, then alternates a backward and a
     forward, then the remaining backwards. Each micro-batch's tape and output (the last rank's: its
@@ -179,7 +182,7 @@ def pipeline_schedule(e: Engine, family, spec, workload: Workload, pipeline, ran
     e.tape = []
 
 
-def offload_host_bytes(workload: Workload) -> tuple[int, int]:
+def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
     """Host RAM under cpu-offload (techniques/offload.py), from the closed forms of the device's states:
     (held all step: float32 master weights, their gradients and the optimizer's states — with fsdp2 the
     shards in the model's dtype, / N; held in the step only: the CPU step's temporaries and the cast
@@ -187,9 +190,9 @@ def offload_host_bytes(workload: Workload) -> tuple[int, int]:
     if workload.technique("cpu-offload") is None or workload.task != "train":
         return 0, 0
     family, spec = registry.family_of(workload.source)
-    model_dtype = _DTYPE[str(get_precision(workload.precision).param_dtype)]
+    model_dtype = _dtype(get_precision(workload.precision).param_dtype)
     one_process = host_optimizer(workload)
-    e = Engine(Policy("f32" if one_process else model_dtype, None, "cpu", train=True))
+    e = Engine(Policy("float32" if one_process else model_dtype, None, "cpu", train=True))
     e.set_phase("setup")
     family.declare_params(e, spec, workload.source.num_layers)
     trainable = [p for p in e.params.values() if p.grad]
@@ -198,7 +201,7 @@ def offload_host_bytes(workload: Workload) -> tuple[int, int]:
     persistent = e.total
     e.set_phase("optimizer")
     step_temporaries(e, workload.optimizer, foreach=False)
-    if one_process and model_dtype != "f32" and trainable:
+    if one_process and model_dtype != "float32" and trainable:
         cast = e.new(max(p.numel for p in trainable), model_dtype)
         del cast
     step = e.peaks[("optimizer", "pre")].total - persistent
@@ -213,7 +216,7 @@ class Windows:
     overlap: bool        # later windows copy their labels to mask the overlap
 
 
-def sequence_windows(workload: Workload) -> Windows:
+def sequence_windows(workload: ResolvedWorkload) -> Windows:
     """What the sequence techniques leave of the sequence (techniques/sequence.py)."""
     from memfit.techniques.sequence import window_starts
 
@@ -264,6 +267,7 @@ def _regions(e: Engine, num_layers: int, period: int, tail: int | None = None) -
 
 def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bool = False) -> MemoryEstimate:
     started = time.perf_counter()
+    workload = resolve(workload)
     source = workload.source
     if not source.is_hf:
         raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
@@ -335,17 +339,17 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
 
 
 def count_parameters(workload: Workload) -> int:
-    return sum(parameter_sizes(workload))
+    return sum(parameter_sizes(resolve(workload)))
 
 
-def parameter_sizes(workload: Workload) -> list[int]:
+def parameter_sizes(workload: ResolvedWorkload) -> list[int]:
     family, spec = registry.family_of(workload.source)
-    e = Engine(Policy("f32", None, "cpu", False))
+    e = Engine(Policy("float32", None, "cpu", False))
     family.declare_params(e, spec, workload.source.num_layers)
     return [p.numel for p in e.params.values()]
 
 
-def deepspeed_states(workload: Workload, psi: int, at_peak: dict[str, int], component_peaks: dict[str, int]
+def deepspeed_states(workload: ResolvedWorkload, psi: int, at_peak: dict[str, int], component_peaks: dict[str, int]
                      ) -> tuple[dict[str, int], dict[str, int], int]:
     """DeepSpeed's model states on one rank (read from DeepSpeed 0.19's ZeRO optimizers and measured on 2 gloo
     ranks): its half weights (stage 3: this rank's partition), float32 master weights and Adam moments of

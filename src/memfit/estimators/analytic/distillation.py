@@ -41,7 +41,7 @@ def distillation_loss(e: Engine, family, specs: tuple, teacher: dict[str, Param]
     targets = e.new(soft_targets.numel, soft_targets.dtype)           # exp(target): no gradient
     difference = ops.add(e, soft_targets, log_probs)                  # target - input
     del log_probs
-    kl = e.record(e.new(1, "f32"), [ops.mul(e, targets, difference)], [])   # the sum
+    kl = e.record(e.new(1, "float32"), [ops.mul(e, targets, difference)], [])   # the sum
     del targets, difference
     kl = ops.scalar_op(e, ops.scalar_op(e, kl))                       # / rows, * alpha T^2
     loss = ops.add(e, kl, ops.scalar_op(e, cross_entropy))            # + (1 - alpha) x cross-entropy
@@ -50,5 +50,5 @@ def distillation_loss(e: Engine, family, specs: tuple, teacher: dict[str, Param]
 
 
 def _log_softmax_over_temperature(e: Engine, logits: Sym) -> Sym:
-    scaled = ops.scalar_op(e, ops.cast(e, logits, "f32"))
+    scaled = ops.scalar_op(e, ops.cast(e, logits, "float32"))
     return ops.softmax(e, scaled, "log_softmax")

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 from memfit.core.categories import CATEGORIES, zero_categories
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "bool": 1, "u8": 1, "i8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
 
 
 @dataclass(frozen=True)
 class Policy:
     """How the run executes: which dtypes, which device's kernels and autocast lists."""
 
-    param_dtype: str            # "f32" | "bf16"
-    autocast_dtype: str | None  # "bf16" | "f16" | None
+    param_dtype: str            # "float32" | "bfloat16"
+    autocast_dtype: str | None  # "bfloat16" | "float16" | None
     backend: str                # "cpu" | "cuda"
     train: bool
     round_to: int = 1           # allocator granularity (CUDA caching allocator: 512 bytes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from memfit.estimators.analytic.engine import Alias, Engine, Param, Sym, View
 from memfit.techniques.quantization import BLOCK
 
-HALF = ("bf16", "f16")
+HALF = ("bfloat16", "float16")
 _LOWER = {"linear", "matmul", "sdpa", "conv"}
 _FP32_INPUT = {"cpu": {"cross_entropy", "nll_loss", "mse_loss"},
                "cuda": {"layer_norm", "pow", "exp", "log", "rsqrt", "softplus", "nll_loss", "mse_loss"}}
@@ -19,8 +19,8 @@ _FP32_OUTPUT = {"cpu": set(), "cuda": {"softmax", "log_softmax", "sum"}}
 def promote(a: str, b: str) -> str:
     if a == b:
         return a
-    if "f32" in (a, b):
-        return "f32"
+    if "float32" in (a, b):
+        return "float32"
     return a if a in HALF else b
 
 
@@ -32,12 +32,12 @@ def cast(e: Engine, x: Sym, dtype: str) -> Sym:
 
 
 def autocast_input(e: Engine, x: Sym, op: str) -> Sym:
-    if not e.autocast_on or x.dtype not in ("f32",) + HALF:
+    if not e.autocast_on or x.dtype not in ("float32",) + HALF:
         return x
     if op in _LOWER:
         return weight(e, x) if isinstance(x, Param) else cast(e, x, e.policy.autocast_dtype)
     if op in _FP32_INPUT[e.policy.backend] and x.dtype in HALF:
-        return cast(e, x, "f32")
+        return cast(e, x, "float32")
     return x
 
 
@@ -134,13 +134,13 @@ def int8_dynamic_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Pa
     step = e.new(n_in, x.dtype)
     for _ in range(3):              # round, + zero point, clamp: each frees the one before
         step = e.new(n_in, x.dtype)
-    codes = e.new(n_in, "i8")
+    codes = e.new(n_in, "int8")
     del step
-    shifted = e.new(n_in, "i32")
-    shifted = e.new(n_in, "i32")
-    unsigned = e.new(n_in, "u8")
+    shifted = e.new(n_in, "int32")
+    shifted = e.new(n_in, "int32")
+    unsigned = e.new(n_in, "uint8")
     del shifted
-    product = e.new(n_out, "i32")
+    product = e.new(n_out, "int32")
     as_float = e.new(n_out, x.dtype)
     scaled = e.new(n_out, x.dtype)
     del as_float, unsigned, product
@@ -162,9 +162,9 @@ def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     x_in = cast(e, x, compute)
     numel = w.shape[0] * w.shape[1]
     tokens, blocks = x.numel // w.shape[1], -(-numel // BLOCK)
-    scales = e.new(blocks, "f32") if double_quant else None
+    scales = e.new(blocks, "float32") if double_quant else None
     if scales is not None:
-        scales = e.new(blocks, "f32")    # + offset, out of place; the dequantized codes are freed
+        scales = e.new(blocks, "float32")    # + offset, out of place; the dequantized codes are freed
     weight_now = e.new(numel, compute)
     out = e.op_output(tokens * out_features, compute)
     del scales, weight_now
@@ -234,9 +234,9 @@ def softmax(e: Engine, x: Sym, op: str = "softmax", dtype: str | None = None) ->
     """softmax / log_softmax; `dtype` as the op's dtype argument (CUDA autocast adds float32 for half
     inputs). A dtype change converts the input first, except CUDA reading float16 directly."""
     if dtype is None and e.autocast_on and x.dtype in HALF and op in _FP32_OUTPUT[e.policy.backend]:
-        dtype = "f32"
+        dtype = "float32"
     if dtype and dtype != x.dtype:
-        if e.policy.backend == "cuda" and x.dtype == "f16" and dtype == "f32":
+        if e.policy.backend == "cuda" and x.dtype == "float16" and dtype == "float32":
             out = e.new(x.numel, dtype)
             return e.record(out, [x], [out])
         x = cast(e, x, dtype)
@@ -259,7 +259,7 @@ def layer_norm(e: Engine, x: Sym, w: Param, b: Param | None, dim: int) -> Sym:
     x = autocast_input(e, x, "layer_norm")
     tokens = x.numel // dim
     out = e.new(x.numel, x.dtype)
-    mean, rstd = e.new(tokens, "f32"), e.new(tokens, "f32")
+    mean, rstd = e.new(tokens, "float32"), e.new(tokens, "float32")
     return e.record(out, [x, w] + ([b] if b is not None else []), [x, mean, rstd])
 
 
@@ -287,8 +287,8 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     fused = e.policy.backend == "cuda" or (dropout_p == 0 or not e.policy.train)
     if fused and head_dim <= 256:
         out = e.op_output(rows * head_dim, q.dtype)
-        lse = e.op_output(rows, "f32")
-        scratch = [(q.numel, "f32"), (rows, "f32")] if e.policy.backend == "cuda" else []
+        lse = e.op_output(rows, "float32")
+        scratch = [(q.numel, "float32"), (rows, "float32")] if e.policy.backend == "cuda" else []
         saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
         inputs = [q, k, v] + ([mask] if mask is not None and mask.grad else [])   # a learned bias gets a gradient
         return e.record(out, inputs, saved, scratch=scratch)
@@ -300,7 +300,7 @@ def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, batch: int, q_le
                dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
     """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout, then the
     output made contiguous in (b, s, heads*d) layout. On CPU half inputs are computed in float32."""
-    acc = "f32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
+    acc = "float32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
     autocast, e.autocast_on = e.autocast_on, False   # the kernel runs below autocast
     try:
         return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
@@ -333,14 +333,14 @@ def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, b
 def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool, upcast: bool = True) -> Sym:
     """F.cross_entropy as Hugging Face calls it: after logits.float() (`upcast`, its causal-LM loss),
     with labels padded and shifted (`shift`, causal LM) or as given (masked LM, classification)."""
-    logits32 = cast(e, logits, "f32") if upcast else logits
+    logits32 = cast(e, logits, "float32") if upcast else logits
     target = None
     if shift:
-        padded = e.new(batch * (seq + 1), "i64")   # F.pad(labels, (0, 1), value=-100)
-        target = e.new(batch * seq, "i64")          # labels[..., 1:].contiguous()
+        padded = e.new(batch * (seq + 1), "int64")   # F.pad(labels, (0, 1), value=-100)
+        target = e.new(batch * seq, "int64")          # labels[..., 1:].contiguous()
         del padded
     x = autocast_input(e, logits32, "cross_entropy")
     log_probs = softmax(e, x, "log_softmax")
     del logits32, x
-    loss, total_weight = e.new(1, "f32"), e.new(1, "f32")
+    loss, total_weight = e.new(1, "float32"), e.new(1, "float32")
     return e.record(loss, [log_probs], [log_probs, total_weight] + ([target] if target is not None else []))

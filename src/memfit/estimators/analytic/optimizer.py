@@ -34,12 +34,12 @@ def _quantized_states(e: Engine, p: Param, optimizer: str) -> list[Sym]:
     new = e.new
     if optimizer == "adamw8bit":
         if p.numel < BNB_MIN_8BIT_SIZE:
-            return [new(p.numel, "f32", category="optimizer_states") for _ in range(2)]
+            return [new(p.numel, "float32", category="optimizer_states") for _ in range(2)]
         blocks = -(-p.numel // BNB_BLOCK)
-        return [new(n, dt, category="optimizer_states") for _ in range(2) for n, dt in ((p.numel, "u8"), (blocks, "f32"))]
-    states = [new(1, "f32", category="optimizer_states")]
+        return [new(n, dt, category="optimizer_states") for _ in range(2) for n, dt in ((p.numel, "uint8"), (blocks, "float32"))]
+    states = [new(1, "float32", category="optimizer_states")]
     if p.numel >= AO_MIN_SIZE and p.numel % AO_BLOCK == 0:
-        layout = ((p.numel // 2, "u8"), (p.numel // AO_BLOCK, "f32"), (AO_QMAP, "f32"))
+        layout = ((p.numel // 2, "uint8"), (p.numel // AO_BLOCK, "float32"), (AO_QMAP, "float32"))
         return states + [new(n, dt, category="optimizer_states") for _ in range(2) for n, dt in layout]
     return states + [new(p.numel, p.dtype, category="optimizer_states") for _ in range(2)]
 
@@ -47,19 +47,19 @@ def _quantized_states(e: Engine, p: Param, optimizer: str) -> list[Sym]:
 def create_states(e: Engine, optimizer: str) -> list[Sym]:
     states: list[Sym] = []
     if optimizer == "adamw8bit" and any(p.grad and p.numel >= BNB_MIN_8BIT_SIZE for p in e.params.values()):
-        states += [e.new(BNB_QMAP, "f32", category="optimizer_states") for _ in range(2)]
+        states += [e.new(BNB_QMAP, "float32", category="optimizer_states") for _ in range(2)]
     for p in e.params.values():
         if not p.grad:
             continue
         if optimizer in ("adam", "adamw"):
             states += [e.new(p.numel, p.dtype, category="optimizer_states") for _ in range(2)]
-            states.append(e.new(1, "f32", category="optimizer_states"))
+            states.append(e.new(1, "float32", category="optimizer_states"))
         elif optimizer == "sgd":
             states.append(e.new(p.numel, p.dtype, category="optimizer_states"))
         elif optimizer in ("adamw8bit", "adamw4bit"):
             states += _quantized_states(e, p, optimizer)
         elif optimizer == "adafactor":
-            states.append(e.new(1, "f32", category="optimizer_states"))
+            states.append(e.new(1, "float32", category="optimizer_states"))
             for numel in _adafactor_factors(p):
                 states.append(e.new(numel, p.dtype, category="optimizer_states"))
     return states
@@ -89,8 +89,8 @@ def step_temporaries(e: Engine, optimizer: str, foreach: bool, shards: int = 1) 
         quantized = [p for p in params if p.numel >= BNB_MIN_8BIT_SIZE]
         if quantized:
             largest = max(quantized, key=lambda p: p.numel)
-            copies = 5 + (largest.dtype != "f32")
-            temps = [e.new(largest.numel, "f32") for _ in range(copies)]
+            copies = 5 + (largest.dtype != "float32")
+            temps = [e.new(largest.numel, "float32") for _ in range(copies)]
             del temps
         return
     if not params or optimizer in ("sgd", "adamw8bit", "adamw4bit"):

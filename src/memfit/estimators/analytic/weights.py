@@ -76,18 +76,18 @@ def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = Fa
             continue
         numel, rows = param.numel, param.shape[0]
         if kind.startswith("int8"):
-            codes = Param(e, name, numel, "i8", trainable=False)
-            state = [Param(e, name + ".scale", rows, "f32", False), Param(e, name + ".zero", rows, "i8", False)]
+            codes = Param(e, name, numel, "int8", trainable=False)
+            state = [Param(e, name + ".scale", rows, "float32", False), Param(e, name + ".zero", rows, "int8", False)]
         else:
-            codes = Param(e, name, -(-numel // 2), "u8", trainable=False)
+            codes = Param(e, name, -(-numel // 2), "uint8", trainable=False)
             blocks = -(-numel // BLOCK)
-            state = [Param(e, name + ".code", 16, "f32", False)]
+            state = [Param(e, name + ".code", 16, "float32", False)]
             if double_quant:
-                state += [Param(e, name + ".absmax", blocks, "u8", False),
-                          Param(e, name + ".absmax2", -(-blocks // BLOCKS_PER_SCALE), "f32", False),
-                          Param(e, name + ".code2", 256, "f32", False), Param(e, name + ".offset", 1, "f32", False)]
+                state += [Param(e, name + ".absmax", blocks, "uint8", False),
+                          Param(e, name + ".absmax2", -(-blocks // BLOCKS_PER_SCALE), "float32", False),
+                          Param(e, name + ".code2", 256, "float32", False), Param(e, name + ".offset", 1, "float32", False)]
             else:
-                state.append(Param(e, name + ".absmax", blocks, "f32", False))
+                state.append(Param(e, name + ".absmax", blocks, "float32", False))
         codes.shape, codes.frozen = param.shape, True
         codes.quant = (kind, param.dtype, state, double_quant)
         e.params[name] = codes

@@ -59,15 +59,15 @@ def declare_params(e: Engine, d: BertSpec, num_layers: int) -> None:
 
 
 def declare_buffers(e: Engine, d: BertSpec) -> list[Sym]:
-    return [e.new(d.positions, "i64", category="buffers"), e.new(d.positions, "i64", category="buffers")]
+    return [e.new(d.positions, "int64", category="buffers"), e.new(d.positions, "int64", category="buffers")]
 
 
 def embeddings(e: Engine, d: BertSpec, ids: Sym, batch: int, seq: int) -> Sym:
     inputs_embeds = ops.embedding(e, ids, e.params["word"], d.hidden)
-    token_types = e.new(seq, "i64")                        # gather from the token_type_ids buffer
+    token_types = e.new(seq, "int64")                        # gather from the token_type_ids buffer
     token_type_embeds = ops.embedding(e, View(token_types, batch * seq), e.params["token_type"], d.hidden)
     x = ops.add(e, inputs_embeds, token_type_embeds)
-    position_embeds = ops.embedding(e, e.new(seq, "i64"), e.params["position"], d.hidden)
+    position_embeds = ops.embedding(e, e.new(seq, "int64"), e.params["position"], d.hidden)
     x = ops.add(e, x, position_embeds)
     x = ops.layer_norm(e, x, e.params["emb_ln.w"], e.params["emb_ln.b"], d.hidden)
     return ops.dropout(e, x, d.hidden_dropout)
@@ -99,7 +99,7 @@ def layer(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int) -> Sym:
 
 
 def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, labels: bool) -> Sym:
-    ids = e.input(batch * seq, "i64")
+    ids = e.input(batch * seq, "int64")
     e.segment = "pre"
     x = embeddings(e, d, ids, batch, seq)
     for i in range(num_layers):
@@ -115,7 +115,7 @@ def forward(e: Engine, d: BertSpec, num_layers: int, *, batch: int, seq: int, la
     del h
     if not labels:
         return scores
-    e.input(batch * seq, "i64")
+    e.input(batch * seq, "int64")
     loss = ops.cross_entropy(e, scores, batch=batch, seq=seq, shift=False, upcast=False)
     del scores, sequence_output
     return loss

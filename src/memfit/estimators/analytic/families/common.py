@@ -20,7 +20,7 @@ def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: 
                     softcap: bool = False) -> Sym:
     """techniques/sequence.py `chunked_causal_lm_loss`: labels padded once, then per slice of the
     sequence a checkpointed LM head + float32 cross-entropy (sum), the sums added, divided by the count."""
-    padded = e.new(batch * (seq + 1), "i64")          # F.pad(labels, (0, 1), value=-100)
+    padded = e.new(batch * (seq + 1), "int64")          # F.pad(labels, (0, 1), value=-100)
     step = -(-seq // chunks)                           # torch.chunk's slice length
     hidden_per_token = hidden.numel // (batch * seq)
     total = None
@@ -30,7 +30,7 @@ def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: 
                                       softcap=softcap, labels=padded), View(hidden, batch * size * hidden_per_token))
         total = part if total is None else ops.add(e, total, part)
     counted = e.new(batch * seq, "bool")               # targets != -100
-    count = e.new(1, "i64")
+    count = e.new(1, "int64")
     del counted
     return ops.mul(e, total, count)                    # total / count
 
@@ -44,12 +44,12 @@ def _slice_loss(e: Engine, hidden: Sym, *, table: Param, vocab: int, batch: int,
         logits = ops.scalar_op(e, logits)
         logits = ops.unary_saving_output(e, logits, "tanh")
         logits = ops.scalar_op(e, logits)
-    logits32 = ops.cast(e, logits, "f32")
+    logits32 = ops.cast(e, logits, "float32")
     del logits
-    target = e.new(batch * tokens, "i64") if batch > 1 else None   # flatten() of a strided slice copies
+    target = e.new(batch * tokens, "int64") if batch > 1 else None   # flatten() of a strided slice copies
     log_probs = ops.softmax(e, ops.autocast_input(e, logits32, "cross_entropy"), "log_softmax")
     del logits32
-    loss, total_weight = e.new(1, "f32"), e.new(1, "f32")
+    loss, total_weight = e.new(1, "float32"), e.new(1, "float32")
     return e.record(loss, [log_probs], [log_probs, total_weight] + ([target] if target is not None else []))
 
 
@@ -78,7 +78,7 @@ def generate(e: Engine, forward: Callable, *, batch: int, seq: int, new_tokens: 
     cache: dict = {}
     e.set_phase("prefill")
     logits = forward(cache, seq, seq, 1)
-    token = e.new(batch, "i64")
+    token = e.new(batch, "int64")
     del logits
     if not new_tokens:
         return

@@ -119,12 +119,12 @@ def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
 def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
     """x.float() * rsqrt(mean(x.float() ** 2) + eps), then weight * normed.to(x.dtype); Gemma-2 scales by
     (1 + weight.float()) and casts back afterwards."""
-    x32 = ops.cast(e, x, "f32")
+    x32 = ops.cast(e, x, "float32")
     r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
     normed = ops.mul(e, x32, r)
     del r, x32
     if d.model_type == "gemma2":
-        scale = ops.shift(e, ops.cast(e, w, "f32"))
+        scale = ops.shift(e, ops.cast(e, w, "float32"))
         return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
     return ops.mul(e, w, ops.cast(e, normed, x.dtype))
 
@@ -217,7 +217,7 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
         scores = ops.scalar_op(e, scores)           # * softcap
     if mask is not None:
         scores = ops.add(e, scores, mask)
-    weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="f32"), q.dtype)
+    weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="float32"), q.dtype)
     del scores
     out = ops.matmul(e, weights, v_r, rows * d.head_dim)
     del v_r, k_r
@@ -257,8 +257,8 @@ def _experts(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
 def _router(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int):
     k = d.top_k
     router_logits = ops.linear(e, x, e.params[f"layers.{layer}.router"], d.experts)
-    probs = ops.softmax(e, ops.cast(e, router_logits, "f32"), "softmax")
-    top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "i64")
+    probs = ops.softmax(e, ops.cast(e, router_logits, "float32"), "softmax")
+    top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "int64")
     top_values = e.record(top_values, [probs], [top_index])          # topk saves the indices
     denom = ops.reduce_last(e, top_values, k)
     weights = ops.mul(e, top_values, denom)                          # top_values /= sum (autograd: a new version)
@@ -269,13 +269,13 @@ def _router(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int):
 def _grouped_experts(e: Engine, x: Sym, weights: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
     p = f"layers.{layer}."
     k, h, inter = d.top_k, d.hidden, d.intermediate
-    sorted_ids, perm = e.new(tokens * k, "i64"), e.new(tokens * k, "i64")      # torch.sort
-    perm_tok = e.new(tokens * k, "i64")                                       # perm // k
+    sorted_ids, perm = e.new(tokens * k, "int64"), e.new(tokens * k, "int64")      # torch.sort
+    perm_tok = e.new(tokens * k, "int64")                                       # perm // k
     gathered = e.record(e.new(tokens * k * h, x.dtype), [x], [perm_tok])       # hidden_states[perm // k]
     del perm_tok
     sample_w = e.record(e.new(tokens * k, weights.dtype), [weights], [perm])   # sample_weights[perm]
-    histc_input = e.new(tokens * k, "f32") if e.policy.backend == "cpu" else e.new(tokens * k, "i32")
-    counts, offsets = e.new(d.experts, "f32"), e.new(d.experts, "i32")
+    histc_input = e.new(tokens * k, "float32") if e.policy.backend == "cpu" else e.new(tokens * k, "int32")
+    counts, offsets = e.new(d.experts, "float32"), e.new(d.experts, "int32")
     w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
     # each operand saved when the other needs a gradient (frozen experts under LoRA keep no inputs)
     proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up],
@@ -285,8 +285,8 @@ def _grouped_experts(e: Engine, x: Sym, weights: Sym, d: DecoderSpec, layer: int
     del act
     proj = e.record(e.op_output(tokens * k * h, w_down.dtype), [proj, w_down], ops._saves(proj, w_down))
     weighted = ops.mul(e, proj, sample_w)
-    inv_perm = e.new(tokens * k, "i64")
-    positions = e.new(tokens * k, "i64")                                      # inv_perm[perm] = arange(...)
+    inv_perm = e.new(tokens * k, "int64")
+    positions = e.new(tokens * k, "int64")                                      # inv_perm[perm] = arange(...)
     del positions
     weighted = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
     summed = e.record(e.new(tokens * h, weighted.dtype), [weighted], [])
@@ -337,7 +337,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     kv_len = kv_len or q_len
     e.segment = "pre"
     if first:
-        ids = e.input(batch * q_len, "i64")
+        ids = e.input(batch * q_len, "int64")
         x = ops.embedding(e, ids, e.params["embed"], d.hidden)
     else:   # received from the previous rank, a leaf whose gradient is sent back
         x = e.new(batch * q_len * d.hidden, e.policy.param_dtype, grad=True)
@@ -357,7 +357,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     hidden = rms_norm(e, x, e.params["norm"], d)
     del x, cos, sin, masks, inputs_embeds
     if labels and e.policy.loss_chunks:
-        e.input(batch * q_len, "i64")   # labels
+        e.input(batch * q_len, "int64")   # labels
         loss = chunked_lm_loss(e, hidden, _head(e), d.vocab, batch=batch, seq=q_len,
                                chunks=e.policy.loss_chunks, softcap=d.model_type == "gemma2")
         del hidden
@@ -370,7 +370,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         logits = ops.scalar_op(e, logits)
     if not labels:
         return logits
-    e.input(batch * q_len, "i64")   # labels
+    e.input(batch * q_len, "int64")   # labels
     loss = ops.cross_entropy(e, logits, batch=batch, seq=q_len, shift=True)
     if stage_outputs is not None:
         stage_outputs.append(logits)
@@ -385,7 +385,7 @@ def _head(e: Engine):
 
 def declare_buffers(e: Engine, d: DecoderSpec) -> list[Sym]:
     # rotary inv_freq and original_inv_freq: head_dim / 2 floats each
-    return [e.new(d.head_dim // 2, "f32", category="buffers") for _ in range(2)]
+    return [e.new(d.head_dim // 2, "float32", category="buffers") for _ in range(2)]
 
 
 def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, *, first: bool = True,

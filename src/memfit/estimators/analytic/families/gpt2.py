@@ -110,10 +110,10 @@ def block(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, cache:
 def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, labels: bool,
             cache: dict | None = None, kv_len: int | None = None, logits_to_keep: int = 0) -> Sym:
     kv_len = kv_len or q_len
-    ids = e.input(batch * q_len, "i64")
+    ids = e.input(batch * q_len, "int64")
     e.segment = "pre"
     inputs_embeds = ops.embedding(e, ids, e.params["wte"], d.hidden)
-    positions = e.new(q_len, "i64")                     # arange(...) + past length
+    positions = e.new(q_len, "int64")                     # arange(...) + past length
     position_embeds = ops.embedding(e, positions, e.params["wpe"], d.hidden)
     x = ops.add(e, inputs_embeds, position_embeds)
     x = ops.dropout(e, x, d.embd_pdrop)
@@ -124,7 +124,7 @@ def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, 
     hidden = ops.layer_norm(e, x, e.params["ln_f.w"], e.params["ln_f.b"], d.hidden)
     del x, inputs_embeds, position_embeds, positions
     if labels and e.policy.loss_chunks:
-        e.input(batch * q_len, "i64")   # labels
+        e.input(batch * q_len, "int64")   # labels
         loss = chunked_lm_loss(e, hidden, e.params["wte" if d.tied else "lm_head"], d.vocab, batch=batch, seq=q_len,
                                chunks=e.policy.loss_chunks, softcap=False)
         del hidden
@@ -133,7 +133,7 @@ def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, 
                      logits_to_keep=logits_to_keep)
     if not labels:
         return logits
-    e.input(batch * q_len, "i64")
+    e.input(batch * q_len, "int64")
     loss = ops.cross_entropy(e, logits, batch=batch, seq=q_len, shift=True)
     del logits, hidden
     return loss

@@ -72,22 +72,22 @@ def declare_buffers(e: Engine, d: T5Spec) -> list[Sym]:
 
 def layer_norm(e: Engine, x: Sym, w) -> Sym:
     """T5LayerNorm: variance in float32, x * rsqrt(variance + eps), cast to a half weight's dtype, * weight."""
-    var = ops.reduce_last(e, ops.pow_scalar(e, ops.cast(e, x, "f32")), x.numel)
+    var = ops.reduce_last(e, ops.pow_scalar(e, ops.cast(e, x, "float32")), x.numel)
     r = ops.unary_saving_output(e, ops.shift(e, var), "rsqrt")
     del var
     h = ops.mul(e, x, r)
     del r
-    if w.dtype != h.dtype and w.dtype in ("bf16", "f16"):
+    if w.dtype != h.dtype and w.dtype in ("bfloat16", "float16"):
         h = ops.cast(e, h, w.dtype)
     return ops.mul(e, w, h)
 
 
 def relative_bias(e: Engine, d: T5Spec, q_len: int, kv_len: int, name: str) -> Sym:
     """compute_bias: bucket the relative positions, embed them: (1, heads, q, k) as a permuted view."""
-    relative = e.new(q_len * kv_len, "i64")
-    temps = [e.new(q_len * kv_len, "i64") for _ in range(_BUCKET_TEMPS - 1)]
+    relative = e.new(q_len * kv_len, "int64")
+    temps = [e.new(q_len * kv_len, "int64") for _ in range(_BUCKET_TEMPS - 1)]
     del temps
-    buckets = e.new(q_len * kv_len, "i64")
+    buckets = e.new(q_len * kv_len, "int64")
     del relative
     values = ops.embedding(e, buckets, e.params[name], d.heads)
     return View(values, values.numel)
@@ -177,11 +177,11 @@ def run_stack(e: Engine, d: T5Spec, stack: str, num_layers: int, ids: Sym, *, ba
 
 
 def train(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int) -> Sym:
-    ids = e.input(batch * seq, "i64")
-    e.input(batch * seq, "i64")   # labels
+    ids = e.input(batch * seq, "int64")
+    e.input(batch * seq, "int64")   # labels
     e.segment = "pre"
     encoder_out = run_stack(e, d, "encoder", num_layers, ids, batch=batch, q_len=seq)
-    decoder_ids = e.new(batch * seq, "i64")   # _shift_right(labels)
+    decoder_ids = e.new(batch * seq, "int64")   # _shift_right(labels)
     decoder_out = run_stack(e, d, "decoder", num_layers, decoder_ids, batch=batch, q_len=seq,
                             encoder_out=encoder_out, enc_len=seq)
     if d.tied:
@@ -195,13 +195,13 @@ def train(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int) -> Sym:
 def inference(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int, new_tokens: int) -> None:
     """The encoder and the first decoder token (prefill), then decoder steps with the self- and
     cross-attention caches; the last step holds the longest self-attention cache."""
-    ids = e.input(batch * seq, "i64")
+    ids = e.input(batch * seq, "int64")
     e.set_phase("prefill")
     encoder_out = run_stack(e, d, "encoder", num_layers, ids, batch=batch, q_len=seq)
     cache: dict = {}
 
     def decode(tokens: int):
-        token = e.new(batch, "i64")
+        token = e.new(batch, "int64")
         out = run_stack(e, d, "decoder", num_layers, token, batch=batch, q_len=1, encoder_out=encoder_out,
                         enc_len=seq, cache=cache, kv_len=tokens)
         if d.tied:

@@ -120,7 +120,7 @@ def forward(e: Engine, d: ViTSpec, num_layers: int, *, batch: int, image: int, l
     logits = dense(e, View(sequence_output, batch * d.hidden), "classifier", d.labels)
     if not labels:
         return logits
-    e.input(batch, "i64")
+    e.input(batch, "int64")
     loss = ops.cross_entropy(e, logits, batch=batch, seq=1, shift=False, upcast=False)
     del logits, sequence_output
     return loss

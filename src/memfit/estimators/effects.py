@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import replace
 from importlib import resources
 
+from memfit.core.errors import MemfitError
+from memfit.estimators import estimate as run_estimate
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.specs.workload import Workload
 from memfit.techniques.base import Technique, parse_technique
-
-
-def with_technique(workload: Workload, technique: Technique) -> Workload:
-    if technique.workload_field:
-        return replace(workload, **{technique.workload_field: technique.name})
-    return replace(workload, techniques=workload.techniques + (technique.spec,))
-
-
-def without_technique(workload: Workload, technique: Technique) -> Workload:
-    if technique.workload_field:
-        default = Workload.__dataclass_fields__[technique.workload_field].default
-        return replace(workload, **{technique.workload_field: default})
-    return replace(workload, techniques=tuple(s for s in workload.techniques if parse_technique(s).name != technique.name))
+from memfit.techniques.resolve import all_techniques, resolve, with_technique, without_technique
 
 
 def effect(technique: Technique | str, estimate: MemoryEstimate, workload: Workload, *, gpu=None,
@@ -36,8 +25,6 @@ def effect(technique: Technique | str, estimate: MemoryEstimate, workload: Workl
     """The estimate of `workload` with `technique` added (`estimate` is the one without it): bytes per
     category, and in `extra["effect"]` the bytes saved, the host RAM added, the step-time factor and
     the accuracy-risk label."""
-    from memfit.estimators import estimate as run_estimate
-
     technique = parse_technique(technique) if isinstance(technique, str) else technique
     changed = run_estimate(with_technique(workload, technique), method=method, gpu=gpu)
     changed.extra["effect"] = describe(technique, without=estimate, with_it=changed)
@@ -65,23 +52,15 @@ def _accuracy_costs() -> dict[str, list[dict]]:
     return json.loads(resources.files("memfit.data").joinpath("accuracy.json").read_text())
 
 
-def all_techniques(workload: Workload) -> list[Technique]:
-    """Every technique the workload uses, the precision and optimizer ones included."""
-    from memfit.techniques import catalog  # noqa: F401  (registers every technique)
-    from memfit.techniques.base import REGISTRY
-
-    # DeepSpeed's engine needs its half precision: there is no "without" to compare with
-    values = (workload.optimizer,) if workload.engine == "deepspeed" else (workload.precision, workload.optimizer)
-    fields = [REGISTRY[value]() for value in values if value in REGISTRY]
-    return fields + list(workload.technique_configs)
-
-
 def leave_one_out(workload: Workload, full: MemoryEstimate, *, gpu=None, method: str = "analytic") -> list[dict]:
-    """For each technique in the workload: the peak without it, minus the peak with everything."""
-    from memfit.estimators import estimate as run_estimate
-
+    """For each technique in the workload: the peak without it, minus the peak with everything. A technique
+    the others need (removing it breaks a rule) has no row."""
+    workload = resolve(workload)
     rows = []
     for technique in all_techniques(workload):
-        without = run_estimate(without_technique(workload, technique), method=method, gpu=gpu)
+        try:
+            without = run_estimate(without_technique(workload, technique), method=method, gpu=gpu)
+        except MemfitError:   # e.g. fsdp2 under cpu-offload: without it, offload would meet DDP's rule
+            continue
         rows.append(describe(technique, without=without, with_it=full) | {"method": method})
     return rows

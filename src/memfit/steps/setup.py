@@ -1,0 +1,95 @@
+"""StepSetup: everything a training or inference step needs after the techniques have changed it.
+
+memfit's own runs build one with `techniques.compose.prepare_step` (for a workload); a user's loop gets one
+from `memfit.apply_(model, optimizer, techniques)` and uses `setup.autocast()`, `setup.optimizer`,
+`setup.loss(model, batch)` and `setup.prepare_batch(batch)` — or just `setup.step(batch)`.
+Techniques fill it in; the step (train.py) only reads it.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.core.precision import Precision, precision_of_dtype
+from memfit.steps.optim import make_optimizer
+from memfit.steps.train import TrainLoop, autocast_region, call_model, loss_of
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+BatchSplit = Callable[[Any], list]
+# (parameters, lr or None for the optimizer's default, foreach, shard over the process group) -> optimizer
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+# (parameters, a builder of the optimizer over host master weights) -> an optimizer that steps on the host
+HostOptimizer = Callable[[Any, Callable[[list], torch.optim.Optimizer]], torch.optim.Optimizer]
+
+
+def model_loss(model: nn.Module, batch) -> torch.Tensor:
+    return loss_of(call_model(model, batch))
+
+
+def whole_batch(batch) -> list:
+    return [batch]
+
+
+@dataclass
+class StepSetup:
+    model: nn.Module
+    precision: Precision
+    device_type: str
+    optimizer_name: str = "adamw"
+    optimizer_factory: OptimizerFactory | None = None   # an optimizer technique's builder; None: torch.optim's
+    foreach: bool | None = None                      # None: PyTorch's default for the device
+    autocast_fn: Callable | None = None               # replaces torch.autocast (GPU emulation in traces)
+    loss: LossFn = model_loss                         # forward + loss of one micro-batch
+    micro_batches: BatchSplit = whole_batch           # how one batch is run (accumulated gradients)
+    batch_transform: Callable[[Any], Any] | None = None   # applied to the batch before it is split
+    optimizer: torch.optim.Optimizer | None = None
+    lr: float | None = None                           # None: the optimizer's default
+    # an offload technique's optimizer that steps in host RAM on master weights (None: on the device); a sharding
+    # technique that keeps the states on the host itself takes it over and sets `states_on_host`
+    host_optimizer: HostOptimizer | None = None
+    states_on_host: bool = False      # gradient shards, optimizer states and the step live in host RAM
+    shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
+    pipeline: Any = None              # a pipeline schedule that runs each step's micro-batches itself
+    phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
+
+    def autocast(self):
+        return autocast_region(self.precision, self.device_type, self.autocast_fn)
+
+    def optimizer_builder(self) -> Callable[[Any], torch.optim.Optimizer]:
+        """params -> this setup's optimizer over them (its kind, learning rate, implementation and sharding)."""
+        factory = self._factory()
+        return lambda params: factory(params, lr=self.lr, foreach=self.foreach, shard=self.shard_optimizer)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            if self.host_optimizer is not None:   # it steps on the CPU: the CPU's kernels
+                factory = self._factory()
+                self.optimizer = self.host_optimizer(self.model.parameters(),
+                                                     lambda masters: factory(masters, lr=self.lr))
+            else:
+                self.optimizer = self.optimizer_builder()(self.model.parameters())
+        return self.optimizer
+
+    def _factory(self) -> OptimizerFactory:
+        return self.optimizer_factory or functools.partial(make_optimizer, name=self.optimizer_name)
+
+    def step(self, batch):
+        """One training step (forward and backward per micro-batch, optimizer step, zero_grad); the loss."""
+        if getattr(self, "_loop", None) is None:
+            self._loop = TrainLoop(self)
+        return self._loop.step(batch)
+
+    def prepare_batch(self, batch) -> list:
+        if self.batch_transform is not None:
+            batch = self.batch_transform(batch)
+        return self.micro_batches(batch)
+
+
+def precision_of_model(model: nn.Module) -> Precision:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return precision_of_dtype(dtype)
