@@ -108,7 +108,8 @@ def main() -> int:
                "traced_s": m.extra["estimates"]["traced"]["elapsed_s"],
                "analytic_s": m.extra["estimates"].get("analytic", {}).get("elapsed_s")}
         results.append(row)
-        console.print(f"[{index}/{len(rows)}] {row['model']} {row['workload']}: measured {format_bytes(row['measured'])}"
+        console.print(f"[{index}/{len(rows)}] {row['model']} {row['workload']}: "
+                      f"measured {format_bytes(row['measured'])}"
                       f" ({time.perf_counter() - started:.0f} s)", style="dim")
     table = Table(title=f"Peak memory: measured vs estimated (CPU, torch {torch.__version__}, {platform.machine()})",
                   title_justify="left")

@@ -91,7 +91,8 @@ def main() -> int:
         if "error" in row:
             table.add_row(name, row["error"], "", "", "", "")
             continue
-        cell = (lambda v: "n/a" if v is None else f"{format_bytes(v)} ({row['allocated'] / v:.3f})")
+        def cell(v, allocated=row["allocated"]):
+            return "n/a" if v is None else f"{format_bytes(v)} ({allocated / v:.3f})"
         table.add_row(name, format_bytes(row["allocated"]), cell(row["traced"]), cell(row["analytic"]),
                       f"{row['reserved'] / row['allocated']:.3f}", format_bytes(row["host"]) if row["host"] else "")
     console = Console(width=180)

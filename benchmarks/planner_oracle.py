@@ -160,7 +160,8 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
                          "peak_bytes": peak, "step_time_s": seconds * (per_replica // micro),
                          "fits": peak <= request.budget_bytes})
             console.print(f"[dim]  {' + '.join(candidate.labels())} {micro}×{per_replica // micro}: "
-                          f"{format_bytes(peak)}, {rows[-1]['step_time_s']:.3f} s{'' if rows[-1]['fits'] else ' (over)'}"
+                          f"{format_bytes(peak)}, {rows[-1]['step_time_s']:.3f} s"
+                          f"{'' if rows[-1]['fits'] else ' (over)'}"
                           "[/dim]")
             if peak > request.budget_bytes:
                 break   # a larger micro-batch only needs more
@@ -224,7 +225,8 @@ def render(cases: list[dict]) -> Table:
                           f"{case['feasible']}", best_text, "", "no plan", "", "", "", "no" if best else "yes")
             continue
         ok = mine["fits_when_run"] and mine.get("time_vs_oracle", 99) <= 1 + TOLERANCE
-        table.add_row(name, format_bytes(case["budget_bytes"]), f"{case['configurations_measured']} / {case['feasible']}",
+        measured = f"{case['configurations_measured']} / {case['feasible']}"
+        table.add_row(name, format_bytes(case["budget_bytes"]), measured,
                       best_text, f"{best['step_time_s']:.3f} s" if best else "",
                       f"{' + '.join(mine['techniques'])} {mine['micro_batch']}×{mine['grad_accum']}",
                       f"{format_bytes(mine['predicted_peak_bytes'])} / {format_bytes(mine['measured_peak_bytes'])}",

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs what the tests need and runs them all (CPU only; GPU tests skip without a GPU).
+# Installs what the tests need and runs them all (CPU only; GPU tests skip without a GPU): first the linters
+# (ruff; import-linter holds the layers of ARCHITECTURE.md), then the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+.venv/bin/ruff check src tests scripts benchmarks
+.venv/bin/lint-imports --no-cache
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 .venv/bin/python -m pytest -q "$@"

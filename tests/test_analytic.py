@@ -33,7 +33,8 @@ def test_every_family_matches_the_trace(name, precision, target):
     for task in ("train", "inference"):
         for batch in (1, 4):
             extra = {"new_tokens": 3} if task == "inference" and name not in ("tiny-bert", "tiny-vit") else {}
-            workload = ResolvedWorkload(model=name, task=task, batch_size=batch, seq_len=seq, precision=precision, **extra)
+            workload = ResolvedWorkload(model=name, task=task, batch_size=batch, seq_len=seq, precision=precision,
+                                        **extra)
             assert_close(analytic_estimate(workload, gpu), traced_estimate(workload, gpu))
 
 

@@ -7,7 +7,8 @@ from tests.conftest import rel
 
 
 def test_measured_categories_agree_with_the_profiler_timeline():
-    measured = measure(ResolvedWorkload(model="tiny-llama", batch_size=2, seq_len=128), estimates=("traced", "analytic"))
+    measured = measure(ResolvedWorkload(model="tiny-llama", batch_size=2, seq_len=128),
+                       estimates=("traced", "analytic"))
     profiler = measured.extra["profiler_categories_at_peak"]
     assert rel(measured.extra["profiler_timeline_peak_bytes"], measured.peak_bytes) < 0.001
     assert profiler["parameters"] == measured.at_peak["parameters"]
@@ -19,7 +20,8 @@ def test_measured_categories_agree_with_the_profiler_timeline():
 
 
 def test_measurement_json_has_the_estimates():
-    data = measure(ResolvedWorkload(model="tiny-gpt2", task="inference", batch_size=2, seq_len=64, new_tokens=4)).to_json()
+    workload = ResolvedWorkload(model="tiny-gpt2", task="inference", batch_size=2, seq_len=64, new_tokens=4)
+    data = measure(workload).to_json()
     assert data["schema"] == "memfit.estimate/1" and data["method"] == "measured" and data["device"] == "cpu"
     assert set(data["estimates"]) == {"traced", "analytic"} and data["at_peak"]["kv_cache"] > 0
     assert sum(data["at_peak"].values()) == data["peak_bytes"]

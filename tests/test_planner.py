@@ -4,13 +4,13 @@ import json
 import pytest
 
 from memfit import get_gpu
-from memfit.techniques.resolve import ResolvedWorkload
 from memfit.cli.main import main
 from memfit.core.units import GiB, TiB
-from memfit.estimators.analytic import _regions, analytic_estimate, simulate
+from memfit.estimators.analytic import analytic_estimate, regions_of, simulate
 from memfit.estimators.extrapolate import peak_of
 from memfit.planner import PlanRequest, load_plan, plan
 from memfit.planner.search import device_bytes
+from memfit.techniques.resolve import ResolvedWorkload
 
 
 def run(capsys, *argv):
@@ -109,16 +109,16 @@ def test_pipeline_estimate_is_the_highest_rank():
     workload = ResolvedWorkload(model="llama-3.1-8b", task="train", batch_size=6, seq_len=512, world_size=3,
                         precision="bf16-mixed", techniques=("pipeline-parallel:microbatches=3", "checkpointing"))
     layers = workload.source.num_layers
-    every_rank = [peak_of(_regions(simulate(workload, None, layers, None, rank), layers, layers))[0].total
+    every_rank = [peak_of(regions_of(simulate(workload, None, layers, None, rank), layers, layers))[0].total
                   for rank in range(3)]
     assert analytic_estimate(workload).peak_bytes == max(every_rank)
 
 
 def test_fsdp2_depth_extrapolation_matches_the_full_depth(monkeypatch):
-    import memfit.estimators.analytic as analytic
+    import memfit.estimators.analytic.estimate as analytic
 
     workload = ResolvedWorkload(model="llama-3.1-70b", task="train", seq_len=2048, world_size=8, precision="bf16",
-                        techniques=("fsdp2", "checkpointing", "cpu-offload"))
+                                techniques=("fsdp2", "checkpointing", "cpu-offload"))
     gpu = get_gpu("h100")
     fast = analytic_estimate(workload, gpu)
     assert not any("extrapolation failed" in n for n in fast.notes)

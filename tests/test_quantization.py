@@ -98,5 +98,6 @@ def test_effect_carries_the_measured_accuracy_cost_with_its_source():
     changed = effect("int8-weight-only", memfit.estimate(workload, method="analytic"), workload)
     encoder = [m for m in changed.extra["effect"]["accuracy"] if "all-MiniLM-L6-v2" in m["source"]]
     assert len(encoder) == 1 and 0.99 < encoder[0]["mean_cosine"] < 1
-    lossless = effect("checkpointing", memfit.estimate(ResolvedWorkload(**SHAPE), method="analytic"), ResolvedWorkload(**SHAPE))
+    plain = ResolvedWorkload(**SHAPE)
+    lossless = effect("checkpointing", memfit.estimate(plain, method="analytic"), plain)
     assert lossless.extra["effect"]["accuracy"] is None

@@ -9,12 +9,12 @@ import torch
 
 import memfit
 from memfit.core.errors import MemfitError
+from memfit.estimators.effects import effect
 from memfit.measurement import measure
 from memfit.measurement.training import text_batches, train_run
 from memfit.specs.workload import Workload
-from memfit.techniques.resolve import ResolvedWorkload, resolve
 from memfit.techniques.base import REGISTRY, parse_technique
-from memfit.estimators.effects import effect
+from memfit.techniques.resolve import ResolvedWorkload, resolve
 from tests.conftest import EXAMPLES, rel
 
 SHAPE = {"model": "tiny-llama", "task": "train", "batch_size": 4, "seq_len": 256}
@@ -212,8 +212,8 @@ def test_data_parallel_results_equal_one_process(techniques, zero):
     agree within numerics (the all-reduce sums in another order), on both ranks."""
     from memfit.measurement.ranks import train_ranks
 
-    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2, zero_stage=zero,
-                        techniques=techniques)
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2,
+                                zero_stage=zero, techniques=techniques)
     ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
     for got in ranks:
         assert rel(got[0], base[0]) < 1e-3 and all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
@@ -289,7 +289,8 @@ def test_park_frozen_keeps_idle_frozen_weights_on_the_host():
     backward and the optimizer step run without them; the trace predicts it, and training is unchanged."""
     model, inputs = EXAMPLES["frozen_encoder"]
     shape = {"model": model, "inputs": inputs, "task": "train", "batch_size": 8, "seq_len": 128}
-    run, base = (measure(ResolvedWorkload(**shape, techniques=t), estimates=("traced",)) for t in (("park-frozen",), ()))
+    run, base = (measure(ResolvedWorkload(**shape, techniques=t), estimates=("traced",))
+                 for t in (("park-frozen",), ()))
     from memfit.examples.frozen_encoder import build, make_inputs
 
     frozen = sum(p.numel() * 4 for p in build().parameters() if not p.requires_grad)
@@ -473,4 +474,5 @@ def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
     assert spec == "sequence-chunks:window=64,stride=32"
     data = ResolvedWorkload(**SHAPE, techniques=("checkpointing:every=2", "bf16-mixed")).to_json()
     assert data["precision"] == "bf16-mixed" and data["techniques"] == ["checkpointing:every=2"]
-    assert resolve(Workload.from_json(data)) == ResolvedWorkload(**SHAPE, techniques=("bf16-mixed", "checkpointing:every=2"))
+    again = ResolvedWorkload(**SHAPE, techniques=("bf16-mixed", "checkpointing:every=2"))
+    assert resolve(Workload.from_json(data)) == again

@@ -14,7 +14,8 @@ from tests.conftest import EXAMPLES, rel
 
 ZOO = {   # (model, inputs, seq_len): decoder, encoder, encoder-decoder, MoE, ViT, decoder (GPT-2), CNN, LSTM
     "tiny-llama": ("tiny-llama", None, 64), "tiny-bert": ("tiny-bert", None, 64), "tiny-t5": ("tiny-t5", None, 64),
-    "tiny-mixtral": ("tiny-mixtral", None, 64), "tiny-vit": ("tiny-vit", None, 64), "tiny-gpt2": ("tiny-gpt2", None, 64),
+    "tiny-mixtral": ("tiny-mixtral", None, 64), "tiny-vit": ("tiny-vit", None, 64),
+    "tiny-gpt2": ("tiny-gpt2", None, 64),
     "convnet": (*EXAMPLES["convnet"], 64), "lstm": (*EXAMPLES["lstm"], 64),
 }
 SETTINGS = {"train-fp32": dict(task="train"), "train-bf16-mixed": dict(task="train", precision="bf16-mixed"),
@@ -55,12 +56,12 @@ def test_cpu_kernel_scratch_is_probed():
 
 
 def _deep_config(tmp_path, model_type, **fields):
-    base = {"llama": dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=5000, max_position_embeddings=256),
+    base = {"llama": dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=5000, max_position_embeddings=256),
             "t5": dict(architectures=["T5ForConditionalGeneration"], d_model=64, d_kv=16, d_ff=128, num_heads=4,
                        vocab_size=500, decoder_start_token_id=0, pad_token_id=0),
-            "gemma2": dict(architectures=["Gemma2ForCausalLM"], hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=500, sliding_window=16,
+            "gemma2": dict(architectures=["Gemma2ForCausalLM"], hidden_size=64, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500, sliding_window=16,
                            max_position_embeddings=256, query_pre_attn_scalar=16),
             "gpt2": dict(architectures=["GPT2LMHeadModel"], n_embd=64, n_head=4, vocab_size=500, n_positions=256)}
     path = tmp_path / f"{model_type}.json"
@@ -129,7 +130,8 @@ def test_tracing_a_huge_model_allocates_nothing_real():
     # The child's own peak resident memory: VmHWM of its address space. (ru_maxrss would also count the
     # pages it shared with this test process between fork and exec: the whole pytest process.)
     code = ("import re, memfit.estimators.traced as t, memfit.specs.workload as w;"
-            "e = t.traced_estimate(w.ResolvedWorkload(model='llama-3.1-405b', batch_size=1, seq_len=4096, precision='bf16-mixed'));"
+            "e = t.traced_estimate(w.Workload(model='llama-3.1-405b', batch_size=1, seq_len=4096,"
+            " precision='bf16-mixed'));"
             "print(e.peak_bytes, re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert int(out[0]) > 4 * 405e9          # terabytes estimated ...

@@ -8,8 +8,8 @@ from torch import nn
 from memfit.estimators.traced import traced_estimate
 from memfit.estimators.tracker import MemoryTracker
 from memfit.measurement.run import measure_run
-from memfit.techniques.resolve import ResolvedWorkload
 from memfit.steps.hooks import tensors_in
+from memfit.techniques.resolve import ResolvedWorkload
 
 IN, HID, OUT, BATCH = 64, 128, 10, 8
 PARAM_BYTES = (IN * HID + HID + HID * OUT + OUT) * 4

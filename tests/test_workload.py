@@ -31,7 +31,7 @@ def not_a_module():
 def test_bad_workloads_raise_one_clear_error(kwargs, message):
     if message is None:   # a factory that returns no module fails when it is built
         workload = resolve(Workload(**kwargs))
-        with pytest.raises(MemfitError, match="not a torch.nn.Module"):
+        with pytest.raises(MemfitError, match=r"not a torch\.nn\.Module"):
             workload.source.build(device="meta", dtype=__import__("torch").float32)
         return
     with pytest.raises(MemfitError, match=message):

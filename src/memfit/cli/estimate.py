@@ -20,7 +20,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--method", default="auto", help=f"one of {', '.join(METHODS)} (default auto: traced "
                                                           "where it can run)")
     parser.add_argument("--modules", action="store_true", help="add the top modules by memory (traced)")
-    parser.add_argument("--timeline", metavar="FILE", help="memory over the step: .png/.svg/.pdf plot or .json (traced)")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="memory over the step: .png/.svg/.pdf plot or .json (traced)")
     parser.add_argument("--full-trace", action="store_true", help="trace every layer instead of extrapolating")
     parser.set_defaults(run=run)
 

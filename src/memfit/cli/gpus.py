@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
         print_json({"schema": "memfit.gpus/1", "gpus": [g.to_json() for g in gpus]})
         return 0
     table = Table(title="memfit GPU catalog (dense TFLOP/s; context memory is assumed)", title_justify="left")
-    for column in ("name", "memory", "bf16 TFLOP/s", "fp16 TFLOP/s", "HBM GB/s", "interconnect", "GB/s", "aliases"):
+    for column in ("name", "memory", "BF16 TFLOP/s", "FP16 TFLOP/s", "HBM GB/s", "interconnect", "GB/s", "aliases"):
         table.add_column(column, justify="left" if column in ("name", "interconnect", "aliases") else "right")
     for g in gpus:
         table.add_row(g.name, format_bytes(g.memory_bytes), str(g.bf16_tflops or "—"), str(g.fp16_tflops),

@@ -9,7 +9,7 @@ from rich.table import Table
 from memfit.cli.common import print_json
 from memfit.techniques import REGISTRY
 from memfit.techniques.base import TRAITS
-from memfit.techniques.compose import ORDER, declared_rules
+from memfit.techniques.rules import ORDER, declared_rules
 
 
 def add_parser(subparsers) -> None:

@@ -24,6 +24,14 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
+def precision_names(*, autocast: bool | None = None, loss_scaling: bool | None = None) -> str:
+    """The precisions with (True) or without (False) autocast and loss scaling, for a message: "a or b"."""
+    names = [p.name for p in PRECISIONS.values()
+             if (autocast is None or (p.autocast_dtype is not None) == autocast)
+             and (loss_scaling is None or p.loss_scaling == loss_scaling)]
+    return " or ".join(names)
+
+
 def precision_of_dtype(dtype: torch.dtype) -> Precision:
     """The precision that stores weights in `dtype` with no autocast (float32 for any dtype without one)."""
     return next((p for p in PRECISIONS.values() if p.param_dtype == dtype and p.autocast_dtype is None),

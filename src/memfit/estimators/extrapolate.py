@@ -39,15 +39,6 @@ class NotLinear(Exception):
     """The three short traces do not lie on a line; a full trace is needed."""
 
 
-def _phase_spans(trace: Trace) -> list[tuple[str, int, int]]:
-    marks = [m for m in trace.phase_marks if m[0] >= trace.start]
-    spans = []
-    for i, (begin, name) in enumerate(marks):
-        end = marks[i + 1][0] if i + 1 < len(marks) else len(trace.events)
-        spans.append((name, begin, end))
-    return spans
-
-
 def _runs(starts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Group (event, stack, layer) starts into runs: same stack, layers stepping by one."""
     runs: list[list[tuple[int, int, int]]] = []
@@ -66,7 +57,7 @@ def _runs(starts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]
 def region_bounds(trace: Trace, period: int) -> list[tuple[tuple[str, int], int, int]]:
     """[(key, first event, end event)], key = (phase, ordinal), in time order."""
     regions = []
-    for phase, begin, end in _phase_spans(trace):
+    for phase, begin, end in trace.phase_spans():
         starts = sorted((e, s, layer) for e, p, s, layer, kind in trace.block_marks
                         if kind == "start" and begin <= e < end and p == phase)
         ends = {(s, layer): e for e, p, s, layer, kind in trace.block_marks
@@ -105,7 +96,10 @@ def region_peaks(trace: Trace, period: int, weights: dict[str, int] | None = Non
     return {key: peak for key, peak in peaks.items() if best[key] >= 0}
 
 
-def extrapolate(samples: dict[int, dict[tuple[str, int], RegionPeak]], layers: int) -> dict[tuple[str, int], RegionPeak]:
+Regions = dict[tuple[str, int], RegionPeak]
+
+
+def extrapolate(samples: dict[int, Regions], layers: int) -> Regions:
     """From region peaks at three equally spaced depths, the region peaks at `layers` depth."""
     (n1, a), (n2, b), (n3, c) = sorted(samples.items())
     if n2 - n1 != n3 - n2 or (layers - n1) % (n2 - n1):
@@ -132,7 +126,7 @@ def extrapolate(samples: dict[int, dict[tuple[str, int], RegionPeak]], layers: i
 def extrapolate_host(samples: dict[int, dict[str, int]], layers: int) -> int:
     """Host RAM (offload) at `layers` depth: each phase's peak from its values at the three depths,
     checked like the region peaks, then the largest (the phase that holds the most changes with depth)."""
-    (n1, a), (n2, b), (n3, c) = sorted(samples.items())
+    (n1, a), (n2, b), (_, c) = sorted(samples.items())
     if set(a) != set(b) or set(b) != set(c):
         raise NotLinear("the step's phases change with depth")
     predicted = []

@@ -3,8 +3,9 @@
 Bytes on one rank = sum over categories of weight[c] * bytes[c] / divisor, in integers, so that a
 sharded timeline can be re-peaked exactly. Stage 1 shards optimizer states (and the optimizer
 step's temporaries, key "optimizer_temporaries"), stage 2 also gradients, stage 3 also parameters,
-each over `world_size` ranks. DDP (stages 0 and 1 with the PyTorch engine: the `ddp` technique) adds
-its gradient buckets in the analytic engine itself; a trace of a distributed technique runs it for real.
+each over `world_size` ranks; a layout that shards like ZeRO-3 declares it (`zero_stage`). Data parallel
+(stages 0 and 1 with the PyTorch engine) adds its gradient buckets in the analytic engine itself; a trace of
+a layout over ranks runs it for real.
 """
 from __future__ import annotations
 
@@ -12,27 +13,41 @@ from memfit.core.categories import CATEGORIES
 from memfit.techniques.resolve import ResolvedWorkload
 
 
+def effective_zero_stage(workload: ResolvedWorkload) -> int:
+    """The ZeRO stage the model states are sharded at: the layout's own (a layout that shards like ZeRO-3), else
+    --zero."""
+    layout = workload.layout
+    return layout.zero_stage if layout is not None and layout.zero_stage is not None else workload.zero_stage
+
+
+def ranks_to_estimate(workload: ResolvedWorkload, method: str) -> tuple[list[int], str | None]:
+    """The ranks whose steps differ (a technique says which, and why they bound the rest), else rank 0 alone."""
+    for technique in workload.technique_configs:
+        declared = technique.analytic_ranks(workload.world_size, method)
+        if declared is not None:
+            return declared
+    return [0], None
+
+
 def state_weights(workload: ResolvedWorkload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
-    """`traced`: a trace of a distributed technique (ddp, fsdp2, tensor-parallel) runs rank 0's real step,
-    so it needs no weights."""
+    """`traced`: a trace of a layout over ranks (ddp, fsdp2, tensor-parallel) runs rank 0's real step, so it
+    needs no weights."""
     n = workload.world_size
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
-    fsdp2 = workload.technique("fsdp2") is not None
+    ones = {name: 1 for name in CATEGORIES}
     if (n == 1 or workload.task != "train" or (workload.layout and traced)
             or workload.engine == "deepspeed"):   # the analytic estimator shards DeepSpeed's states itself
-        return {name: 1 for name in CATEGORIES}, 1, notes
-    stage = 3 if fsdp2 else workload.zero_stage
-    ddp = workload.technique("ddp") is not None   # the engine adds DDP's buckets itself
-    if (ddp and stage == 0) or workload.technique("tensor-parallel") or workload.technique("pipeline-parallel"):
-        # the engine runs one rank's part
-        return {name: 1 for name in CATEGORIES}, 1, notes
-    if stage >= 1:
-        weights["optimizer_states"] = 1
-        weights["optimizer_temporaries"] = 1   # the step runs on this rank's shard
+        return ones, 1, notes
+    stage = effective_zero_stage(workload)
+    if stage == 0:   # a replica (DDP: the engine adds its buckets) or a split layout: the engine runs one rank's part
+        return ones, 1, notes
+    weights["optimizer_states"] = 1
+    weights["optimizer_temporaries"] = 1   # the step runs on this rank's shard
     if stage >= 2:
         weights["gradients"] = 1
-    if fsdp2 and workload.technique("cpu-offload"):   # the shards, their gradients and the step live on the host
+    if workload.with_trait("host-optimizer") and workload.with_trait("offloads-shards"):
+        # the shards, their gradients and the step live on the host
         for name in ("parameters", "gradients", "optimizer_states", "optimizer_temporaries"):
             weights[name] = 0
         return weights, n, notes

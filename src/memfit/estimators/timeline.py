@@ -10,6 +10,5 @@ def timeline_of(trace: Trace, max_points: int = 2000) -> dict:
     if len(points) > max_points:
         size = -(-len(points) // max_points)
         points = [max(points[k:k + size], key=lambda p: sum(p[1])) for k in range(0, len(points), size)]
-    marks = [(i, name) for i, name in trace.phase_marks if i >= trace.start]
     return {"categories": list(CATEGORIES), "event": [p[0] for p in points],
-            "bytes": [p[1] for p in points], "phases": [[i, name] for i, name in marks]}
+            "bytes": [p[1] for p in points], "phases": [[i, name] for i, name in trace.measured_marks()]}

@@ -35,15 +35,15 @@ from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads
 from memfit.estimators.kernel_probe import KernelScratchProbe
 from memfit.estimators.modules import module_rows
-from memfit.estimators.sharding import per_rank, state_weights
+from memfit.estimators.sharding import per_rank, ranks_to_estimate, state_weights
 from memfit.estimators.timeline import timeline_of
 from memfit.estimators.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
-from memfit.techniques.resolve import ResolvedWorkload, resolve
 from memfit.steps.hooks import tensors_in
 from memfit.steps.runner import run_workload
 from memfit.techniques.compose import prepare_step
+from memfit.techniques.resolve import ResolvedWorkload, resolve
 
 WHOLE_RUN = 10**9   # a "period" longer than any stack: regions cover every layer (no extrapolation)
 
@@ -63,9 +63,9 @@ def repeated_stacks(model: nn.Module, num_layers: int | None) -> list[nn.ModuleL
         return []
     stacks = []
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            if len({type(child) for child in module}) == 1:
-                stacks.append(module)
+        if (isinstance(module, nn.ModuleList) and len(module) == num_layers
+                and len({type(child) for child in module}) == 1):
+            stacks.append(module)
     return stacks
 
 
@@ -85,12 +85,6 @@ def _trace_once(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | N
         with fake_process_group(workload.world_size, rank):
             return _trace_rank(workload, gpu, num_layers)
     return _trace_rank(workload, gpu, num_layers)
-
-
-def traced_ranks(workload: ResolvedWorkload) -> range:
-    """The ranks whose step differs: every pipeline stage holds other blocks; data and tensor parallel
-    ranks are alike, so rank 0 stands for all."""
-    return range(workload.world_size if workload.technique("pipeline-parallel") else 1)
 
 
 @contextmanager
@@ -120,9 +114,9 @@ def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | N
         tracker = MemoryTracker(round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1)
         tracker.watch_model(model)
         tracker.watch(tensors_in(batch), "inputs")
-        # a pipeline stage drops the other ranks' blocks: holding the whole stack would keep them alive
-        pipeline = workload.technique("pipeline-parallel") is not None
-        stacks = [] if pipeline else repeated_stacks(model, num_layers or source.num_layers)
+        # a rank that holds a run of the blocks drops the others: holding the whole stack would keep them alive
+        split = workload.with_trait("splits-blocks") is not None
+        stacks = [] if split else repeated_stacks(model, num_layers or source.num_layers)
         tracker.watch_stacks(stacks)
         device_kernels = CudaKernels() if gpu else KernelScratchProbe()
         with FakeKernelFixes(), tracker, real_data_decisions(), device_kernels:
@@ -147,8 +141,8 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     started = time.perf_counter()
     source = workload.source
     weights, divisor, notes = state_weights(workload, traced=True)
-    # pipeline stages split the blocks by rank: traced at full depth, every rank
-    whole = timeline or full_trace or workload.technique("pipeline-parallel") is not None
+    # a step not linear in depth (pipeline stages split the blocks by rank) is traced at full depth
+    whole = timeline or full_trace or not all(t.depth_linear for t in workload.technique_configs)
     depths = None if whole else extrapolation_depths(source.num_layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
@@ -164,7 +158,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         except NotLinear as exc:
             notes.append(f"extrapolation check failed ({exc}); traced every layer instead")
     if regions is None:
-        runs = [_trace_once(workload, gpu, None, rank) for rank in traced_ranks(workload)]
+        runs = [_trace_once(workload, gpu, None, rank) for rank in ranks_to_estimate(workload, "traced")[0]]
         by_rank = [region_peaks(r.trace, WHOLE_RUN, weights) for r in runs]
         highest = max(range(len(runs)), key=lambda i: peak_of(by_rank[i])[0].total)
         run, regions = runs[highest], by_rank[highest]

@@ -96,19 +96,34 @@ class Trace:
             totals[category[sid]] += delta * weight[sid]
             yield index, totals
 
+    def measured_marks(self) -> list[tuple[int, str]]:
+        """The phase marks of the measured step: (first event index of the phase, phase)."""
+        return [m for m in self.phase_marks if m[0] >= self.start]
+
+    def phase_spans(self) -> list[tuple[str, int, int]]:
+        """The measured step's phases: (phase, first event index, end event index)."""
+        marks = self.measured_marks()
+        return [(name, begin, marks[i + 1][0] if i + 1 < len(marks) else len(self.events))
+                for i, (begin, name) in enumerate(marks)]
+
+    def in_phases(self, items):
+        """(phase, event index, value) for each (event index, value) of the measured step, in order."""
+        marks = self.measured_marks()
+        phase, next_mark = (marks[0][1] if marks else "setup"), 0
+        for index, value in items:
+            while next_mark < len(marks) and marks[next_mark][0] <= index:
+                phase = marks[next_mark][1]
+                next_mark += 1
+            yield phase, index, value
+
     def host_peaks(self) -> dict[str, int]:
         """Per phase of the measured step, the most host RAM the offloaded storages held at once."""
         live = sum(s.nbytes for s in self.storages if s.host and s.born == -1)
         live += sum(delta for sid, delta in self.events[:self.start] if self.storages[sid].host)
-        marks = [m for m in self.phase_marks if m[0] >= self.start]
-        phase = marks[0][1] if marks else "setup"
-        peaks = {phase: live}
-        next_mark = 0
-        for index in range(self.start, len(self.events)):
-            while next_mark < len(marks) and marks[next_mark][0] <= index:
-                phase = marks[next_mark][1]
-                next_mark += 1
-            sid, delta = self.events[index]
+        marks = self.measured_marks()
+        peaks = {marks[0][1] if marks else "setup": live}
+        measured = ((index, self.events[index]) for index in range(self.start, len(self.events)))
+        for phase, _, (sid, delta) in self.in_phases(measured):
             if self.storages[sid].host:
                 live += delta
             peaks[phase] = max(peaks.get(phase, 0), live)
@@ -116,16 +131,10 @@ class Trace:
 
     def summary(self, *, include_host: bool = False) -> tuple[PeakPoint, dict[str, int], dict[str, PeakPoint]]:
         """(global peak, each category's own peak, each phase's peak) over the measured step."""
-        marks = [m for m in self.phase_marks if m[0] >= self.start]
-        phase = marks[0][1] if marks else "setup"
         best: PeakPoint | None = None
         component_peaks = zero_categories()
         phase_peaks: dict[str, PeakPoint] = {}
-        next_mark = 0
-        for index, totals in self.walk(include_host=include_host):
-            while next_mark < len(marks) and marks[next_mark][0] <= index:
-                phase = marks[next_mark][1]
-                next_mark += 1
+        for phase, index, totals in self.in_phases(self.walk(include_host=include_host)):
             total = sum(totals.values())
             for name, value in totals.items():
                 component_peaks[name] = max(component_peaks[name], value)

@@ -8,11 +8,11 @@ from dataclasses import replace
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
 from memfit.estimators.analytic import count_parameters
+from memfit.estimators.effects import describe, measured_accuracy
 from memfit.planner.cost import step_time
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, estimate_for, lower_bound_estimate, risk_of
-from memfit.estimators.effects import describe, measured_accuracy
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve, without_technique
 

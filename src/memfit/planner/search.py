@@ -25,8 +25,8 @@ from memfit.planner.cost import StepTime
 from memfit.planner.request import GPUS_PER_NODE, PlanRequest
 from memfit.planner.space import Candidate, allocator_options, candidates
 from memfit.specs.workload import Workload
-from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve
 from memfit.techniques.base import RISKS, parse_technique
+from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve
 
 MAX_VERIFY = 4          # exact estimates while stepping the micro-batch down
 

@@ -21,12 +21,12 @@ from memfit.planner.request import PlanRequest
 from memfit.specs.workload import Workload
 from memfit.techniques import REGISTRY
 from memfit.techniques.base import Technique, parse_technique
-from memfit.techniques.compose import ordered
 from memfit.techniques.resolve import ResolvedWorkload, resolve
+from memfit.techniques.rules import ordered
 
 # The axes a technique can be a value of, in the order a plan lists them; "allocator" values are not searched but
 # added to a plan that fits only with them (search.py)
-AXES = ("layout", "precision", "optimizer", "weights", "attention", "checkpointing", "loss", "offload")
+AXES = ("layout", "precision", "optimizer", "weights", "attention", "activations", "loss", "offload")
 DEFAULTS = Workload.__dataclass_fields__
 
 

@@ -16,13 +16,13 @@ from rich.table import Table
 
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
+from memfit.estimators import estimate
 from memfit.measurement.oom import OomMessage, SnapshotSummary
 from memfit.specs.hardware import GPU
-from memfit.estimators import estimate
 from memfit.techniques import REGISTRY
 from memfit.techniques.base import Technique, parse_technique
-from memfit.techniques.compose import ordered
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, with_technique
+from memfit.techniques.rules import ordered
 
 SCHEMA = "memfit.oom/1"
 

@@ -44,8 +44,8 @@ def estimate_table(estimate: MemoryEstimate) -> Table:
     for name, value in estimate.overhead_detail.items():
         table.add_row(f"+ {name.replace('_', ' ')}", _fmt(value), "", estimate.sources.get(name, "assumed"))
     if estimate.overhead_bytes:
-        table.add_row("[bold]total on device[/bold]", f"[bold]{_fmt(estimate.peak_bytes + estimate.overhead_bytes)}[/bold]",
-                      "", "")
+        total = _fmt(estimate.peak_bytes + estimate.overhead_bytes)
+        table.add_row("[bold]total on device[/bold]", f"[bold]{total}[/bold]", "", "")
     if estimate.host_bytes:
         table.add_section()
         table.add_row("host RAM (offloaded)", _fmt(estimate.host_bytes), "", "at its own peak")
@@ -57,7 +57,8 @@ def fit_line(estimate: MemoryEstimate) -> str | None:
         return None
     capacity = format_bytes(estimate.device_memory_bytes)
     if estimate.fits:
-        return f"[green]Fits[/green] {estimate.device} ({capacity}) with {format_bytes(estimate.headroom_bytes)} headroom."
+        headroom = format_bytes(estimate.headroom_bytes)
+        return f"[green]Fits[/green] {estimate.device} ({capacity}) with {headroom} headroom."
     return (f"[red]Does not fit[/red] {estimate.device} ({capacity}): short by "
             f"{format_bytes(-estimate.headroom_bytes)}.")
 

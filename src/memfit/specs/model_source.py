@@ -255,7 +255,8 @@ def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
             with open(path) as fh:
                 hf_config = json.load(fh)
         except FileNotFoundError:
-            raise MemfitError(f"no model config at {path!r}; give a catalog name, a config.json path or module:function.") from None
+            raise MemfitError(f"no model config at {path!r}; give a catalog name, a config.json path or "
+                              "module:function.") from None
         except (OSError, json.JSONDecodeError) as exc:
             raise MemfitError(f"cannot read model config {path!r}: {exc}") from None
         if not isinstance(hf_config, dict) or "model_type" not in hf_config:

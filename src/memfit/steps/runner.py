@@ -19,7 +19,7 @@ def train_loop(setup: StepSetup, workload: Workload, *, hooks: StepHooks | None 
     """The workload's training loop: PyTorch's (TrainLoop) or DeepSpeed's engine, which casts and shards
     the weights itself."""
     if workload.engine == "deepspeed":
-        from memfit.steps.deepspeed_loop import DeepSpeedLoop   # DeepSpeed loads only when it is asked for
+        from memfit.steps.deepspeed_loop import DeepSpeedLoop  # DeepSpeed loads only when it is asked for
 
         return DeepSpeedLoop(setup, workload, hooks=hooks)
     return TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
+from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
-from memfit.steps.setup import StepSetup
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -77,6 +77,9 @@ class Lora(Technique):
     def cost_compute(self, compute) -> None:   # frozen weights: backward computes input gradients only
         compute.backward = compute.forward
 
+    def analytic_weights(self, program) -> None:
+        program.add_adapters(self.rank, self.target_names)
+
     def check(self, workload) -> None:
         if workload.task != "train":
             raise MemfitError(f"-t {self.name} changes what trains; for inference there is nothing to adapt.")
@@ -117,6 +120,10 @@ class Qlora(Lora):
     def cost_compute(self, compute) -> None:
         super().cost_compute(compute)
         compute.factor *= QLORA_DEQUANT
+
+    def analytic_weights(self, program) -> None:   # the base's linears as 4-bit codes, then the adapters
+        program.quantize_linears("4bit", double_quant=self.double_quant)
+        super().analytic_weights(program)
 
     def check(self, workload) -> None:
         super().check(workload)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.techniques.base import OomFix, Technique, register
 from memfit.steps.setup import StepSetup
+from memfit.techniques.base import OomFix, Technique, register
 
 EXPANDABLE_RESERVE_FRACTION_ASSUMED = 0.02   # of the tensor peak (PyTorch's default allocator: gpu_overhead.py)
 

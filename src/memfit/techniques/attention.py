@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError, require_positive_int
-from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.steps.setup import StepSetup
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
 SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "phi3")
 

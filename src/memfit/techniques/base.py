@@ -9,8 +9,8 @@ workload's own settings (precision, optimizer) are folded into those fields when
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from memfit.core.errors import MemfitError, closest
@@ -32,6 +32,8 @@ TRAITS = {
     "wraps-forward": "the model runs through its wrapper (calling the base model directly skips it)",
     "reduces-gradients": "reduces each gradient across the ranks as backward produces it",
     "host-optimizer": "moves the optimizer and its states to host RAM",
+    "offloads-shards": "keeps its shards, their gradients and the optimizer states in host RAM when offload is asked "
+                       "for (it takes the offload over)",
     "subclass-weights": "turns weights into tensor subclasses (quantized codes)",
     "quantized-linears": "quantizes (or fake-quantizes) the linear layers' weights",
     "adapters": "freezes the base and trains low-rank adapters beside it",
@@ -91,6 +93,57 @@ class Technique:
         """This configuration's step-time factor (the class's `time_factor` unless a parameter changes it)."""
         return self.time_factor
 
+    # ---- the analytic estimator (estimators/analytic/simulate.py): how one simulated step accounts for it ----
+    # the step at depth L is linear in L (estimators may extrapolate from a few depths)
+    depth_linear: ClassVar[bool] = True
+    # a layout that shards the model states like ZeRO stage N (parameters, gradients, optimizer states)
+    zero_stage: ClassVar[int | None] = None
+
+    def analytic_policy(self, workload: Workload) -> dict:
+        """Fields of the engine's Policy this technique sets (estimators/analytic/engine.py)."""
+        return {}
+
+    def analytic_spec(self, spec, workload: Workload):
+        """The family's model spec (its heads, KV heads, MLP channels) as this technique leaves it."""
+        return spec
+
+    def analytic_layers(self, num_layers: int, rank: int, workload: Workload) -> int:
+        """Blocks rank `rank` holds of `num_layers`."""
+        return num_layers
+
+    def analytic_ranks(self, world_size: int, method: str) -> tuple[list[int], str] | None:
+        """The ranks whose steps differ, to estimate each ("traced" or "analytic"), and why they bound the
+        rest; None when every rank's step is alike (rank 0 stands for all)."""
+        return None
+
+    def analytic_model(self, program) -> None:
+        """Declare the model itself, when the technique changes what is declared (Program.declare_teacher)."""
+
+    def analytic_weights(self, program) -> None:
+        """Change the declared weights (Program: quantize_linears, add_adapters, keep_stage, ...)."""
+
+    def analytic_windows(self, windows, workload: Workload):
+        """What the step's forwards see of each sequence (analytic/program.py `Windows`)."""
+        return windows
+
+    def analytic_buffers(self, program) -> None:
+        """Allocate what the training step holds throughout (Program.hold_gradient_buckets)."""
+
+    def analytic_train(self, program) -> bool:
+        """Run the step's forwards and backwards itself (Program.pipeline_schedule); False: the default loop."""
+        return False
+
+    def analytic_states(self, params) -> list[tuple[int, str]]:
+        """An optimizer's states for the trainable `params` ((numel, dtype) each, dtypes as the engine names
+        them: "float32", "uint8", ...)."""
+        raise NotImplementedError(f"{self.name} is not an optimizer")
+
+    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+        """An optimizer step's temporaries alive at once over `params` (each rank's shards); `foreach`: the
+        CUDA implementation."""
+        raise NotImplementedError(f"{self.name} is not an optimizer")
+
+    # ---- the planner's cost model (planner/cost.py) ----
     def cost_compute(self, compute) -> None:
         """Change one micro-step's FLOPs in the planner's cost model (planner/cost.py `Compute`: recompute,
         backward, the ranks they split over, a bubble). By default: multiply the compute by this technique's

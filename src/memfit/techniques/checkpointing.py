@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
+from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
-from memfit.steps.setup import StepSetup
 
 MODES = ("full", "selective", "offload")
 SELECTIVE_RECOMPUTE = 0.1    # of one forward: the cheap ops selective checkpointing re-runs (assumed)
@@ -55,14 +55,14 @@ def selective_context():
 class Checkpointing(Technique):
     name = "checkpointing"
     risk = "lossless"
-    stage = "checkpointing"
+    stage = "activations"
     summary = ("recompute block activations in backward: full per block, every n-th block, selective per op; "
                "or offload them to host RAM (mode=offload)")
     time_factor = 1.33
     conflicts_with = {"splits-linears": ("mode=offload copies the saved tensors to the host as plain tensors, and "
                                          "{other} saves DTensors", "use checkpointing:mode=full or selective")}
     oom_fixes = ("checkpointing", "checkpointing:mode=selective", "checkpointing:mode=offload")
-    search_axis = "checkpointing"
+    search_axis = "activations"
     every: int = 1
     mode: str = "full"
     blocks: str | None = None       # regular expression over module names; default: the repeated blocks
@@ -79,6 +79,10 @@ class Checkpointing(Technique):
     @classmethod
     def search_values(cls, request, workload):
         return list(cls.oom_fixes) if request.task == "train" else []
+
+    def analytic_policy(self, workload) -> dict:
+        return {"checkpoint_every": self.every, "checkpoint_selective": self.mode == "selective",
+                "checkpoint_offload": self.mode == "offload"}
 
     def cost_compute(self, compute) -> None:
         """Full: one more forward of every n-th block; selective: the cheap ops of one (Korthikanti et al.,

@@ -1,99 +1,20 @@
-"""How techniques combine: one canonical order, the rules the techniques declare between them, and the two
-entry points that apply them (to a workload's step, or to a user's own model and optimizer).
-
-Everything here runs before the model is touched: a bad combination or an unknown technique is a
-MemfitError and nothing has been changed.
+"""Applying techniques: to a workload's step (`prepare_step`, what memfit's own runs use) or to a user's own model
+and optimizer (`apply_`), in the canonical order (rules.py), after the rules have been checked.
 """
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.techniques.base import REGISTRY, Technique, parse_technique
 from memfit.steps.setup import StepSetup, precision_of_model
-
-if TYPE_CHECKING:
-    from memfit.techniques.resolve import ResolvedWorkload
-
-# The canonical order (torchtitan's: quantize -> LoRA -> checkpoint -> compile -> shard), one step
-# per stage, each with the reason it comes where it does.
-ORDER: tuple[tuple[str, str], ...] = (
-    ("memory", "allocator settings come before the first device allocation they should govern"),
-    ("precision", "weights take their final dtype first: every later step wraps or copies the real weights"),
-    ("sequence", "the batch's shape is fixed before anything is sized from it"),
-    ("loss", "the loss head is replaced before blocks are wrapped, so checkpointing wraps the model's own blocks"),
-    ("student", "the model to train is settled first: distill swaps in a student, which every step below changes"),
-    ("prune", "heads and channels are removed before the rest is quantized (pruning scores full-precision weights)"),
-    ("quantize", "weights are quantized before adapters sit beside them (QLoRA trains adapters on a quantized "
-                 "base)"),
-    ("adapters", "adapters go into the final layers before blocks are wrapped, so checkpointing recomputes "
-                 "them with their block (torchtitan's order: quantize, LoRA, checkpoint, shard)"),
-    ("checkpointing", "blocks are wrapped once the model is final and before it is sharded (torchtitan's order)"),
-    ("offload", "what lives in host RAM is settled before sharding: FSDP2 takes its CPU offload policy when it "
-                "shards the blocks"),
-    ("shard", "blocks are sharded (or the model replicated) after checkpointing wraps them, so each block's "
-              "all-gather surrounds its recompute too"),
-    ("optimizer", "the optimizer is built last, over the parameters as the steps above left them"),
-)
-_STAGE_INDEX = {stage: i for i, (stage, _) in enumerate(ORDER)}
-
-
-def ordered(techniques: Iterable[Technique]) -> list[Technique]:
-    return sorted(techniques, key=lambda t: (_STAGE_INDEX[t.stage], t.name))
-
-
-def parse_all(specs: Iterable[str | Technique]) -> list[Technique]:
-    """Parsed technique configs in the canonical order; a technique given twice, or two that set the same
-    workload field, are refused."""
-    parsed = [s if isinstance(s, Technique) else parse_technique(s) for s in specs]
-    seen: dict[str, Technique] = {}
-    for technique in parsed:
-        if technique.name in seen:
-            raise MemfitError(f"-t {technique.name} is given twice ({seen[technique.name].spec}, {technique.spec}); "
-                              "keep one.")
-        seen[technique.name] = technique
-    fields: dict[str, Technique] = {}
-    for technique in parsed:
-        field = technique.workload_field
-        if field and field in fields:
-            raise MemfitError(f"-t {fields[field].name} and -t {technique.name} both set the {field}; keep one.")
-        if field:
-            fields[field] = technique
-    return ordered(parsed)
-
-
-def check_rules(techniques: list[Technique], workload: ResolvedWorkload | None) -> None:
-    """Refuse the first combination that a technique's declared rules forbid (`conflicts`: with another technique
-    by name or by trait; `deepspeed_conflict`: under DeepSpeed's engine), with its reason and fix."""
-    if workload is not None:
-        techniques = workload.field_techniques + [t for t in techniques if t.workload_field is None]
-    for technique in techniques:
-        for key, (reason, fix) in technique.conflicts().items():
-            for other in techniques:
-                if other is not technique and (other.name == key or key in other.traits):
-                    names = " + ".join(sorted((technique.name, other.name)))
-                    raise MemfitError(f"{names}: {reason.format(other=other.name)}; {fix.format(other=other.name)}.")
-        if workload is not None and workload.engine == "deepspeed" and technique.deepspeed_conflict:
-            reason, fix = technique.deepspeed_conflict
-            raise MemfitError(f"{technique.name}: --engine deepspeed {reason}; {fix.format(other=technique.name)}.")
-
-
-def declared_rules() -> list[dict]:
-    """Every rule the registered techniques declare (`memfit techniques --json`)."""
-    rules = []
-    for cls in sorted(REGISTRY.values(), key=lambda c: (_STAGE_INDEX[c.stage], c.name)):
-        for key, (reason, fix) in cls.conflicts_with.items():
-            rules.append({"technique": cls.name, "with": key, "reason": reason, "fix": fix})
-        if cls.deepspeed_conflict:
-            rules.append({"technique": cls.name, "with": "--engine deepspeed", "reason": cls.deepspeed_conflict[0],
-                          "fix": cls.deepspeed_conflict[1]})
-    return rules
+from memfit.techniques.base import Technique
+from memfit.techniques.resolve import ResolvedWorkload
+from memfit.techniques.rules import check_rules, ordered, parse_all
 
 
 def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: str, foreach: bool | None = None,

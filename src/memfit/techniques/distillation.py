@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from memfit.core.errors import MemfitError, require_positive_int
-from memfit.core.precision import get_precision
-from memfit.techniques.base import Technique, register
+from memfit.core.precision import get_precision, precision_names
 from memfit.steps.setup import StepSetup
+from memfit.techniques.base import Technique, register
 
 
 @register
@@ -57,6 +57,11 @@ class Distill(Technique):
         if self.teacher not in ("full", "int8"):
             raise MemfitError(f"-t distill: teacher must be full or int8, not {self.teacher!r}.")
 
+    depth_linear = False   # the student's depth is half the model's, rounded down
+
+    def analytic_model(self, program) -> None:
+        program.declare_teacher(self.student_layers(program.num_layers), int8=self.teacher == "int8")
+
     def student_layers(self, teacher_layers: int) -> int:
         return self.layers if self.layers is not None else max(1, teacher_layers // 2)
 
@@ -70,8 +75,8 @@ class Distill(Technique):
             raise MemfitError(f"-t distill: the student needs fewer blocks than the teacher's {teacher}; "
                               f"got layers={self.layers}.")
         if self.teacher == "int8" and get_precision(workload.precision).autocast_dtype is not None:
-            raise MemfitError("-t distill:teacher=int8 computes in the weights' own dtype; use --precision fp32 "
-                              "or bf16.")
+            raise MemfitError("-t distill:teacher=int8 computes in the weights' own dtype; use --precision "
+                              f"{precision_names(autocast=False)}.")
 
     def apply_(self, setup: StepSetup) -> None:
         teacher = setup.model

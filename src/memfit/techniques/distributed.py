@@ -36,15 +36,16 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from memfit.core.errors import MemfitError
 from memfit.steps.host import note_category, note_host
+from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
-from memfit.steps.setup import StepSetup
 
 
 def require_process_group(name: str) -> None:
@@ -99,6 +100,14 @@ class Ddp(LayoutTechnique):
 
     def cost_overhead(self, step) -> None:
         step.add("communication", step.gradient_all_reduce_s(step.state_bytes("gradients")))
+
+    def analytic_policy(self, workload) -> dict:   # bucket views: each gradient is copied in and freed
+        return {"grads_leave": self.bucket_view}
+
+    def analytic_buffers(self, program) -> None:
+        """The reduction buckets: a flat copy of every gradient, built with DDP, and rebuilt in gradient order in
+        the second step, which holds both sets."""
+        program.hold_gradient_buckets(2)
 
     def check(self, workload) -> None:
         _check_data_parallel(self.name, workload)
@@ -163,7 +172,8 @@ class _KeepBuckets:
 class Fsdp2(LayoutTechnique):
     name = "fsdp2"
     risk = "numerical"
-    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward"})
+    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward", "offloads-shards"})
+    zero_stage = 3
     summary = ("fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks; "
                "reshard=false keeps each block gathered from its forward to its backward (ZeRO-2-like)")
     reshard: bool = True
@@ -171,6 +181,9 @@ class Fsdp2(LayoutTechnique):
     @classmethod
     def search_values(cls, request, workload):
         return [cls.name, f"{cls.name}:reshard=false"] if request.task == "train" and request.num_gpus > 1 else []
+
+    def analytic_policy(self, workload) -> dict:
+        return {"fsdp": True, "fsdp_reshard": self.reshard}
 
     def cost_overhead(self, step) -> None:
         # an all-gather before forward and again before backward (once, without resharding), a reduce-scatter
@@ -237,6 +250,11 @@ class TensorParallel(LayoutTechnique):
 
     def cost_compute(self, compute) -> None:
         compute.split = compute.world_size
+
+    def analytic_spec(self, spec, workload):   # one rank's blocks: its share of the heads and MLP channels
+        n = workload.world_size
+        return dataclasses.replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n,
+                                   intermediate=spec.intermediate // n)
 
     def cost_overhead(self, step) -> None:
         """Every block all-reduces its attention and MLP outputs (not overlapped: the next op waits): in training

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.precision import get_precision
-from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.steps.setup import StepSetup
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,12 +50,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import get_precision
+from memfit.core.precision import get_precision, precision_names
 from memfit.steps.hooks import tensors_in
 from memfit.steps.host import host_copy, note_category, note_host, on_host
+from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
-from memfit.steps.setup import StepSetup
 
 
 @register
@@ -85,6 +85,10 @@ class CpuOffload(Technique):
     def cost_compute(self, compute) -> None:   # the compute stays; the time is the host step and the copies
         pass
 
+    def analytic_policy(self, workload) -> dict:
+        # each gradient leaves the device once accumulated, unless a sharding wrapper keeps the shards itself
+        return {} if workload.with_trait("offloads-shards") else {"grads_leave": True}
+
     def cost_overhead(self, step) -> None:
         """The optimizer steps on the host (every rank of a node shares its memory bandwidth); the updated weights
         cross PCIe back after it, the gradients during backward (overlapped)."""
@@ -113,8 +117,8 @@ class CpuOffload(Technique):
                               "DeepSpeed; use --world-size N -t fsdp2 -t cpu-offload, or --engine deepspeed.")
         if get_precision(workload.precision).loss_scaling and workload.engine == "pytorch":
             raise MemfitError(f"{workload.precision} + cpu-offload: the loss scaler unscales and checks the gradients "
-                              "on the device, but cpu-offload moves each one to the host as it arrives; use bf16-mixed "
-                              "with cpu-offload.")
+                              "on the device, but cpu-offload moves each one to the host as it arrives; use "
+                              f"{precision_names(autocast=True, loss_scaling=False)} with cpu-offload.")
 
     def apply_(self, setup: StepSetup) -> None:
         setup.host_optimizer = HostOffloadOptimizer   # a sharding technique applied later may take it over
@@ -242,6 +246,9 @@ class StreamLayers(Technique):
 
     def cost_compute(self, compute) -> None:
         pass
+
+    def analytic_policy(self, workload) -> dict:
+        return {"stream_blocks": True}
 
     def cost_overhead(self, step) -> None:   # the blocks' weights cross PCIe for every forward (each token's too)
         streamed = step.estimate.host_bytes / step.pcie_bytes_per_s

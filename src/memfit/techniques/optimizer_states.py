@@ -10,7 +10,12 @@ Mechanism and memory per parameter (fp32 AdamW keeps m and v: 8 bytes):
   adafactor (torch.optim.Adafactor): factored second moment (a row and a column vector per
     matrix), no first moment. Shazeer & Stern, 2018.
 These set the workload's optimizer (`--optimizer` and `-t` are the same setting); each builds its optimizer
-for the step (`build`).
+for the step (`build`) and declares its states and step temporaries to the analytic estimator: on CUDA each
+runs one kernel per tensor (no temporaries); on the CPU bitsandbytes' 8-bit step dequantizes m and v and
+updates in float32 (bitsandbytes/backends/cpu/ops.py): 5 float32 copies of the tensor at once (m, v, scaled
+gradient, sqrt(v), denominator), plus a float32 copy of a half parameter, one tensor at a time; torchao's
+compiled 4-bit step fuses per tensor; Adafactor's var_estimate is parameter-sized (and grad*grad for vectors),
+one parameter at a time, or all at once with foreach.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
 KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
+BNB_MIN_8BIT_SIZE, BNB_BLOCK, BNB_QMAP = 4096, 256, 256   # bitsandbytes' 8-bit state layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +57,9 @@ class _Optimizer(Technique):
         """The optimizer over the trainable `params` (`lr` None: its default)."""
         raise NotImplementedError
 
+    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+        return []   # one fused kernel per tensor
+
     def _refuse_shard(self, shard: bool) -> None:
         if shard:
             raise MemfitError(f"--zero 1 shards torch.optim optimizers; {self.name} keeps its own state layout.")
@@ -70,6 +79,21 @@ class AdamW8bit(_Optimizer):
 
     def check(self, workload) -> None:
         _refuse_zero(self.name, workload, "bitsandbytes keeps 8-bit states per whole tensor in blocks of 256")
+
+    def analytic_states(self, params) -> list[tuple[int, str]]:
+        """Two 256-entry float32 quantization maps shared by all; per tensor of 4,096 elements or more m and v
+        as uint8 codes with a float32 absmax per block of 256, smaller ones float32 m and v."""
+        shared = [(BNB_QMAP, "float32")] * 2 if any(p.numel >= BNB_MIN_8BIT_SIZE for p in params) else []
+        return shared + [state for p in params for state in (
+            [(p.numel, "float32")] * 2 if p.numel < BNB_MIN_8BIT_SIZE
+            else [(p.numel, "uint8"), (-(-p.numel // BNB_BLOCK), "float32")] * 2)]
+
+    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+        quantized = [p for p in params if p.numel >= BNB_MIN_8BIT_SIZE]
+        if foreach or not quantized:   # foreach marks a CUDA target: one fused kernel per tensor
+            return []
+        largest = max(quantized, key=lambda p: p.numel)
+        return [(largest.numel, "float32")] * (5 + (largest.dtype != "float32"))
 
     def oom_fix(self, message, snapshot) -> OomFix | None:
         states = snapshot.by_category.get("optimizer_states") if snapshot is not None else None
@@ -105,6 +129,19 @@ class AdamW4bit(_Optimizer):
     def check(self, workload) -> None:
         _refuse_zero(self.name, workload, "torchao's 4-bit states are per whole tensor (or per DTensor shard)")
 
+    def analytic_states(self, params) -> list[tuple[int, str]]:
+        """A float32 `step`; per tensor of 4,096 elements or more (and a multiple of 128) m and v as packed 4-bit
+        codes with a float32 scale per block of 128 and a 16-entry map each; other tensors m and v in their
+        dtype."""
+        layout = []
+        for p in params:
+            layout.append((1, "float32"))
+            if p.numel >= MIN_QUANTIZED_NUMEL and p.numel % BLOCK_4BIT == 0:
+                layout += [(p.numel // 2, "uint8"), (p.numel // BLOCK_4BIT, "float32"), (QMAP_4BIT, "float32")] * 2
+            else:
+                layout += [(p.numel, p.dtype)] * 2
+        return layout
+
     def build(self, params, *, lr=None, foreach=None, shard=False):
         from torch._subclasses.fake_tensor import is_fake
 
@@ -131,9 +168,28 @@ class Adafactor(_Optimizer):
     conflicts_with = {"dtensor": ("torch.optim.Adafactor's in-place norm updates do not run on DTensor shards",
                                   "use AdamW with {other}")}
 
+    def analytic_states(self, params) -> list[tuple[int, str]]:
+        """A float32 `step`; row and column second-moment factors for a matrix, a full variance for a vector."""
+        return [state for p in params for state in [(1, "float32")] + [(n, p.dtype) for n in _factors(p.shape)]]
+
+    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+        if not params:
+            return []
+        if foreach:
+            return [(p.numel, p.dtype) for p in params]
+        largest = max(params, key=lambda p: p.nbytes * (2 if len(p.shape) < 2 else 1))
+        return [(largest.numel, largest.dtype)] * (2 if len(largest.shape) < 2 else 1)
+
     def build(self, params, *, lr=None, foreach=None, shard=False):
         return torch_optimizer(torch.optim.Adafactor, params, lr=self.default_lr if lr is None else lr,
                                foreach=foreach, shard=shard)
+
+
+def _factors(shape: tuple[int, ...]) -> list[int]:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return [numel] if len(shape) < 2 else [numel // shape[-1], numel // shape[-2]]
 
 
 def _refuse_zero(name: str, workload, layout: str) -> None:

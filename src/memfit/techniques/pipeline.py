@@ -17,15 +17,16 @@ is sent from the last rank to the others so every rank reports the step's loss.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, require_positive_int
+from memfit.steps.setup import StepSetup
 from memfit.techniques.base import register
 from memfit.techniques.distributed import LayoutTechnique, check_split_over_ranks, require_process_group
-from memfit.steps.setup import StepSetup
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -53,6 +54,29 @@ class PipelineParallel(LayoutTechnique):
 
     def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
         return num_gpus, 1, self.microbatches   # the micro-batch splits into the schedule's micro-batches
+
+    depth_linear = False   # each stage holds other blocks
+
+    def analytic_layers(self, num_layers: int, rank: int, workload) -> int:
+        return len(stage_layers(num_layers, rank, workload.world_size))
+
+    def analytic_ranks(self, world_size: int, method: str):
+        """Traced: every stage. Analytic: the first rank holds the most blocks (stage_layers gives the extra ones
+        to the first stages), the embeddings and the most micro-batches in flight (1F1B), the last the head and
+        the logits; a middle rank holds no more than the first of anything, so those two bound every rank."""
+        if method == "traced":
+            return list(range(world_size)), "each stage holds other blocks"
+        return sorted({0, world_size - 1}), "pipeline stages: the first and the last bound the rest"
+
+    def analytic_weights(self, program) -> None:
+        program.keep_stage(first=program.rank == 0, last=program.rank == program.workload.world_size - 1)
+
+    def analytic_windows(self, windows, workload):   # the schedule cuts the batch into micro-batch views
+        return dataclasses.replace(windows, views=True)
+
+    def analytic_train(self, program) -> bool:
+        program.pipeline_schedule(self.schedule, self.microbatches)
+        return True
 
     def cost_compute(self, compute) -> None:
         """Each rank computes 1/N of the FLOPs; the schedule's bubble stretches the step by (M + N - 1) / M."""
@@ -165,7 +189,7 @@ class Pipeline:
             self._schedule.step(target=batch["labels"], losses=losses, return_outputs=False)
         else:
             self._schedule.step(return_outputs=False)
-        loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros((), device=ids.device)
+        loss = torch.stack([part.detach() for part in losses]).mean() if losses else torch.zeros((), device=ids.device)
         dist.broadcast(loss, src=dist.get_world_size() - 1)
         return loss
 

@@ -18,14 +18,15 @@ the weights stay dense).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.quantization import refuse_conv1d
-from memfit.steps.setup import StepSetup
 
 PARTS = ("both", "heads", "mlp")
 
@@ -60,6 +61,19 @@ class PruneStructured(Technique):
     @classmethod
     def search_values(cls, request, workload):
         return [f"{cls.name}:ratio=0.25"]   # a quarter: the ratio whose accuracy cost is measured (accuracy.json)
+
+    def analytic_spec(self, spec, workload):
+        """The blocks' shape after pruning (the residual width stays): decoders lose whole key/value groups, BERT
+        heads; the MLPs channels."""
+        changes = {}
+        if self.part in ("both", "heads") and hasattr(spec, "kv_heads"):
+            kv = kept_count(spec.kv_heads, self.ratio)
+            changes |= {"kv_heads": kv, "heads": kv * (spec.heads // spec.kv_heads)}
+        elif self.part in ("both", "heads"):
+            changes["heads"] = kept_count(spec.heads, self.ratio)
+        if self.part in ("both", "mlp"):
+            changes["intermediate"] = kept_count(spec.intermediate, self.ratio)
+        return dataclasses.replace(spec, **changes)
 
     def check(self, workload) -> None:
         if not workload.source.is_hf or workload.source.model_type not in MODEL_TYPES:

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import get_precision
-from memfit.techniques.base import Technique, register
+from memfit.core.precision import get_precision, precision_names
 from memfit.steps.setup import StepSetup
+from memfit.techniques.base import Technique, register
 
 
 def refuse_conv1d(name: str, workload) -> None:
@@ -78,9 +78,14 @@ class Int8WeightOnly(Technique):
             raise MemfitError(f"-t {self.name} quantizes a model for inference; to train for int8, use -t qat "
                               "(quantization-aware training), then convert_qat_.")
         if get_precision(workload.precision).autocast_dtype is not None:
-            raise MemfitError(f"-t {self.name} computes in the weights' own dtype; use --precision fp32 or bf16, "
-                              f"not {workload.precision}.")
+            raise MemfitError(f"-t {self.name} computes in the weights' own dtype; use --precision "
+                              f"{precision_names(autocast=False)}, not {workload.precision}.")
         refuse_conv1d(self.name, workload)
+
+    kernel = "int8_weight"   # how the analytic estimator runs its linears (estimators/analytic/ops.py)
+
+    def analytic_weights(self, program) -> None:
+        program.quantize_linears(self.kernel)
 
     def torchao_config(self):
         from torchao.quantization import Int8WeightOnlyConfig
@@ -103,6 +108,7 @@ class Int8Dynamic(Int8WeightOnly):
     summary = "torchao int8 dynamic: int8 weights (scale per row) and each token's activations quantized per call"
     oom_fixes = ()
     time_factor = 1.2    # quantizing activations per call; the int8 matmul pays off on GPUs (assumed)
+    kernel = "int8_dynamic"
 
     def torchao_config(self):
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
@@ -135,6 +141,9 @@ class Qat(Technique):
             raise MemfitError("-t qat: fake quantization computes its scales in the weights' dtype; use "
                               "--precision fp32.")
         refuse_conv1d(self.name, workload)
+
+    def analytic_weights(self, program) -> None:
+        program.fake_quantize_linears()
 
     def apply_(self, setup: StepSetup) -> None:
         os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -191,6 +200,9 @@ class Bnb4bit(Technique):
                               f"-t qlora (4-bit base + LoRA).")
         check_4bit_model(self.name, workload)
 
+    def analytic_weights(self, program) -> None:
+        program.quantize_linears("4bit", double_quant=self.double_quant)
+
     def apply_(self, setup: StepSetup) -> None:
         quantize_4bit_(setup, self.name, self.format, self.double_quant)
 
@@ -201,9 +213,9 @@ def check_format(name: str, format: str) -> None:
 
 
 def check_4bit_model(name: str, workload) -> None:
-    if workload.precision == "fp16-mixed":
-        raise MemfitError(f"-t {name}: use --precision fp32, bf16 or bf16-mixed (4-bit weights have no master "
-                          "copy for the fp16 loss scaler to guard).")
+    if get_precision(workload.precision).loss_scaling:
+        raise MemfitError(f"-t {name}: use --precision {precision_names(loss_scaling=False)} (4-bit weights have no "
+                          f"master copy for {workload.precision}'s loss scaler to guard).")
     refuse_conv1d(name, workload)
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError, closest
-from memfit.core.precision import get_precision
+from memfit.core.precision import get_precision, precision_names
 from memfit.specs.model_source import ModelSource, resolve_source
 from memfit.specs.workload import DEFAULT_SEQ_LEN, Workload
 from memfit.steps.optim import TORCH_OPTIMIZERS
 from memfit.techniques.base import REGISTRY, Technique, parse_technique
-from memfit.techniques.compose import check_rules, ordered, parse_all
+from memfit.techniques.rules import check_rules, ordered, parse_all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,11 +49,6 @@ class ResolvedWorkload(Workload):
     def field_techniques(self) -> list[Technique]:
         """The workload's precision and optimizer as technique configs, where they are techniques."""
         return [REGISTRY[value]() for value in (self.precision, self.optimizer) if value in REGISTRY]
-
-    def technique(self, name: str) -> Technique | None:
-        """The config of technique `name`, or None (for a technique's own module: code elsewhere asks the
-        techniques what they declare instead)."""
-        return next((t for t in self.technique_configs if t.name == name), None)
 
     def with_trait(self, trait: str) -> Technique | None:
         """The first technique (in the canonical order) that declares `trait`, or None."""
@@ -144,7 +139,7 @@ def _check_settings(workload: Workload) -> None:
     if workload.engine == "deepspeed" and get_precision(workload.precision).autocast_dtype is None:
         raise MemfitError(
             f"--engine deepspeed models half-precision training with fp32 master weights; use --precision "
-            f"bf16-mixed or fp16-mixed, not {workload.precision}.")
+            f"{precision_names(autocast=True)}, not {workload.precision}.")
 
 
 def _source_of(workload: ResolvedWorkload) -> ModelSource:

@@ -16,6 +16,7 @@ chunked cross-entropy.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -23,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from memfit.core.errors import MemfitError, require_positive_int
-from memfit.techniques.base import Technique, register
 from memfit.steps.setup import StepSetup
+from memfit.techniques.base import Technique, register
 
 IGNORE_INDEX = -100
 
@@ -53,6 +54,9 @@ class Truncate(Technique):
 
     def check(self, workload) -> None:
         _require_causal_lm(workload, self.name)
+
+    def analytic_windows(self, windows, workload):
+        return dataclasses.replace(windows, sequence=min(windows.sequence, self.max_len))
 
     def apply_(self, setup: StepSetup) -> None:
         setup.batch_transform = functools.partial(_truncate, max_len=self.max_len)
@@ -87,6 +91,9 @@ class SequenceChunks(Technique):
         _require_causal_lm(workload, self.name)
         if workload.task != "train":
             raise MemfitError("-t sequence-chunks splits a training step; for inference use --seq-len.")
+
+    def analytic_windows(self, windows, workload):
+        return dataclasses.replace(windows, window=self.window, stride=self.stride)
 
     def apply_(self, setup: StepSetup) -> None:
         setup.micro_batches = functools.partial(sequence_windows, window=self.window,
@@ -140,6 +147,9 @@ class ChunkedCrossEntropy(Technique):
     @classmethod
     def search_values(cls, request, workload):
         return [cls.name] if request.task == "train" else []
+
+    def analytic_policy(self, workload) -> dict:
+        return {"loss_chunks": self.chunks}
 
     def cost_compute(self, compute) -> None:   # the LM head runs again in backward (it is checkpointed)
         compute.recompute += 2 * compute.shape.hidden * compute.shape.vocab * compute.tokens

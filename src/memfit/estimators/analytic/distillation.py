@@ -1,27 +1,27 @@
-"""distill (techniques/distillation.py): a frozen teacher at the model's depth and a student with fewer
-blocks in one step. The teacher's forward runs without gradients and keeps only its log-softmaxed
+"""Knowledge distillation (techniques/distillation.py): a frozen teacher at the model's depth and a student with
+fewer blocks in one step. The teacher's forward runs without gradients and keeps only its log-softmaxed
 logits; the student trains on the cross-entropy plus KL(teacher || student), which PyTorch computes as
 exp(target) * (target - input), summed (every term vocabulary-sized)."""
 from __future__ import annotations
 
 from memfit.estimators.analytic import ops
-from memfit.estimators.analytic.engine import Engine, Param, Sym
+from memfit.estimators.analytic.engine import Engine
+from memfit.estimators.analytic.symbols import Param, Sym
 from memfit.estimators.analytic.weights import quantize_linears
 
 
-def declare_teacher_and_student(e: Engine, family, teacher_spec, spec, num_layers: int,
-                                distill) -> tuple[dict[str, Param], int]:
-    """The teacher's parameters (frozen, set aside) and the student's (in `e.params`: `spec`, narrower than
-    the teacher's when prune-structured prunes the student); the student's depth."""
+def declare_teacher_and_student(e: Engine, family, teacher_spec, spec, num_layers: int, student_layers: int,
+                                int8_teacher: bool) -> dict[str, Param]:
+    """The teacher's parameters (frozen, set aside; int8 codes with `int8_teacher`), returned, and the student's
+    (in `e.params`: `spec`, narrower than the teacher's when pruning narrows the student)."""
     family.declare_params(e, teacher_spec, num_layers)
-    if distill.teacher == "int8":
-        quantize_linears(e, family, teacher_spec, "int8-weight-only")
+    if int8_teacher:
+        quantize_linears(e, family, teacher_spec, "int8_weight")
     teacher, e.params = e.params, {}
     for param in teacher.values():
         param.grad, param.frozen = False, True
-    layers = distill.student_layers(num_layers)
-    family.declare_params(e, spec, layers)
-    return teacher, layers
+    family.declare_params(e, spec, student_layers)
+    return teacher
 
 
 def distillation_loss(e: Engine, family, specs: tuple, teacher: dict[str, Param], depths: tuple[int, int],

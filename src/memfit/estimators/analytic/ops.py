@@ -6,7 +6,8 @@ backend runs (see also estimators/cuda_emulation.py, which makes the traced esti
 """
 from __future__ import annotations
 
-from memfit.estimators.analytic.engine import Alias, Engine, Param, Sym, View
+from memfit.estimators.analytic.engine import Engine
+from memfit.estimators.analytic.symbols import Alias, Param, Sym, View
 from memfit.techniques.quantization import BLOCK
 
 HALF = ("bfloat16", "float16")
@@ -62,7 +63,7 @@ def _saves(a: Sym, b: Sym) -> list[Sym]:
 
 def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
     if w.quant is not None and w.quant[0] != "4bit":
-        kernel = {"int8-weight-only": int8_linear, "int8-dynamic": int8_dynamic_linear, "qat": qat_linear}
+        kernel = {"int8_weight": int8_linear, "int8_dynamic": int8_dynamic_linear, "fake_quant": qat_linear}
         return kernel[w.quant[0]](e, x, w, out_features, bias)
     if w.quant is not None:   # peft's LoRA layer for 4-bit linears clones the base output first
         out = linear_4bit(e, x, w, out_features, bias)
@@ -303,8 +304,8 @@ def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, batch: int, q_le
     acc = "float32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
     autocast, e.autocast_on = e.autocast_on, False   # the kernel runs below autocast
     try:
-        return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-                               dropout_p=dropout_p, mask=mask, causal=causal)
+        return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len,
+                               head_dim=head_dim, dropout_p=dropout_p, mask=mask, causal=causal)
     finally:
         e.autocast_on = autocast
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from memfit.estimators.analytic import ops
-from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import dense
+from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("bert",)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from memfit.estimators.analytic import ops
-from memfit.estimators.analytic.engine import Engine, Param, Sym, View
+from memfit.estimators.analytic import ops, recompute
+from memfit.estimators.analytic.engine import Engine
+from memfit.estimators.analytic.symbols import Param, Sym, View
 
 
 def lm_head(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, q_len: int, logits_to_keep: int = 0,
@@ -26,7 +27,7 @@ def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: 
     total = None
     for start in range(0, seq, step):
         size = min(step, seq - start)
-        part = e.checkpointed(partial(_slice_loss, e, table=table, vocab=vocab, batch=batch, tokens=size,
+        part = recompute.checkpointed(e, partial(_slice_loss, e, table=table, vocab=vocab, batch=batch, tokens=size,
                                       softcap=softcap, labels=padded), View(hidden, batch * size * hidden_per_token))
         total = part if total is None else ops.add(e, total, part)
     counted = e.new(batch * seq, "bool")               # targets != -100

@@ -11,10 +11,36 @@ from dataclasses import dataclass
 from functools import partial
 
 from memfit.estimators.analytic import ops
-from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic.families.moe import experts
+from memfit.estimators.analytic.symbols import Sym, View
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma2")
+
+@dataclass(frozen=True)
+class Variant:
+    """How an architecture's decoder differs from Llama's (transformers' modeling_<model_type>.py)."""
+
+    fused_projections: bool = False   # q/k/v in one qkv_proj, gate/up in one gate_up_proj; rotary copies (Phi-3)
+    qkv_bias: bool = False            # q, k and v projections carry a bias, o does not (Qwen2)
+    window_opt_in: bool = False       # the sliding window applies only with use_sliding_window (Qwen2)
+    alternating_window: bool = False  # every other layer slides its window (Gemma-2)
+    sandwich_norms: bool = False      # a norm after attention and around the MLP too (Gemma-2)
+    unit_offset_norm: bool = False    # RMSNorm scales by (1 + weight) in float32, then casts (Gemma-2)
+    scaled_embeddings: bool = False   # embeddings * sqrt(hidden) (Gemma-2)
+    softcap: bool = False             # tanh soft-capping of attention scores and final logits (Gemma-2)
+    eager_only: bool = False          # soft-capped attention runs eagerly, with float masks (Gemma-2)
+
+
+# The model types this family runs, each with its variant (the families registry reads FAMILIES)
+VARIANTS = {
+    "llama": Variant(), "mistral": Variant(), "mixtral": Variant(),
+    "qwen2": Variant(qkv_bias=True, window_opt_in=True),
+    "phi3": Variant(fused_projections=True),
+    "gemma2": Variant(alternating_window=True, sandwich_norms=True, unit_offset_norm=True, scaled_embeddings=True,
+                      softcap=True, eager_only=True),
+}
+FAMILIES = tuple(VARIANTS)
 # Hugging Face module names -> this program's parameter names (LoRA targets, techniques/adapters.py)
 MODULE_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
                 "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}
@@ -22,7 +48,7 @@ MODULE_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gat
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    model_type: str
+    variant: Variant
     hidden: int
     layers: int
     heads: int
@@ -43,27 +69,28 @@ class DecoderSpec:
 
     @classmethod
     def from_config(cls, cfg) -> DecoderSpec:
-        mt = cfg.model_type
+        variant = VARIANTS[cfg.model_type]
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         window = getattr(cfg, "sliding_window", None)
-        if mt == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        if variant.window_opt_in and not getattr(cfg, "use_sliding_window", False):
             window = None
         pattern = (False,)
-        if mt == "gemma2":
+        if variant.alternating_window:
             pattern = (True, False)
         elif window:
             pattern = (True,)
         bias = getattr(cfg, "attention_bias", False)
         return cls(
-            model_type=mt, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
+            variant=variant, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
             intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, tied=bool(cfg.tie_word_embeddings),
-            qkv_bias=bias or mt == "qwen2", o_bias=bias and mt != "qwen2", mlp_bias=getattr(cfg, "mlp_bias", False),
+            qkv_bias=bias or variant.qkv_bias, o_bias=bias and not variant.qkv_bias,
+            mlp_bias=getattr(cfg, "mlp_bias", False),
             experts=getattr(cfg, "num_local_experts", 0) or 0, top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
             sliding_window=window, sliding_pattern=pattern,
             attn_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
-            eager=mt == "gemma2" or getattr(cfg, "_attn_implementation", None) == "eager",
+            eager=variant.eager_only or getattr(cfg, "_attn_implementation", None) == "eager",
         )
 
     @property
@@ -78,7 +105,7 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
     e.param("embed", (d.vocab, h))
     for i in range(num_layers):
         p = f"layers.{i}."
-        if d.model_type == "phi3":
+        if d.variant.fused_projections:
             e.param(p + "qkv", (q + 2 * kv, h))
         else:
             for name, size in (("q", q), ("k", kv), ("v", kv)):
@@ -92,7 +119,7 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
             e.param(p + "router", (d.experts, h))
             e.param(p + "experts.gate_up", (d.experts, 2 * d.intermediate, h))
             e.param(p + "experts.down", (d.experts, h, d.intermediate))
-        elif d.model_type == "phi3":
+        elif d.variant.fused_projections:
             e.param(p + "gate_up", (2 * d.intermediate, h))
             e.param(p + "down", (h, d.intermediate))
         else:
@@ -110,7 +137,7 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
 
 
 def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
-    if d.model_type == "gemma2":
+    if d.variant.sandwich_norms:
         return ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")
     return ("input_norm", "post_attn_norm")
 
@@ -123,20 +150,20 @@ def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
     r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
     normed = ops.mul(e, x32, r)
     del r, x32
-    if d.model_type == "gemma2":
+    if d.variant.unit_offset_norm:
         scale = ops.shift(e, ops.cast(e, w, "float32"))
         return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
     return ops.mul(e, w, ops.cast(e, normed, x.dtype))
 
 
-def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, phi3: bool) -> Sym:
+def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, passthrough: bool) -> Sym:
     """q * cos + rotate_half(q) * sin; rotate_half is cat(-x[..., d/2:], x[..., :d/2])."""
     with_cos = ops.mul(e, x, cos)
     rotated = ops.cat(e, [ops.scalar_op(e, View(x, x.numel // 2)), View(x, x.numel // 2)])
     with_sin = ops.mul(e, rotated, sin)
     del rotated
     out = ops.add(e, with_cos, with_sin)
-    if phi3:   # cat([rotated, pass-through]) copies even when nothing passes through
+    if passthrough:   # cat([rotated, pass-through]) copies even when nothing passes through
         out = ops.cat(e, [out])
     return out
 
@@ -145,7 +172,7 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
               cache: dict | None, kv_len: int, masks: dict) -> Sym:
     p = f"layers.{layer}."
     q_size, kv_size = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    if d.model_type == "phi3":
+    if d.variant.fused_projections:
         qkv = ops.linear(e, x, e.params[p + "qkv"], q_size + 2 * kv_size)
         tokens = qkv.numel // (q_size + 2 * kv_size)
         q, k, v = View(qkv, tokens * q_size), View(qkv, tokens * kv_size), View(qkv, tokens * kv_size)
@@ -155,8 +182,8 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
         k = ops.linear(e, x, e.params[p + "k"], kv_size, e.params.get(p + "k.bias"))
         v = ops.linear(e, x, e.params[p + "v"], kv_size, e.params.get(p + "v.bias"))
         del x
-    q = rotary(e, q, cos, sin, d.model_type == "phi3")
-    k = rotary(e, k, cos, sin, d.model_type == "phi3")
+    q = rotary(e, q, cos, sin, d.variant.fused_projections)
+    k = rotary(e, k, cos, sin, d.variant.fused_projections)
     if cache is not None:
         k, v = _cache_update(e, cache, layer, k, v, d, batch, kv_len)
     mask = masks.get("sliding" if _is_sliding(d, layer) else "full")
@@ -211,7 +238,7 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
     scores = ops.matmul(e, q, k_t, rows * kv_len)
     del k_t
     scores = ops.scalar_op(e, scores)           # * scaling
-    if d.model_type == "gemma2":
+    if d.variant.softcap:
         scores = ops.scalar_op(e, scores)           # / softcap
         scores = ops.unary_saving_output(e, scores, "tanh")
         scores = ops.scalar_op(e, scores)           # * softcap
@@ -227,8 +254,8 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
 def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
     p = f"layers.{layer}."
     if d.experts:
-        return _experts(e, x, d, layer, tokens)
-    if d.model_type == "phi3":
+        return experts(e, x, d, layer, tokens)
+    if d.variant.fused_projections:
         gate_up = ops.linear(e, x, e.params[p + "gate_up"], 2 * d.intermediate)
         del x
         act = ops.unary_saving_input(e, View(gate_up, gate_up.numel // 2))
@@ -245,55 +272,6 @@ def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
     return ops.linear(e, hidden, e.params[p + "down"], d.hidden, e.params.get(p + "down.bias"))
 
 
-def _experts(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
-    """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts. Local variables
-    live until the function returns, as in `grouped_mm_experts_forward`."""
-    router_logits, weights, top_index = _router(e, x, d, layer, tokens)
-    out = _grouped_experts(e, x, weights, d, layer, tokens)
-    del router_logits, weights, top_index
-    return out
-
-
-def _router(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int):
-    k = d.top_k
-    router_logits = ops.linear(e, x, e.params[f"layers.{layer}.router"], d.experts)
-    probs = ops.softmax(e, ops.cast(e, router_logits, "float32"), "softmax")
-    top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "int64")
-    top_values = e.record(top_values, [probs], [top_index])          # topk saves the indices
-    denom = ops.reduce_last(e, top_values, k)
-    weights = ops.mul(e, top_values, denom)                          # top_values /= sum (autograd: a new version)
-    del probs, denom, top_values
-    return router_logits, weights, top_index
-
-
-def _grouped_experts(e: Engine, x: Sym, weights: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
-    p = f"layers.{layer}."
-    k, h, inter = d.top_k, d.hidden, d.intermediate
-    sorted_ids, perm = e.new(tokens * k, "int64"), e.new(tokens * k, "int64")      # torch.sort
-    perm_tok = e.new(tokens * k, "int64")                                       # perm // k
-    gathered = e.record(e.new(tokens * k * h, x.dtype), [x], [perm_tok])       # hidden_states[perm // k]
-    del perm_tok
-    sample_w = e.record(e.new(tokens * k, weights.dtype), [weights], [perm])   # sample_weights[perm]
-    histc_input = e.new(tokens * k, "float32") if e.policy.backend == "cpu" else e.new(tokens * k, "int32")
-    counts, offsets = e.new(d.experts, "float32"), e.new(d.experts, "int32")
-    w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
-    # each operand saved when the other needs a gradient (frozen experts under LoRA keep no inputs)
-    proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up],
-                    ops._saves(gathered, w_gate_up))
-    act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
-    proj = ops.mul(e, act, View(proj, proj.numel // 2))
-    del act
-    proj = e.record(e.op_output(tokens * k * h, w_down.dtype), [proj, w_down], ops._saves(proj, w_down))
-    weighted = ops.mul(e, proj, sample_w)
-    inv_perm = e.new(tokens * k, "int64")
-    positions = e.new(tokens * k, "int64")                                      # inv_perm[perm] = arange(...)
-    del positions
-    weighted = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
-    summed = e.record(e.new(tokens * h, weighted.dtype), [weighted], [])
-    del sorted_ids, perm, gathered, sample_w, histc_input, counts, offsets, proj, weighted, inv_perm
-    return ops.cast(e, summed, x.dtype)
-
-
 def decoder_layer(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int, batch: int, q_len: int,
                   cache: dict | None, kv_len: int, masks: dict) -> Sym:
     p = f"layers.{layer}."
@@ -301,13 +279,13 @@ def decoder_layer(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: 
     h = rms_norm(e, x, e.params[p + "input_norm"], d)
     del x
     h, _weights = attention(e, h, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)  # held till return
-    if d.model_type == "gemma2":
+    if d.variant.sandwich_norms:
         h = rms_norm(e, h, e.params[p + "post_attn_norm"], d)
     h = ops.add(e, residual, h)
     residual = h
-    h = rms_norm(e, h, e.params[p + ("pre_ff_norm" if d.model_type == "gemma2" else "post_attn_norm")], d)
+    h = rms_norm(e, h, e.params[p + ("pre_ff_norm" if d.variant.sandwich_norms else "post_attn_norm")], d)
     h = mlp(e, h, d, layer, batch * q_len)
-    if d.model_type == "gemma2":
+    if d.variant.sandwich_norms:
         h = rms_norm(e, h, e.params[p + "post_ff_norm"], d)
     return ops.add(e, residual, h)
 
@@ -317,7 +295,7 @@ def attention_masks(e: Engine, d: DecoderSpec, batch: int, q_len: int, kv_len: i
     window shorter than the keys (a boolean mask); Gemma-2's eager attention adds float masks."""
     masks = {}
     if d.eager:
-        if q_len > 1 or d.model_type == "gemma2":
+        if q_len > 1 or d.variant.eager_only:
             masks["full"] = e.new(batch * q_len * kv_len, dtype)
         if d.sliding_window:
             masks["sliding"] = e.new(batch * q_len * kv_len, dtype)
@@ -341,7 +319,7 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         x = ops.embedding(e, ids, e.params["embed"], d.hidden)
     else:   # received from the previous rank, a leaf whose gradient is sent back
         x = e.new(batch * q_len * d.hidden, e.policy.param_dtype, grad=True)
-    if d.model_type == "gemma2":
+    if d.variant.scaled_embeddings:
         x = ops.scalar_op(e, x)   # embeddings * sqrt(hidden)
     inputs_embeds = x              # the model's forward keeps its embeddings until it returns
     compute = x.dtype
@@ -359,12 +337,12 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     if labels and e.policy.loss_chunks:
         e.input(batch * q_len, "int64")   # labels
         loss = chunked_lm_loss(e, hidden, _head(e), d.vocab, batch=batch, seq=q_len,
-                               chunks=e.policy.loss_chunks, softcap=d.model_type == "gemma2")
+                               chunks=e.policy.loss_chunks, softcap=d.variant.softcap)
         del hidden
         return loss
     logits = lm_head(e, hidden, _head(e), d.vocab, batch=batch, q_len=q_len,
                      logits_to_keep=logits_to_keep)
-    if d.model_type == "gemma2":   # final logit soft-capping: / cap, tanh, * cap
+    if d.variant.softcap:   # final logit soft-capping: / cap, tanh, * cap
         logits = ops.scalar_op(e, logits)
         logits = ops.unary_saving_output(e, logits, "tanh")
         logits = ops.scalar_op(e, logits)

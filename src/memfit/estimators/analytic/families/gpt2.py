@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from memfit.estimators.analytic import ops
-from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("gpt2",)
 

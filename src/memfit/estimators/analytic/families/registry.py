@@ -26,8 +26,8 @@ def family_of(source):
     entry = _FAMILIES.get(source.model_type)
     if entry is None:
         raise MemfitError(
-            f"no analytic model for model_type {source.model_type!r} (supported: {', '.join(supported_model_types())}); "
-            "use --method traced.")
+            f"no analytic model for model_type {source.model_type!r} (supported: "
+            f"{', '.join(supported_model_types())}); use --method traced.")
     module, spec_type = entry
     key = json.dumps({**source.hf_config, **source.overrides}, sort_keys=True)
     if key not in _SPECS:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from memfit.estimators.analytic import ops
-from memfit.estimators.analytic.engine import Engine, Sym, View
+from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import grow_cache, replace_cache
+from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("t5",)
 _BUCKET_TEMPS = 5   # int64 (q, k) tensors alive at once while _relative_position_bucket runs

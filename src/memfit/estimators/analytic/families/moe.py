@@ -1,0 +1,55 @@
+"""Mixture-of-experts MLPs (Mixtral): the router's softmax and top-k, then transformers' grouped_mm experts."""
+from __future__ import annotations
+
+from memfit.estimators.analytic import ops
+from memfit.estimators.analytic.engine import Engine
+from memfit.estimators.analytic.symbols import Sym, View
+
+
+def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
+    """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts. Local variables
+    live until the function returns, as in `grouped_mm_experts_forward`."""
+    router_logits, weights, top_index = _router(e, x, d, layer, tokens)
+    out = _grouped_experts(e, x, weights, d, layer, tokens)
+    del router_logits, weights, top_index
+    return out
+
+
+def _router(e: Engine, x: Sym, d, layer: int, tokens: int):
+    k = d.top_k
+    router_logits = ops.linear(e, x, e.params[f"layers.{layer}.router"], d.experts)
+    probs = ops.softmax(e, ops.cast(e, router_logits, "float32"), "softmax")
+    top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "int64")
+    top_values = e.record(top_values, [probs], [top_index])          # topk saves the indices
+    denom = ops.reduce_last(e, top_values, k)
+    weights = ops.mul(e, top_values, denom)                          # top_values /= sum (autograd: a new version)
+    del probs, denom, top_values
+    return router_logits, weights, top_index
+
+
+def _grouped_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int) -> Sym:
+    p = f"layers.{layer}."
+    k, h, inter = d.top_k, d.hidden, d.intermediate
+    sorted_ids, perm = e.new(tokens * k, "int64"), e.new(tokens * k, "int64")      # torch.sort
+    perm_tok = e.new(tokens * k, "int64")                                       # perm // k
+    gathered = e.record(e.new(tokens * k * h, x.dtype), [x], [perm_tok])       # hidden_states[perm // k]
+    del perm_tok
+    sample_w = e.record(e.new(tokens * k, weights.dtype), [weights], [perm])   # sample_weights[perm]
+    histc_input = e.new(tokens * k, "float32") if e.policy.backend == "cpu" else e.new(tokens * k, "int32")
+    counts, offsets = e.new(d.experts, "float32"), e.new(d.experts, "int32")
+    w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
+    # each operand saved when the other needs a gradient (frozen experts under LoRA keep no inputs)
+    proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up],
+                    ops._saves(gathered, w_gate_up))
+    act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
+    proj = ops.mul(e, act, View(proj, proj.numel // 2))
+    del act
+    proj = e.record(e.op_output(tokens * k * h, w_down.dtype), [proj, w_down], ops._saves(proj, w_down))
+    weighted = ops.mul(e, proj, sample_w)
+    inv_perm = e.new(tokens * k, "int64")
+    positions = e.new(tokens * k, "int64")                                      # inv_perm[perm] = arange(...)
+    del positions
+    weighted = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
+    summed = e.record(e.new(tokens * h, weighted.dtype), [weighted], [])
+    del sorted_ids, perm, gathered, sample_w, histc_input, counts, offsets, proj, weighted, inv_perm
+    return ops.cast(e, summed, x.dtype)

@@ -1,0 +1,98 @@
+"""Symbolic tensors: (numel, dtype) that count themselves into their engine's bytes while alive. CPython's
+reference counting frees them when the program lets go, as PyTorch's does."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memfit.estimators.analytic.engine import Engine
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
+
+
+_serial = itertools.count()
+
+
+class Sym:
+    __slots__ = ("eng", "numel", "dtype", "grad", "category", "counted", "uid", "__weakref__")
+
+    def __init__(self, eng: Engine, numel: int, dtype: str, grad: bool, category: str, counted: bool = True):
+        self.eng, self.numel, self.dtype, self.grad = eng, int(numel), dtype, grad
+        self.category, self.counted = category, counted
+        self.uid = next(_serial)
+        if counted:
+            eng._account(self, +1)
+
+    @property
+    def nbytes(self) -> int:
+        size = self.numel * DTYPE_BYTES[self.dtype]
+        step = self.eng.policy.round_to
+        return -(-size // step) * step if step > 1 else size
+
+    def __del__(self):
+        if self.counted:
+            with contextlib.suppress(Exception):   # at interpreter shutdown
+                self.eng._account(self, -1)
+
+
+class Param(Sym):
+    """A parameter: lives for the whole run, its gradient is accumulated into `.grad`."""
+
+    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "quant")
+
+    def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True):
+        super().__init__(eng, numel, dtype, trainable, "parameters")
+        self.name = name
+        self.grad_sym: Sym | None = None
+        self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
+        self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
+        # how its linears run (analytic/weights.py): (the kernel: weights.KERNELS or "fake_quant", the weight's dtype
+        # before, the quantization state's parameters, double quantization)
+        self.quant: tuple[str, str, list[Param], bool] | None = None
+
+
+class View(Sym):
+    """A view of another tensor: allocates nothing, keeps its base alive; its gradient flows back into a
+    gradient the size of the base (as slice/expand backward allocate)."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: Sym, numel: int) -> None:
+        super().__init__(base.eng, numel, base.dtype, base.grad, base.category, counted=False)
+        self.base = base
+        base.eng.record(self, [base], [])
+
+
+class Alias(Sym):
+    """A gradient that is another gradient (add's and clone's backward pass it on unchanged; cat's
+    hands out slices): no allocation, keeps the original alive."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: Sym, numel: int, dtype: str) -> None:
+        super().__init__(base.eng, numel, dtype, False, base.category, counted=False)
+        self.base = base
+
+
+class Offloaded:
+    """A saved tensor copied to host RAM (activation offload): counted in the engine's host bytes while
+    a node still holds it; backward brings a device copy back for the node that uses it."""
+
+    __slots__ = ("eng", "numel", "dtype", "nbytes")
+
+    def __init__(self, sym: Sym) -> None:
+        self.eng, self.numel, self.dtype = sym.eng, sym.numel, sym.dtype
+        self.nbytes = sym.numel * DTYPE_BYTES[sym.dtype]
+        self.eng._host(+self.nbytes)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):   # at interpreter shutdown
+            self.eng._host(-self.nbytes)
+
+
+def is_parameter(sym: Sym) -> bool:
+    while isinstance(sym, View):
+        sym = sym.base
+    return isinstance(sym, Param)

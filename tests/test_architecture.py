@@ -1,0 +1,125 @@
+"""One technique, one place: a technique's name is written in at most three source files, code outside the
+techniques never compares against one, and a technique registered from outside memfit (this module) takes part
+in the rules, the planner, the cost model and explain-oom without an edit to memfit."""
+import ast
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from memfit import get_gpu
+from memfit.cli.main import main
+from memfit.core.errors import MemfitError
+from memfit.estimators.analytic import analytic_estimate
+from memfit.planner import PlanRequest, plan
+from memfit.planner.cost import step_time
+from memfit.techniques import REGISTRY, Technique, register
+from memfit.techniques.base import TRAITS
+from memfit.techniques.resolve import ResolvedWorkload, without_technique
+
+SOURCE = Path(__file__).resolve().parent.parent / "src" / "memfit"
+
+
+def _string_constants(path: Path) -> list[ast.Constant]:
+    """Every string in the module but its docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docstrings]
+
+
+def test_a_technique_name_is_written_in_at_most_three_source_files():
+    strings = {path: [c.value for c in _string_constants(path)] for path in SOURCE.rglob("*.py")}
+    spread = {}
+    for name in REGISTRY:
+        word = re.compile(rf"(?<![\w-]){re.escape(name)}(?![\w-])")
+        spread[name] = sorted(str(p.relative_to(SOURCE)) for p, values in strings.items()
+                              if any(word.search(v) for v in values))
+    assert {name: files for name, files in spread.items() if len(files) > 3} == {}
+
+
+def test_no_code_outside_the_techniques_compares_against_a_technique_name():
+    names = set(REGISTRY)
+    found = []
+    for path in SOURCE.rglob("*.py"):
+        if path.parent.name == "techniques":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            values = [c.value for o in operands for c in ast.walk(o) if isinstance(c, ast.Constant)]
+            found += [f"{path.relative_to(SOURCE)}:{node.lineno}" for v in values if v in names]
+    assert found == []
+
+
+def test_every_rule_names_a_technique_or_a_known_trait():
+    for cls in REGISTRY.values():
+        for key in cls.conflicts_with:
+            assert key in REGISTRY or key in TRAITS, (cls.name, key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HalfMlp(Technique):
+    """A toy technique, registered from this test: MLPs half as wide, twice as fast to compute (its declared
+    factor), not with adapters (its rule), tried by the planner and offered by explain-oom."""
+
+    name = "toy-half-mlp"
+    summary = "a test's toy: MLPs half as wide"
+    risk = "lossless"
+    stage = "prune"
+    time_factor = 0.5
+    conflicts_with = {"adapters": ("the toy halves the MLPs {other} adapts", "drop -t {other}")}
+    oom_fixes = ("toy-half-mlp",)
+    search_axis = "weights"
+
+    @classmethod
+    def search_values(cls, request, workload):
+        return [cls.name] if request.task == "train" else []
+
+    def analytic_spec(self, spec, workload):
+        return dataclasses.replace(spec, intermediate=spec.intermediate // 2)
+
+
+@pytest.fixture
+def toy():
+    """The toy registered for one test (as a plugin registers its techniques on import), then removed."""
+    register(HalfMlp)
+    yield HalfMlp
+    REGISTRY.pop(HalfMlp.name, None)
+
+
+SHAPE = dict(model="llama-3.1-8b", task="train", seq_len=2048, precision="bf16-mixed")
+
+
+def test_a_toy_technique_takes_part_everywhere_without_an_edit_to_memfit(toy, capsys, tmp_path):
+    # its rule refuses a combination, with its reason
+    with pytest.raises(MemfitError, match="the toy halves the MLPs lora adapts"):
+        ResolvedWorkload(**SHAPE, techniques=("toy-half-mlp", "lora"))
+    # its declared saving and time factor change a plan's numbers
+    request = PlanRequest(model="llama-3.1-8b", gpu=get_gpu("a100-80gb"), seq_len=2048, global_batch=8)
+    best = plan(request).plans[0]
+    assert "toy-half-mlp" in best.techniques   # half the compute: the fastest
+    twin = without_technique(best.workload(request), toy())   # the same plan without it
+    twin_estimate = analytic_estimate(twin, request.gpu)
+    twin_time = step_time(twin, twin_estimate, request.gpu, grad_accum=best.grad_accum, num_gpus=1)
+    assert best.time.parts["compute"] == pytest.approx(0.5 * twin_time.parts["compute"])
+    assert best.estimate.peak_bytes < twin_estimate.peak_bytes
+    # its OOM fix is listed with its predicted saving
+    log = tmp_path / "oom.log"
+    log.write_text("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+                   "1.25 GiB is free. Including non-PyTorch memory, this process has 77.88 GiB memory in use. Of the "
+                   "allocated memory 74.02 GiB is allocated by PyTorch, and 3.21 GiB is reserved by PyTorch but "
+                   "unallocated.")
+    assert main(["explain-oom", str(log), "--model", "llama-3.1-8b", "--seq-len", "2048", "--precision",
+                 "bf16-mixed", "--gpu", "a100-80gb", "--json"]) == 0
+    fixes = {f["fix"]: f for f in json.loads(capsys.readouterr().out)["fixes"]}
+    assert fixes["toy-half-mlp"]["saved_bytes"] > 0 and fixes["toy-half-mlp"]["basis"].startswith("analytic")
