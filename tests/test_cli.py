@@ -110,3 +110,18 @@ def test_user_errors_are_one_line_and_exit_2(capsys, argv, fragment):
     _, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and fragment in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["techniques", "models", "gpus"])
+def test_piped_tables_keep_one_line_per_row(capsys, command):
+    """In a log or CI (stdout not a terminal) a row is one line: its first and last cells on the same line."""
+    code, out, _ = run(capsys, command)
+    data = json.loads(run(capsys, command, "--json")[1])
+    first_and_last = {"techniques": lambda: [(t["name"], t["risk"]) for t in data["techniques"]],
+                      "models": lambda: [(m["name"], m["reference"] or "") for m in data["models"]],
+                      "gpus": lambda: [(g["name"], ", ".join(g.get("aliases") or [])) for g in data["gpus"]]}
+    rows = first_and_last[command]()
+    lines = out.splitlines()
+    assert code == 0 and rows
+    for first, last in rows:
+        assert any(f"│ {first} " in line and last in line for line in lines), (first, last)

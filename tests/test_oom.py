@@ -159,3 +159,29 @@ def test_cli_errors_exit_2(capsys, tmp_path):
     (tmp_path / "x.pickle").write_bytes(b"not a pickle")
     code, _, err = run(capsys, "explain-oom", str(tmp_path / "x.pickle"))
     assert code == 2 and "not a PyTorch memory snapshot" in err
+
+
+H100 = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+        "79.15 GiB of which 1.25 GiB is free. Including non-PyTorch memory, this process has 77.88 GiB memory in "
+        "use. Of the allocated memory 74.02 GiB is allocated by PyTorch, and 3.21 GiB is reserved by PyTorch but "
+        "unallocated.")
+
+
+def test_with_a_workload_enough_means_the_whole_step_fits(capsys, tmp_path):
+    """Every fix covers the 0.75 GiB the allocation lacked; only those that bring the whole step's predicted peak
+    under the device's 79 GiB are enough."""
+    log = tmp_path / "oom.log"
+    log.write_text(H100)
+    code, out, _ = run(capsys, "explain-oom", str(log), "--model", "llama-3.1-8b", "--seq-len", "4096",
+                       "--batch-size", "2", "--precision", "bf16", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["available_bytes"] == int(79.15 * GiB) and data["step_bytes"] > data["available_bytes"]
+    fixes = {f["fix"]: f for f in data["fixes"]}
+    assert all(f["closes_shortfall"] for f in fixes.values())
+    for fix in fixes.values():
+        assert fix["enough"] == (data["step_bytes"] - fix["saved_bytes"] <= data["available_bytes"])
+    assert fixes["checkpointing"]["enough"] and not fixes["adamw8bit"]["enough"]
+    assert not fixes["expandable-segments"]["enough"]   # the allocator's 3.2 GiB cannot hold a 100+ GiB step
+    code, out, _ = run(capsys, "explain-oom", str(log), "--model", "llama-3.1-8b", "--seq-len", "4096",
+                       "--batch-size", "2", "--precision", "bf16")
+    assert code == 0 and "enough = the whole step fits" in out

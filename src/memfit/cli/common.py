@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from rich.console import Console
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
@@ -82,13 +85,13 @@ def command_line(workload: ResolvedWorkload) -> str:
     return " ".join(parts)
 
 
-def wide_console():
-    """A console for wide tables: the terminal's width, or 150 columns when piped (a file keeps its columns)."""
-    import sys
+PIPED_WIDTH = 240   # a log or CI keeps long lines; a table narrower than its content wraps into unreadable cells
 
-    from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 150)
+def output_console() -> Console:
+    """Where a command prints its tables: the terminal at its width, or, piped into a file or a CI log, a width
+    that fits memfit's widest table on one line per row (and no colour codes)."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 
 
 def print_json(data: dict) -> None:

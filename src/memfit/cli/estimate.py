@@ -5,7 +5,14 @@ import argparse
 
 from rich.console import Console
 
-from memfit.cli.common import add_workload_arguments, check_output_path, gpu_from, print_json, workload_from
+from memfit.cli.common import (
+    add_workload_arguments,
+    check_output_path,
+    gpu_from,
+    output_console,
+    print_json,
+    workload_from,
+)
 from memfit.core.errors import MemfitError
 from memfit.estimators import METHODS, estimate
 from memfit.estimators.effects import leave_one_out
@@ -50,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         data.pop("timeline", None)
         print_json(data)
     else:
-        print_estimate(result)
+        print_estimate(result, output_console())
     return 0
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.cli.common import print_json, wide_console
+from memfit.cli.common import output_console, print_json
 from memfit.core.errors import MemfitError
 from memfit.measurement.oom import load_snapshot, parse_oom_message, summarize_snapshot
-from memfit.report.oom_fixes import print_report, ranked_fixes, to_json
+from memfit.report.oom_fixes import analyze, print_report, to_json
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve
@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
                                     optimizer=args.optimizer, techniques=tuple(args.techniques)))
     elif args.techniques:
         raise MemfitError("-t describes the workload that failed: pass --model with it.")
-    fixes = ranked_fixes(message, snapshot, workload, get_gpu(args.gpu) if args.gpu else None)
+    analysis = analyze(message, snapshot, workload, get_gpu(args.gpu) if args.gpu else None)
     if args.json:
-        print_json(to_json(message, snapshot, fixes))
+        print_json(to_json(analysis))
     else:
-        print_report(message, snapshot, fixes, wide_console())
+        print_report(analysis, output_console())
     return 0
 
 

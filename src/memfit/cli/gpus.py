@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
 
-from memfit.cli.common import print_json
+from memfit.cli.common import output_console, print_json
 from memfit.core.units import format_bytes
 from memfit.specs.hardware import gpu_catalog
 
@@ -28,5 +27,5 @@ def run(args: argparse.Namespace) -> int:
     for g in gpus:
         table.add_row(g.name, format_bytes(g.memory_bytes), str(g.bf16_tflops or "—"), str(g.fp16_tflops),
                       str(g.memory_bandwidth_gbps), g.interconnect, str(g.interconnect_gbps), ", ".join(g.aliases))
-    Console().print(table)
+    output_console().print(table)
     return 0

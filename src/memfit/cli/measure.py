@@ -5,7 +5,7 @@ import argparse
 
 from rich.console import Console
 
-from memfit.cli.common import add_workload_arguments, check_output_path, print_json, workload_from
+from memfit.cli.common import add_workload_arguments, check_output_path, output_console, print_json, workload_from
 from memfit.measurement import measure
 from memfit.report.tables import measure_table
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_json())
         return 0
-    console = Console()
+    console = output_console()
     console.print(measure_table(result))
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")

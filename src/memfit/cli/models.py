@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
 
-from memfit.cli.common import print_json
+from memfit.cli.common import output_console, print_json
 from memfit.specs.model_source import catalog, resolve_source
 
 
@@ -45,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
     for row in data:
         table.add_row(row["name"], row["model_type"], f"{row['num_parameters']:,}", str(row["num_layers"]),
                       str(row["max_seq_len"] or "—"), row["reference"] or "")
-    Console().print(table)
+    output_console().print(table)
     return 0

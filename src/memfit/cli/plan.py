@@ -6,7 +6,7 @@ import json
 
 from rich.console import Console
 
-from memfit.cli.common import check_output_path, command_line, print_json, wide_console
+from memfit.cli.common import check_output_path, command_line, output_console, print_json
 from memfit.core.units import parse_bytes
 from memfit.planner import PlanRequest, plan
 from memfit.planner.request import ALLOW, DEFAULT_MARGIN, OBJECTIVES, parse_fraction
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(data)
         return 0
-    console = wide_console()
+    console = output_console()
     print_plans(result, console)
     if result.feasible:
         how = (f"memfit estimate --plan {args.save}   |   memfit measure --plan {args.save}" if args.save else

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
 
-from memfit.cli.common import print_json
+from memfit.cli.common import output_console, print_json
 from memfit.techniques import REGISTRY
 from memfit.techniques.base import TRAITS
 from memfit.techniques.rules import ORDER, declared_rules
@@ -33,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column)
     for cls in rows:
         table.add_row(cls.name, cls.stage, cls.summary, cls.parameters(), cls.risk)
-    console = Console()
+    console = output_console()
     console.print(table)
     console.print("[dim]risk: lossless = same results; numerical = same up to floating-point rounding; "
                   "lossy = results change[/dim]")

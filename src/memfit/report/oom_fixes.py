@@ -17,6 +17,7 @@ from rich.table import Table
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
 from memfit.estimators import estimate
+from memfit.estimators.breakdown import MemoryEstimate
 from memfit.measurement.oom import OomMessage, SnapshotSummary
 from memfit.specs.hardware import GPU
 from memfit.techniques import REGISTRY
@@ -25,6 +26,7 @@ from memfit.techniques.resolve import ResolvedWorkload, all_techniques, with_tec
 from memfit.techniques.rules import ordered
 
 SCHEMA = "memfit.oom/1"
+OTHER_PROCESSES = "stop other processes"
 
 
 @dataclass
@@ -60,16 +62,15 @@ def message_fixes(message: OomMessage) -> list[Fix]:
     fixes = evidence_fixes(message, None)
     others = sum(message.other_processes.values())
     if others:
-        fixes.append(Fix("stop other processes", others, "message: " + ", ".join(message.other_processes),
+        fixes.append(Fix(OTHER_PROCESSES, others, "message: " + ", ".join(message.other_processes),
                          "they hold the GPU too (nvidia-smi lists them)"))
     return fixes
 
 
-def workload_fixes(workload: ResolvedWorkload, gpu: GPU | None) -> list[Fix]:
+def workload_fixes(workload: ResolvedWorkload, base: MemoryEstimate, gpu: GPU | None) -> list[Fix]:
     """Each configuration the techniques offer (`Technique.oom_fixes`), on the user's workload: memfit's estimate
-    of it without and with the technique (analytic where it models the model, else traced)."""
-    method = "analytic" if workload.source.is_hf else "traced"
-    base = estimate(workload, method=method, gpu=gpu)
+    of it with the technique against `base`, the estimate without (analytic where it models the model, else
+    traced)."""
     present = {t.name for t in all_techniques(workload)}
     fixes = []
     for spec in (spec for cls in _techniques() for spec in cls.oom_fixes):
@@ -77,43 +78,78 @@ def workload_fixes(workload: ResolvedWorkload, gpu: GPU | None) -> list[Fix]:
         if technique.name in present:
             continue
         try:
-            changed = estimate(with_technique(workload, technique), method=method, gpu=gpu)
+            changed = estimate(with_technique(workload, technique), method=base.method, gpu=gpu)
         except MemfitError:   # does not apply to this workload (its rules, its model)
             continue
-        saved = (base.peak_bytes + base.overhead_bytes) - (changed.peak_bytes + changed.overhead_bytes)
+        saved = device_bytes(base) - device_bytes(changed)
         if saved > 0:
-            fixes.append(Fix(spec, saved, f"{method} estimate ({technique.risk})", f"-t {spec}"))
+            fixes.append(Fix(spec, saved, f"{base.method} estimate ({technique.risk})", f"-t {spec}"))
     return fixes
 
 
-def ranked_fixes(message: OomMessage | None, snapshot: SnapshotSummary | None, workload: ResolvedWorkload | None,
-                 gpu: GPU | None) -> list[Fix]:
+def device_bytes(estimate_: MemoryEstimate) -> int:
+    return estimate_.peak_bytes + estimate_.overhead_bytes
+
+
+@dataclass
+class Analysis:
+    """The fixes, and what decides whether each is enough: with the workload, memfit's prediction of the whole
+    step (`step_bytes` against `available_bytes`: the device less other processes); without, the bytes the
+    failed allocation lacked (`shortfall_bytes`)."""
+
+    message: OomMessage | None
+    snapshot: SnapshotSummary | None
+    fixes: list[Fix]
+    shortfall_bytes: int | None
+    step_bytes: int | None = None
+    available_bytes: int | None = None
+    others_bytes: int = 0
+
+    def enough(self, fix: Fix) -> bool | None:
+        if self.step_bytes is None or self.available_bytes is None:
+            return fix.closes(self.shortfall_bytes)
+        freed = self.others_bytes if fix.fix == OTHER_PROCESSES else 0
+        return self.step_bytes - fix.saved_bytes <= self.available_bytes + freed
+
+
+def analyze(message: OomMessage | None, snapshot: SnapshotSummary | None, workload: ResolvedWorkload | None,
+            gpu: GPU | None) -> Analysis:
     fixes = []
     if message is not None:
         fixes += message_fixes(message)
+    analysis = Analysis(message, snapshot, fixes, shortfall_of(message, snapshot))
     if workload is not None:
-        fixes += workload_fixes(workload, gpu)
+        base = estimate(workload, method="analytic" if workload.source.is_hf else "traced", gpu=gpu)
+        fixes += workload_fixes(workload, base, gpu)
+        # the device as the message reports it, else as the catalog knows the --gpu
+        capacity = message.total_bytes if message is not None and message.total_bytes else (
+            gpu.memory_bytes if gpu else None)
+        analysis.others_bytes = sum(message.other_processes.values()) if message is not None else 0
+        analysis.step_bytes = device_bytes(base)
+        analysis.available_bytes = None if capacity is None else max(0, capacity - analysis.others_bytes)
     elif snapshot is not None:
         fixes += evidence_fixes(None, snapshot)
     best: dict[str, Fix] = {}
     for fix in fixes:   # one row per fix: what the run reported beats a model of it
         best.setdefault(fix.fix, fix)
-    return sorted(best.values(), key=lambda f: (-f.saved_bytes, f.fix))   # ties: by name, not by registry order
+    analysis.fixes = sorted(best.values(), key=lambda f: (-f.saved_bytes, f.fix))   # ties: by name
+    return analysis
 
 
-def to_json(message, snapshot, fixes: list[Fix]) -> dict:
-    shortfall = shortfall_of(message, snapshot)
-    return {"schema": SCHEMA, "shortfall_bytes": shortfall,
+def to_json(analysis: Analysis) -> dict:
+    message, snapshot, shortfall = analysis.message, analysis.snapshot, analysis.shortfall_bytes
+    return {"schema": SCHEMA, "shortfall_bytes": shortfall, "step_bytes": analysis.step_bytes,
+            "available_bytes": analysis.available_bytes,
             "message": None if message is None else asdict(message) | {
                 "non_pytorch_bytes": message.non_pytorch_bytes, "reserved_bytes": message.reserved_bytes},
             "snapshot": None if snapshot is None else asdict(snapshot) | {
                 "fragmentation_bytes": snapshot.fragmentation_bytes},
-            "fixes": [asdict(f) | {"closes_shortfall": f.closes(shortfall)} for f in fixes]}
+            "fixes": [asdict(f) | {"closes_shortfall": f.closes(shortfall), "enough": analysis.enough(f)}
+                      for f in analysis.fixes]}
 
 
-def print_report(message, snapshot, fixes: list[Fix], console: Console | None = None) -> None:
-    console = console or Console()
-    shortfall = shortfall_of(message, snapshot)
+def print_report(analysis: Analysis, console: Console) -> None:
+    message, snapshot, fixes, shortfall = analysis.message, analysis.snapshot, analysis.fixes, analysis.shortfall_bytes
     if message is not None:
         table = Table(title=f"{message.device} when the allocation failed (from the OOM message)", title_justify="left")
         table.add_column("")
@@ -140,13 +176,17 @@ def print_report(message, snapshot, fixes: list[Fix], console: Console | None = 
         table.add_row("active blocks", format_bytes(snapshot.allocated_bytes))
         table.add_row("largest free block", format_bytes(snapshot.largest_free_block_bytes))
         console.print(table)
-    table = Table(title="fixes, by predicted saving" + (f" (short by {format_bytes(shortfall)})" if shortfall else ""),
-                  title_justify="left")
+    if analysis.step_bytes is not None and analysis.available_bytes is not None:
+        judged = (f"enough = the whole step fits: it needs {format_bytes(analysis.step_bytes)} (predicted), "
+                  f"{format_bytes(analysis.available_bytes)} is there")
+    else:
+        judged = f"enough = covers the {format_bytes(shortfall)} the allocation lacked" if shortfall else ""
+    table = Table(title="fixes, by predicted saving" + (f" ({judged})" if judged else ""), title_justify="left")
     for column in ("fix", "saves", "enough?", "how", "prediction from"):
         table.add_column(column, justify="right" if column == "saves" else "left")
     for fix in fixes:
-        closes = fix.closes(shortfall)
-        table.add_row(fix.fix, format_bytes(fix.saved_bytes), "" if closes is None else "yes" if closes else "no",
+        enough = analysis.enough(fix)
+        table.add_row(fix.fix, format_bytes(fix.saved_bytes), "" if enough is None else "yes" if enough else "no",
                       fix.how, fix.basis)
     console.print(table)
     if not fixes:

@@ -28,6 +28,15 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, *, foreach: 
                            **settings)
 
 
+def trainable(params) -> list:
+    """The trainable parameters of `params`, or of each parameter group when `params` are groups (dicts; a group
+    left empty stays, so that an LR scheduler's per-group settings still line up)."""
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in params]
+    return [p for p in params if p.requires_grad]
+
+
 def default_lr(name: str) -> float:
     return _TORCH[name][1]
 
@@ -38,7 +47,7 @@ def torch_optimizer(kind: type[torch.optim.Optimizer], params: Iterable[torch.nn
     CPU, foreach on CUDA). `shard`: ZeRO-1 over the process group (torch.distributed.optim.
     ZeroRedundancyOptimizer): each rank keeps the states of its share of the parameters, steps them and
     broadcasts them to the others."""
-    params = [p for p in params if p.requires_grad]
+    params = trainable(params)
     if shard:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

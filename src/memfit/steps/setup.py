@@ -49,12 +49,14 @@ class StepSetup:
     batch_transform: Callable[[Any], Any] | None = None   # applied to the batch before it is split
     optimizer: torch.optim.Optimizer | None = None
     lr: float | None = None                           # None: the optimizer's default
+    param_groups: list[dict] | None = None            # the user's parameter groups (apply_), else every parameter
     # an offload technique's optimizer that steps in host RAM on master weights (None: on the device); a sharding
     # technique that keeps the states on the host itself takes it over and sets `states_on_host`
     host_optimizer: HostOptimizer | None = None
     states_on_host: bool = False      # gradient shards, optimizer states and the step live in host RAM
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
     pipeline: Any = None              # a pipeline schedule that runs each step's micro-batches itself
+    scheduler: Any = None             # the user's LR scheduler, on `optimizer` (apply_)
     phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
 
     def autocast(self):
@@ -67,12 +69,13 @@ class StepSetup:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
+            params = self.param_groups or list(self.model.parameters())
             if self.host_optimizer is not None:   # it steps on the CPU: the CPU's kernels
                 factory = self._factory()
-                self.optimizer = self.host_optimizer(self.model.parameters(),
-                                                     lambda masters: factory(masters, lr=self.lr))
+                self.optimizer = self.host_optimizer(self.model.parameters(), lambda masters: factory(
+                    over_host_copies(params, self.model, masters), lr=self.lr))
             else:
-                self.optimizer = self.optimizer_builder()(self.model.parameters())
+                self.optimizer = self.optimizer_builder()(params)
         return self.optimizer
 
     def _factory(self) -> OptimizerFactory:
@@ -88,6 +91,16 @@ class StepSetup:
         if self.batch_transform is not None:
             batch = self.batch_transform(batch)
         return self.micro_batches(batch)
+
+
+def over_host_copies(params: list, model: nn.Module, masters: list[torch.Tensor]) -> list:
+    """`params` (parameters, or groups of them) with each trainable parameter of `model` replaced by its host
+    master copy in `masters` (in the same order as the model's trainable parameters)."""
+    copy_of = {id(p): m for p, m in zip((p for p in model.parameters() if p.requires_grad), masters)}
+    if params and isinstance(params[0], dict):
+        return [{**group, "params": [copy_of[id(p)] for p in group["params"] if id(p) in copy_of]}
+                for group in params]
+    return [copy_of[id(p)] for p in params if id(p) in copy_of]
 
 
 def precision_of_model(model: nn.Module) -> Precision:

@@ -3,6 +3,8 @@ and optimizer (`apply_`), in the canonical order (rules.py), after the rules hav
 """
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 
@@ -11,7 +13,7 @@ from torch import nn
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.steps.setup import StepSetup, precision_of_model
+from memfit.steps.setup import StepSetup, over_host_copies, precision_of_model
 from memfit.techniques.base import Technique
 from memfit.techniques.resolve import ResolvedWorkload
 from memfit.techniques.rules import check_rules, ordered, parse_all
@@ -30,36 +32,67 @@ def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: s
 
 
 def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-           techniques: Iterable[str | Technique] = (), *, device_type: str | None = None) -> StepSetup:
-    """Apply techniques to a user's own model (in place) and return what their loop needs: `setup.optimizer`
-    (rebuilt when an optimizer technique is given, with the given optimizer's learning rate; with
-    cpu-offload, the given optimizer's kind and settings over host master weights — drop the old one),
+           techniques: Iterable[str | Technique] = (), *, device_type: str | None = None,
+           scheduler=None) -> StepSetup:
+    """Apply techniques to a user's own model (in place) and return what their loop needs: `setup.optimizer`,
     `setup.autocast()`, `setup.loss(model, batch)`, `setup.prepare_batch(batch)` — or `setup.step(batch)`.
-    With lora, `setup.model` is peft's wrapper and the optimizer is rebuilt (same kind and settings) over
-    the adapters."""
+
+    `setup.optimizer` is rebuilt when a technique needs another one (drop the old one): an optimizer technique
+    builds its kind; cpu-offload rebuilds the given kind over host master weights; lora rebuilds it over the
+    adapters (`setup.model` is then peft's wrapper). The rebuilt optimizer keeps the given parameter groups and
+    their settings (another kind takes each group's learning rate and weight decay); an adapter joins the group
+    of the weight it adapts. Given `scheduler` (an LR scheduler of `optimizer`), `setup.scheduler` is the same
+    schedule, its state included, driving the rebuilt optimizer."""
     configs = parse_all(techniques)
     check_rules(configs, None)
     new_optimizer = any(t.workload_field == "optimizer" for t in configs)
     if optimizer is None and not new_optimizer and any("host-optimizer" in t.traits for t in configs):
         names = ", ".join(t.name for t in configs if "host-optimizer" in t.traits)
         raise MemfitError(f"-t {names} moves the optimizer to the host: pass your optimizer to apply_.")
+    if scheduler is not None and (optimizer is None or getattr(scheduler, "optimizer", None) is not optimizer):
+        raise MemfitError("apply_(scheduler=...) takes the LR scheduler of the optimizer you pass with it.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     setup = StepSetup(model=model, precision=precision_of_model(model), device_type=device_type or device.type,
                       optimizer=optimizer)
     for technique in configs:
         technique.apply_(setup)
+    trainable = [p for p in setup.model.parameters() if p.requires_grad]
+    groups = _groups_over(optimizer, trainable, setup.model) if optimizer is not None else None
     if new_optimizer:
-        setup.lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        setup.param_groups = [{k: v for k, v in g.items() if k in PORTABLE_SETTINGS} for g in groups or ()] or None
         setup.optimizer = None
         setup.build_optimizer()
-        return setup
-    trainable = [p for p in setup.model.parameters() if p.requires_grad]
-    if setup.host_optimizer is not None:   # the user's optimizer, rebuilt over host master weights
-        setup.optimizer = setup.host_optimizer(setup.model.parameters(), _same_kind(setup.optimizer))
+    elif setup.host_optimizer is not None:   # the user's optimizer, rebuilt over host master weights
+        same = _same_kind(optimizer)
+        setup.optimizer = setup.host_optimizer(setup.model.parameters(),
+                                               lambda masters: same(over_host_copies(groups, setup.model, masters)))
     elif optimizer is not None and {id(p) for p in trainable} != {
             id(p) for group in optimizer.param_groups for p in group["params"]}:   # lora froze the weights
-        setup.optimizer = _same_kind(optimizer)(trainable)
+        setup.optimizer = _same_kind(optimizer)(groups)
+    if scheduler is not None:
+        setup.scheduler = scheduler if setup.optimizer is optimizer else _rebound(scheduler, setup.optimizer)
     return setup
+
+
+# what a parameter group's settings mean to any optimizer (another kind has its own betas, eps, ...)
+PORTABLE_SETTINGS = ("params", "lr", "weight_decay", "initial_lr")
+
+
+def _groups_over(optimizer: torch.optim.Optimizer, params: list, model: nn.Module) -> list[dict]:
+    """`optimizer`'s parameter groups, with their settings, over `params`: each in the group it was in; a new
+    parameter (an adapter) in the group of the weight its module adapts (peft's `base_layer`), else the first.
+    Every group stays, empty or not, so that a scheduler's per-group settings still line up."""
+    group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    for module in model.modules():
+        base = getattr(getattr(module, "base_layer", None), "weight", None)
+        if base is not None and id(base) in group_of:
+            for p in module.parameters():
+                group_of.setdefault(id(p), group_of[id(base)])
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": []}
+              for group in optimizer.param_groups]
+    for p in params:
+        groups[group_of.get(id(p), 0)]["params"].append(p)
+    return groups
 
 
 def _same_kind(optimizer: torch.optim.Optimizer) -> Callable[[list], torch.optim.Optimizer]:
@@ -68,3 +101,27 @@ def _same_kind(optimizer: torch.optim.Optimizer) -> Callable[[list], torch.optim
     accepted = inspect.signature(kind.__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "capturable"}
     return lambda params: kind(params, **settings)
+
+
+def _rebound(scheduler, optimizer):
+    """`scheduler` (its schedule and state: epoch, base and last learning rates) driving `optimizer`, whose groups
+    take the scheduler's current learning rates. The step is wrapped as an LR scheduler's constructor wraps it,
+    so that PyTorch's check that optimizer.step() runs before scheduler.step() keeps working."""
+    old_groups = scheduler.optimizer.param_groups
+    if len(old_groups) != len(optimizer.param_groups):
+        raise MemfitError(f"the rebuilt optimizer has {len(optimizer.param_groups)} parameter groups and the "
+                          f"scheduler's {len(old_groups)}; pass the scheduler's optimizer unchanged.")
+    for group, old in zip(optimizer.param_groups, old_groups):
+        group.update({k: old[k] for k in ("lr", "initial_lr") if k in old})
+    rebound = copy.copy(scheduler)
+    rebound.optimizer = optimizer
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def counted_step(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    counted_step._wrapped_by_lr_sched = True
+    optimizer.step = counted_step
+    return rebound

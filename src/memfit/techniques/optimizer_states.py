@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.steps.optim import torch_optimizer
+from memfit.steps.optim import torch_optimizer, trainable
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
@@ -107,7 +107,7 @@ class AdamW8bit(_Optimizer):
         from torch.utils._python_dispatch import _disable_current_modes
 
         self._refuse_shard(shard)
-        params = [p for p in params if p.requires_grad]
+        params = trainable(params)
         with _disable_current_modes():
             bnb = _import("bitsandbytes", self.name)
             return bnb.optim.AdamW8bit(params, lr=self.default_lr if lr is None else lr)
@@ -146,9 +146,11 @@ class AdamW4bit(_Optimizer):
         from torch._subclasses.fake_tensor import is_fake
 
         self._refuse_shard(shard)
-        params = [p for p in params if p.requires_grad]
+        params = trainable(params)
         lr = self.default_lr if lr is None else lr
-        if params and is_fake(params[0]):
+        first = next(iter(params[0]["params"]), None) if params and isinstance(params[0], dict) else next(
+            iter(params), None)
+        if first is not None and is_fake(first):
             # torchao's step is compiled and reads data, which fake tensors cannot do; trace its exact state
             # layout instead (the compiled step allocates no parameter-sized temporaries).
             return Blockwise4bitLayout(params, lr=lr)
