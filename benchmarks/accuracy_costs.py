@@ -1,5 +1,5 @@
 """Measures the accuracy cost of the lossy weight techniques on real weights and real text, and writes it
-where `memfit.techniques.effects` reads it (src/memfit/data/accuracy.json), so the planner quotes a
+where `memfit.estimators.effects` reads it (src/memfit/data/accuracy.json), so the planner quotes a
 measured figure with its source.
 
     python benchmarks/accuracy_costs.py [--finetune-steps 40]
@@ -24,11 +24,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 warnings.filterwarnings("ignore")
 
+import docs_sync  # noqa: E402   # benchmarks/docs_sync.py: the docs show these results
 import torch  # noqa: E402
 
 from memfit.measurement import accuracy  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
+from memfit.techniques.resolve import resolve  # noqa: E402
 
 ENCODER_ROWS = ("bf16", "int8-weight-only", "int8-dynamic", "bnb-4bit", "bnb-4bit:format=fp4")
 LM_ROWS = ENCODER_ROWS + ("prune-unstructured:sparsity=0.5", "prune-unstructured:sparsity=0.8",
@@ -43,7 +45,8 @@ def finetuned_perplexity(techniques: tuple[str, ...], steps: int) -> float:
                         seq_len=accuracy.LM_SEQ, techniques=techniques)
     batches = text_batches(batch_size=accuracy.LM_BATCH, seq_len=accuracy.LM_SEQ, num_batches=steps, seed=3)
     run = train_run(workload, batches, lr=1e-3, start_from=accuracy.pretrained_lm(), keep_parameters=True)
-    model = Workload(model=accuracy.LM_MODEL, task="inference").source.build(device="cpu", dtype=torch.float32)
+    model = resolve(Workload(model=accuracy.LM_MODEL, task="inference")).source.build(device="cpu",
+                                                                                    dtype=torch.float32)
     import memfit
 
     model = memfit.apply_(model, None, techniques).model     # the pruned shape, then the fine-tuned weights
@@ -88,6 +91,7 @@ def main() -> None:
         lines.append(f"{technique:<34} {ppl:>8.3f} {100 * (ppl / base - 1):>+8.2f}% {recovered:>48}")
         print(lines[-1], flush=True)
     Path(__file__).parent.joinpath("results", "accuracy_costs.txt").write_text("\n".join(lines) + "\n")
+    docs_sync.sync()
 
 
 if __name__ == "__main__":

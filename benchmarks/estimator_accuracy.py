@@ -21,6 +21,7 @@ import warnings
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
+import docs_sync  # noqa: E402   # benchmarks/docs_sync.py: the docs show these results
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -28,6 +29,7 @@ from rich.table import Table  # noqa: E402
 from memfit.core.units import format_bytes  # noqa: E402
 from memfit.measurement import measure  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
+from memfit.techniques.resolve import resolve  # noqa: E402
 
 CONVNET = ("memfit.examples.convnet:build", "memfit.examples.convnet:make_inputs")
 LSTM = ("memfit.examples.lstm:build", "memfit.examples.lstm:make_inputs")
@@ -95,7 +97,7 @@ def main() -> int:
     results = []
     console = Console(width=200)
     for index, kw in enumerate(rows, 1):
-        workload = Workload(**kw)
+        workload = resolve(Workload(**kw))
         started = time.perf_counter()
         methods = ("traced", "analytic") if workload.source.is_hf else ("traced",)
         m = measure(workload, estimates=methods)
@@ -136,6 +138,7 @@ def main() -> int:
         json.dump({"torch": torch.__version__, "python": sys.version.split()[0], "rows": results}, fh, indent=1)
     with open(args.out + ".txt", "w") as fh:
         Console(file=fh, width=200).print(table)
+    docs_sync.sync()
     return 0
 
 

@@ -33,6 +33,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 warnings.filterwarnings("ignore")
 
+import docs_sync  # noqa: E402   # benchmarks/docs_sync.py: the docs show these results
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -41,8 +42,8 @@ from memfit.core.units import format_bytes  # noqa: E402
 from memfit.measurement import accuracy, measure  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
-from memfit.steps.optim import DEFAULT_LR  # noqa: E402
-from memfit.techniques.base import parse_technique  # noqa: E402
+from memfit.techniques import REGISTRY, parse_technique  # noqa: E402
+from memfit.techniques.resolve import resolve  # noqa: E402
 
 MODEL, BATCH, SEQ = "tiny-llama", 8, 256
 ROWS = [
@@ -82,10 +83,10 @@ WHY = {   # one line where the common lore is wrong, shown beside the measured r
 
 
 def row(techniques: tuple[str, ...], batches, eval_batches, lr: float) -> dict:
-    workload = Workload(model=MODEL, task="train", batch_size=BATCH, seq_len=SEQ, techniques=techniques)
+    workload = resolve(Workload(model=MODEL, task="train", batch_size=BATCH, seq_len=SEQ, techniques=techniques))
     measured = measure(workload, estimates=("traced", "analytic"))
-    if workload.optimizer == "adafactor":   # its own learning rate: Adafactor at AdamW's would not train
-        lr = DEFAULT_LR["adafactor"]
+    if workload.optimizer in REGISTRY:   # its own learning rate: Adafactor at AdamW's would not train
+        lr = REGISTRY[workload.optimizer].default_lr
     run = train_run(workload, batches, lr=lr, eval_batches=eval_batches)
     risks = {parse_technique(t).risk for t in techniques} or {"lossless"}
     return {
@@ -195,6 +196,7 @@ def save(path: str, header: str, tables: list[Table], data: dict) -> None:
             file_console.print(table)
     with open(path + ".json", "w") as fh:
         json.dump({"header": header, **data}, fh, indent=1)
+    docs_sync.sync()
 
 
 def lossy_tables(args, console: Console, header: str) -> None:

@@ -90,7 +90,7 @@ class DeepSpeedLoop:
 
     def step(self, batch) -> torch.Tensor:
         setup = self.setup
-        (batch,) = setup.prepare_batch(batch)     # sequence-chunks is refused (compose.RULES)
+        (batch,) = setup.prepare_batch(batch)     # windows of a sequence are refused (its deepspeed_conflict)
         self._phase("forward")
         loss = setup.loss(self.engine, batch)
         self._phase("backward")

@@ -1,6 +1,6 @@
 """Memory techniques: one module per family, each a frozen config registered by name (base.py) that declares
-everything memfit needs to know about it; composed in one canonical order under the rules the techniques
-declare (compose.py); a workload's techniques resolved and checked by resolve.py.
+everything memfit needs to know about it; ordered and checked under the rules they declare (rules.py); a
+workload's techniques resolved (resolve.py) and applied to a step or a user's own loop (compose.py).
 
     import memfit
     from memfit.techniques import Checkpointing

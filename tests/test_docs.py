@@ -1,0 +1,46 @@
+"""The docs stay true: their result tables are the benchmarks' last results, their links lead somewhere, and the
+README's example output is what memfit prints today."""
+import importlib.util
+import re
+from pathlib import Path
+
+from memfit import PlanRequest, get_gpu, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _docs_sync():
+    spec = importlib.util.spec_from_file_location("docs_sync", ROOT / "benchmarks" / "docs_sync.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_results_section_is_the_benchmarks_last_output():
+    sync = _docs_sync()
+    found = []
+    for page in (ROOT / "docs").glob("*.md"):
+        for name, body in sync.sections(page.read_text()):
+            assert body == sync.results_text(name), f"{page.name}: {name} differs; run python benchmarks/docs_sync.py"
+            found.append(name)
+    assert {"technique_table.txt", "estimator_accuracy.txt", "planner_oracle.txt", "accuracy_costs.txt"} <= set(found)
+
+
+def test_local_links_lead_somewhere():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            if not target.startswith("http"):
+                assert (page.parent / target).exists(), f"{page.name} links to {target}"
+
+
+def test_the_readme_example_is_what_the_planner_prints_today():
+    text = (ROOT / "README.md").read_text()
+    quickstart = text.split("## Quickstart", 1)[1].split("```")[1].split()
+    assert quickstart == ["./scripts/demo.sh", "./scripts/test.sh"]
+    result = plan(PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=64))
+    best = result.plans[0]
+    first_row = re.search(r"│ 1 │ (.+?) │ +(\d+ × \d+) │", text)
+    shown = first_row.group(1).strip()
+    assert " + ".join(best.techniques).startswith(shown)
+    assert first_row.group(2) == f"{best.micro_batch} × {best.grad_accum}"
