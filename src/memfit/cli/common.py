@@ -9,6 +9,7 @@ from rich.console import Console
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
+from memfit.planner import load_plan
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, TASKS, Workload
 from memfit.techniques.resolve import ResolvedWorkload, optimizers, resolve
@@ -45,8 +46,6 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def workload_from(args: argparse.Namespace) -> ResolvedWorkload:
     if args.plan:
-        from memfit.planner import load_plan
-
         if args.model or args.techniques:
             raise MemfitError("--plan gives the model and its techniques; drop the model name and -t flags.")
         return resolve(load_plan(args.plan, args.plan_index)[0])
@@ -64,8 +63,6 @@ def gpu_from(name: str | None, args: argparse.Namespace | None = None) -> GPU | 
     if name:
         return get_gpu(name)
     if args is not None and getattr(args, "plan", None):
-        from memfit.planner import load_plan
-
         return load_plan(args.plan, args.plan_index)[1]
     return None
 

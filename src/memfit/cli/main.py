@@ -23,6 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the commands load torch: imported after _quiet_libraries has set torch's and transformers' logging
     from memfit.cli import estimate, explain_oom, gpus, measure, models, plan, techniques
 
     parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")

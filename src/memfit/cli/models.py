@@ -6,7 +6,9 @@ import argparse
 from rich.table import Table
 
 from memfit.cli.common import output_console, print_json
+from memfit.estimators.analytic import count_parameters
 from memfit.specs.model_source import catalog, resolve_source
+from memfit.specs.workload import Workload
 
 
 def add_parser(subparsers) -> None:
@@ -16,9 +18,6 @@ def add_parser(subparsers) -> None:
 
 
 def rows() -> list[dict]:
-    from memfit.estimators.analytic import count_parameters
-    from memfit.specs.workload import Workload
-
     out = []
     for name, doc in catalog().items():
         source = resolve_source(name)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from memfit.core.errors import MemfitError
+from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve
@@ -18,9 +20,5 @@ def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None
     if method == "auto":
         method = "traced" if workload.engine == "pytorch" else "analytic"
     if method == "traced":
-        from memfit.estimators.traced import traced_estimate
-
         return traced_estimate(workload, gpu, **options)
-    from memfit.estimators.analytic import analytic_estimate
-
     return analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})

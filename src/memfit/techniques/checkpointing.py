@@ -25,6 +25,7 @@ from memfit.core.errors import MemfitError, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
 
 MODES = ("full", "selective", "offload")
 SELECTIVE_RECOMPUTE = 0.1    # of one forward: the cheap ops selective checkpointing re-runs (assumed)
@@ -115,8 +116,6 @@ class Checkpointing(Technique):
         blocks = repeated_blocks(setup.model, self.blocks)
         chosen = [block for index, block in blocks if index % self.every == 0]
         if self.mode == "offload":
-            from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
-
             keep = parameter_storages(setup.model)
             for block in chosen:
                 offload_saved_tensors_(block, keep)

@@ -24,6 +24,7 @@ from memfit.core.errors import MemfitError, require_positive_int
 from memfit.core.precision import get_precision, precision_names
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
+from memfit.techniques.quantization import Int8WeightOnly
 
 
 @register
@@ -88,8 +89,6 @@ class Distill(Technique):
         for p in teacher.parameters():
             p.requires_grad_(False)
         if self.teacher == "int8":   # after the student copied the full-precision weights
-            from memfit.techniques.quantization import Int8WeightOnly
-
             Int8WeightOnly().apply_(StepSetup(model=teacher, precision=setup.precision, device_type=setup.device_type))
         setup.model = student
         setup.loss = DistillationLoss(teacher, self.temperature, self.alpha)

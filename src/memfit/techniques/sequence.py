@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
+from memfit.techniques.checkpointing import step_checkpoint
 
 IGNORE_INDEX = -100
 
@@ -160,8 +161,6 @@ class ChunkedCrossEntropy(Technique):
             raise MemfitError("-t chunked-ce changes the training loss; inference keeps only the last logits already.")
 
     def apply_(self, setup: StepSetup) -> None:
-        from memfit.techniques.checkpointing import step_checkpoint
-
         setup.loss = functools.partial(chunked_causal_lm_loss, chunks=self.chunks, checkpoint=step_checkpoint(setup))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
@@ -30,7 +31,6 @@ class GPT2Spec:
     @classmethod
     def from_config(cls, cfg) -> GPT2Spec:
         if cfg.activation_function != "gelu_new":
-            from memfit.core.errors import MemfitError
             raise MemfitError(f"the analytic GPT-2 model covers activation gelu_new, not {cfg.activation_function!r}; "
                               "use --method traced.")
         return cls(hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head, inner=cfg.n_inner or 4 * cfg.n_embd,
