@@ -8,7 +8,7 @@ from tests.conftest import rel
 
 def test_measured_categories_agree_with_the_profiler_timeline():
     measured = measure(ResolvedWorkload(model="tiny-llama", batch_size=2, seq_len=128),
-                       estimates=("traced", "analytic"))
+                       estimates=("traced", "analytic"), profiler_categories=True)
     profiler = measured.extra["profiler_categories_at_peak"]
     assert rel(measured.extra["profiler_timeline_peak_bytes"], measured.peak_bytes) < 0.001
     assert profiler["parameters"] == measured.at_peak["parameters"]

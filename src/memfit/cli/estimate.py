@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if workload.engine == "deepspeed" or workload.world_size > 1:
         result.extra["zero_table"] = zero_paper_table(result.num_parameters, workload.world_size)
     if args.timeline:
-        from memfit.report.timeline_plot import write_timeline   # matplotlib loads only for a plot
+        from memfit.report.timeline_plot import write_timeline  # matplotlib loads only for a plot
 
         write_timeline(result.timeline, args.timeline, workload_line(result))
     if args.json:

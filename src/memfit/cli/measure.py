@@ -17,6 +17,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--snapshot", metavar="FILE.pickle",
                         help="CUDA only: write a memory snapshot for https://pytorch.org/memory_viz")
     parser.add_argument("--no-estimates", action="store_true", help="measure only")
+    parser.add_argument("--profiler-categories", action="store_true",
+                        help="CPU: also PyTorch's own memory-timeline categories at its peak (slower)")
     parser.set_defaults(run=run)
 
 
@@ -26,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     methods = () if args.no_estimates else ("traced",) if not workload.source.is_hf else (
         ("analytic",) if workload.engine == "deepspeed" else ("traced", "analytic"))
     with Console(stderr=True).status(f"estimating, then running {workload.model} for real ..."):
-        result = measure(workload, device=args.device, snapshot_path=args.snapshot, estimates=methods)
+        result = measure(workload, device=args.device, snapshot_path=args.snapshot, estimates=methods,
+                         profiler_categories=args.profiler_categories)
     if args.json:
         print_json(result.to_json())
         return 0

@@ -68,8 +68,10 @@ class _PhaseMarks:
 
 
 def measure_run(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
-                expected_bytes: int = 0) -> MemoryEstimate:
-    """One real run of the workload; no estimates (see `measure`)."""
+                expected_bytes: int = 0, profiler_categories: bool = False) -> MemoryEstimate:
+    """One real run of the workload; no estimates (see `measure`). `profiler_categories`: on a CPU, also
+    PyTorch's own memory-timeline categories at its peak, beside memfit's (an independent witness; the run
+    records shapes and stacks for them, a few times slower)."""
     workload = resolve(workload)
     device = device or best_device()
     _check_room(workload, expected_bytes, device)
@@ -96,7 +98,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
             if snapshot_path:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
         else:
-            state["profiler"] = profiler.start_profiler()
+            state["profiler"] = profiler.start_profiler(categories=profiler_categories)
 
     hooks = _PhaseMarks(tracker, state) if not on_cuda else tracker
     with tracker:
@@ -119,9 +121,10 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
         delta, allocator_phase, phase_peaks, num_events = profiler.allocation_peak(prof)
         peak = state["baseline"] + delta
         extra["phase_peak_bytes"] = {name: state["baseline"] + value for name, value in phase_peaks.items()}
-        total, by_category = profiler.timeline_categories_at_peak(prof)
-        extra["profiler_timeline_peak_bytes"] = total
-        extra["profiler_categories_at_peak"] = by_category
+        if profiler_categories:
+            total, by_category = profiler.timeline_categories_at_peak(prof)
+            extra["profiler_timeline_peak_bytes"] = total
+            extra["profiler_categories_at_peak"] = by_category
         extra["allocator_events"] = num_events
 
     trace = tracker.trace()
@@ -150,8 +153,8 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 
 
 def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
-            estimates: tuple[str, ...] = ("traced", "analytic")) -> MemoryEstimate:
-    """Measure the workload for real and put memfit's estimates of the same run beside it."""
+            estimates: tuple[str, ...] = ("traced", "analytic"), profiler_categories: bool = False) -> MemoryEstimate:
+    """Measure the workload for real and put memfit's estimates of the same run beside it (`measure_run`)."""
     workload = resolve(workload)
     device = device or best_device()
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
@@ -163,7 +166,8 @@ def measure(workload: Workload, *, device: str | None = None, snapshot_path: str
         _check_room(workload, expected * workload.world_size, device)
         measured = measure_ranks(workload)
     else:
-        measured = measure_run(workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected)
+        measured = measure_run(workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected,
+                               profiler_categories=profiler_categories)
     measured.extra["estimates"] = {method: e.to_json() for method, e in predicted.items()}
     measured.extra["ratios"] = {f"measured/{method}": measured.peak_bytes / e.peak_bytes
                                 for method, e in predicted.items() if e.peak_bytes}

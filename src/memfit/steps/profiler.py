@@ -36,8 +36,11 @@ def quiet_native_stderr():
         os.close(saved)
 
 
-def start_profiler() -> profile:
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+def start_profiler(*, categories: bool = False) -> profile:
+    """Record the CPU allocator's events; with `categories`, also the shapes and stacks PyTorch's memory timeline
+    needs to categorise them (`timeline_categories_at_peak`: a few times slower)."""
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=categories,
+                   with_stack=categories)
     with quiet_native_stderr():
         prof.start()
     return prof
