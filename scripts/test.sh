@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check src tests scripts benchmarks
 .venv/bin/lint-imports --no-cache
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-.venv/bin/python -m pytest -q "$@"
+# Two workers, one thread each (the machine's two cores); the 2-rank tests share one torchrun launch on one worker.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+.venv/bin/python -m pytest -q -n "${MEMFIT_TEST_WORKERS:-2}" --dist loadgroup "$@"

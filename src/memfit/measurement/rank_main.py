@@ -1,10 +1,11 @@
-"""One rank of a torchrun job that measurement/ranks.py starts: the workload's measured step or a short
-training run, written as JSON to `OUT_DIR/rank{N}.json`.
+"""One rank of a torchrun launch that measurement/ranks.py starts: each job of OUT_DIR/jobs.json in turn (a
+workload's measured step, or a short training run), the results written as JSON to OUT_DIR/rank{N}.json.
 
-    python -m memfit.measurement.rank_main OUT_DIR WORKLOAD_JSON JOB_JSON
+    python -m memfit.measurement.rank_main OUT_DIR
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -17,24 +18,32 @@ from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve
 
 
-def rank_main(out: str, workload_json: str, job_json: str) -> None:
-    workload, job = resolve(Workload.from_json(json.loads(workload_json))), json.loads(job_json)
+def run_job(job: dict) -> dict:
+    workload = resolve(Workload.from_json(job["workload"]))
+    if job["job"] == "measure":
+        return measure_run(workload, device="cpu").to_json()
+    batches = text_batches(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
+                           num_batches=job["steps"])
+    return {"losses": train_run(workload, batches, lr=job["lr"]).losses}
+
+
+def rank_main(out: str) -> None:
+    with open(os.path.join(out, "jobs.json")) as fh:
+        jobs = json.load(fh)
     dist.init_process_group("gloo")
     try:
-        if job["job"] == "measure":
-            result = measure_run(workload, device="cpu").to_json()
-        else:
-            batches = text_batches(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
-                                   num_batches=job["steps"])
-            result = {"losses": train_run(workload, batches, lr=job["lr"]).losses}
+        results = []
+        for job in jobs:
+            results.append(run_job(job))
+            gc.collect()   # the job's model and optimizer go before the next one is measured
+            # a rank that moves on (or closes its connections) while another still reads the tail of the last
+            # collective (a broadcast, an all-reduce) fails that one with "connection closed by peer"
+            dist.barrier()
         with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as fh:
-            json.dump(result, fh)
-        # a rank that closes its connections while another still reads the tail of the last collective
-        # (a broadcast, an all-reduce) fails that one with "connection closed by peer"
-        dist.barrier()
+            json.dump(results, fh)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1], sys.argv[2], sys.argv[3])
+    rank_main(sys.argv[1])

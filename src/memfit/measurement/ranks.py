@@ -2,8 +2,13 @@
 on CPU), each runs the same measured step with its own allocator and profiler and writes its result;
 the rank with the highest peak is reported, every rank's peak beside it.
 
-Each rank runs `python -m memfit.measurement.rank_main OUT_DIR WORKLOAD_JSON JOB_JSON`; the job is a measured
-step (`measure_ranks`) or a short training run whose losses are compared with one process's (`train_ranks`).
+Several workloads of one world size run in one torchrun launch, one after the other in the same ranks
+(`measure_ranks_many`, `train_ranks_many`): starting the ranks costs more than a small workload's step. If a
+launch fails, each of its workloads runs alone, so that the error names its own.
+
+Each rank runs `python -m memfit.measurement.rank_main OUT_DIR`; the jobs are in OUT_DIR/jobs.json: a measured
+step (`measure_ranks_many`) or a short training run whose losses are compared with one process's
+(`train_ranks_many`).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.breakdown import MemoryEstimate
@@ -20,25 +26,48 @@ from memfit.specs.workload import Workload
 RANK_TIMEOUT_S = 1800
 
 
-def measure_ranks(workload: Workload) -> MemoryEstimate:
-    results = [MemoryEstimate.from_json(r) for r in _run_ranks(workload, {"job": "measure"})]
-    top = max(results, key=lambda r: r.peak_bytes)
-    top.extra["rank_peak_bytes"] = [r.peak_bytes for r in results]
-    top.notes.append(f"measured on {workload.world_size} ranks (torchrun, gloo); the highest per-rank peak is shown")
-    return top
+def measure_ranks_many(workloads: Sequence[Workload]) -> list[MemoryEstimate]:
+    """Each workload measured on its ranks: the rank with the highest peak, every rank's peak beside it."""
+    measured = []
+    for workload, per_rank in zip(workloads, _run_jobs([(w, {"job": "measure"}) for w in workloads])):
+        results = [MemoryEstimate.from_json(r) for r in per_rank]
+        top = max(results, key=lambda r: r.peak_bytes)
+        top.extra["rank_peak_bytes"] = [r.peak_bytes for r in results]
+        top.notes.append(f"measured on {workload.world_size} ranks (torchrun, gloo); the highest per-rank peak is "
+                         "shown")
+        measured.append(top)
+    return measured
 
 
-def train_ranks(workload: Workload, *, steps: int, lr: float | None = None) -> list[list[float]]:
-    """Train the workload on `world_size` real ranks for `steps` steps of the bundled text, every rank on
-    the same batches (so the result is comparable with one process); each rank's losses."""
-    return [r["losses"] for r in _run_ranks(workload, {"job": "train", "steps": steps, "lr": lr})]
+def train_ranks_many(workloads: Sequence[Workload], *, steps: int, lr: float | None = None) -> list[list[list[float]]]:
+    """Train each workload on `world_size` real ranks for `steps` steps of the bundled text, every rank on the
+    same batches (so the result is comparable with one process): each workload's losses on each rank."""
+    jobs = [(w, {"job": "train", "steps": steps, "lr": lr}) for w in workloads]
+    return [[r["losses"] for r in per_rank] for per_rank in _run_jobs(jobs)]
 
 
-def _run_ranks(workload: Workload, job: dict) -> list[dict]:
-    n = workload.world_size
+def _run_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
+    """Each job's result on every rank, in the jobs' order: one launch per world size."""
+    results: list[list[dict] | None] = [None] * len(jobs)
+    for world_size in sorted({w.world_size for w, _ in jobs}):
+        indices = [i for i, (w, _) in enumerate(jobs) if w.world_size == world_size]
+        try:
+            for i, per_rank in zip(indices, _launch(world_size, [jobs[i] for i in indices])):
+                results[i] = per_rank
+        except MemfitError:
+            if len(indices) == 1:
+                raise
+            for i in indices:   # one at a time: the error names its own workload
+                results[i] = _launch(world_size, [jobs[i]])[0]
+    return results
+
+
+def _launch(n: int, jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
     with tempfile.TemporaryDirectory(prefix="memfit-ranks-") as out:
+        with open(os.path.join(out, "jobs.json"), "w") as fh:
+            json.dump([{**job, "workload": workload.to_json()} for workload, job in jobs], fh)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   "-m", "memfit.measurement.rank_main", out, json.dumps(workload.to_json()), json.dumps(job)]
+                   "-m", "memfit.measurement.rank_main", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
@@ -50,8 +79,8 @@ def _run_ranks(workload: Workload, job: dict) -> list[dict]:
             errors = [line for line in errors if line.startswith("[rank")][-5:] or errors[-5:]   # the ranks' own
             raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}): "
                               + " | ".join(line.strip() for line in errors or lines[-15:]))
-        results = []
+        by_rank = []
         for rank in range(n):
             with open(os.path.join(out, f"rank{rank}.json")) as fh:
-                results.append(json.load(fh))
-    return results
+                by_rank.append(json.load(fh))
+    return [list(per_job) for per_job in zip(*by_rank)]

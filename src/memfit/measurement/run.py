@@ -19,7 +19,7 @@ from memfit.estimators import estimate as run_estimate
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.tracker import MemoryTracker
-from memfit.measurement.ranks import measure_ranks
+from memfit.measurement.ranks import measure_ranks_many
 from memfit.specs.hardware import gpu_of_device
 from memfit.specs.workload import Workload
 from memfit.steps import profiler
@@ -155,20 +155,32 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
             estimates: tuple[str, ...] = ("traced", "analytic"), profiler_categories: bool = False) -> MemoryEstimate:
     """Measure the workload for real and put memfit's estimates of the same run beside it (`measure_run`)."""
-    workload = resolve(workload)
+    return measure_many([workload], device=device, snapshot_path=snapshot_path, estimates=estimates,
+                        profiler_categories=profiler_categories)[0]
+
+
+def measure_many(workloads: list[Workload], *, device: str | None = None, snapshot_path: str | None = None,
+                 estimates: tuple[str, ...] = ("traced", "analytic"),
+                 profiler_categories: bool = False) -> list[MemoryEstimate]:
+    """`measure` for each workload; those that run on ranks share torchrun launches (ranks.measure_ranks_many)."""
+    workloads = [resolve(w) for w in workloads]
     device = device or best_device()
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
-    predicted = {method: run_estimate(workload, method=method, gpu=gpu) for method in estimates}
-    expected = max((e.peak_bytes for e in predicted.values()), default=0)
-    if workload.runs_on_ranks:
-        if device.startswith("cuda"):
-            raise MemfitError("measuring several ranks runs on CPU (gloo) here; pass --device cpu.")
-        _check_room(workload, expected * workload.world_size, device)
-        measured = measure_ranks(workload)
-    else:
-        measured = measure_run(workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected,
-                               profiler_categories=profiler_categories)
-    measured.extra["estimates"] = {method: e.to_json() for method, e in predicted.items()}
-    measured.extra["ratios"] = {f"measured/{method}": measured.peak_bytes / e.peak_bytes
-                                for method, e in predicted.items() if e.peak_bytes}
-    return measured
+    predicted = [{method: run_estimate(w, method=method, gpu=gpu) for method in estimates} for w in workloads]
+    expected = [max((e.peak_bytes for e in p.values()), default=0) for p in predicted]
+    on_ranks = [i for i, w in enumerate(workloads) if w.runs_on_ranks]
+    if on_ranks and device.startswith("cuda"):
+        raise MemfitError("measuring several ranks runs on CPU (gloo) here; pass --device cpu.")
+    for i in on_ranks:
+        _check_room(workloads[i], expected[i] * workloads[i].world_size, device)
+    measured = dict(zip(on_ranks, measure_ranks_many([workloads[i] for i in on_ranks])))
+    results = []
+    for i, workload in enumerate(workloads):
+        run = measured[i] if i in measured else measure_run(
+            workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected[i],
+            profiler_categories=profiler_categories)
+        run.extra["estimates"] = {method: e.to_json() for method, e in predicted[i].items()}
+        run.extra["ratios"] = {f"measured/{method}": run.peak_bytes / e.peak_bytes
+                               for method, e in predicted[i].items() if e.peak_bytes}
+        results.append(run)
+    return results

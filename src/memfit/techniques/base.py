@@ -1,10 +1,15 @@
-"""What every technique is: a frozen keyword-only config, registered under a name, parsed from
-`NAME[:key=value,...]`, that changes the real step (`apply_`) and says what that costs (`effect`).
+"""What every technique is: a frozen keyword-only config, registered under a name (`@register`), parsed from
+`NAME[:key=value,...]`, that changes the real step (`apply_`) and declares everything the rest of memfit needs
+to know about it: what it is (`traits`) and its rules, how the analytic estimator accounts for it, what the
+planner tries and what its time costs, and the fixes explain-oom offers. Code outside the techniques asks these
+declarations and never names a technique (ARCHITECTURE.md; CONTRIBUTING.md has the recipe).
 
-A technique's `apply_` works on a `StepSetup` (setup.py): the model, how the optimizer is built, the
-precision, how a batch is split and how the loss is computed. Techniques that choose one of the
-workload's own settings (precision, optimizer) are folded into those fields when a Workload is built
-(`workload_field`), so there is one source of truth for each setting.
+`apply_` works on a `StepSetup` (steps/setup.py): the model, how the optimizer is built, the precision, how a
+batch is split and how the loss is computed. Techniques that choose one of the workload's own settings
+(precision, optimizer: `workload_field`) are folded into those fields when a workload is resolved
+(resolve.py), so there is one source of truth for each setting. The hooks that take a `program`, `compute`,
+`step`, `request` or `message`/`snapshot` receive the estimator's, the cost model's, the planner's or
+explain-oom's objects (documented where each is defined); this layer never imports them.
 """
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ class Technique:
     name: ClassVar[str]
     summary: ClassVar[str]
     risk: ClassVar[str]                  # lossless | numerical | lossy
-    stage: ClassVar[str]                 # its place in the canonical order (compose.ORDER)
+    stage: ClassVar[str]                 # its place in the canonical order (rules.ORDER)
     workload_field: ClassVar[str | None] = None   # "precision" / "optimizer": sets that Workload field
     # Step time relative to the same step without the technique: a cost-model figure (`assumed`)
     # until benchmarks/technique_table.py measures it.
@@ -64,7 +69,7 @@ class Technique:
     # What the technique is (keys of TRAITS), for other techniques' rules and the code that asks
     traits: ClassVar[frozenset[str]] = frozenset()
     # Rules: a technique name or a trait -> (reason, fix) why this technique does not work with it; "{other}" in
-    # either is the other technique's name. compose.check_rules applies them before anything runs.
+    # either is the other technique's name. rules.check_rules applies them before anything runs.
     conflicts_with: ClassVar[Mapping[str, tuple[str, str]]] = {}
     deepspeed_conflict: ClassVar[tuple[str, str] | None] = None   # (reason, fix) DeepSpeed's engine cannot run it
     # explain-oom: the configurations it tries on the workload that ran out of memory (memfit's estimate of it
