@@ -8,4 +8,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/lint-imports --no-cache
 # Two workers, one thread each (the machine's two cores); the 2-rank tests share one torchrun launch on one worker.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# DeepSpeed's C++ ops, compiled at their first use, go in this checkout's own folder: a build that another
+# checkout's killed run left half-done (its lock file) cannot make these tests wait on it.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch-extensions}"
 .venv/bin/python -m pytest -q -n "${MEMFIT_TEST_WORKERS:-2}" --dist loadgroup "$@"

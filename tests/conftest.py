@@ -9,6 +9,7 @@ from memfit.techniques.resolve import ResolvedWorkload
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+os.environ.setdefault("MEMFIT_RANK_TIMEOUT_S", "600")   # a torchrun launch of the suite takes 1-3 minutes
 warnings.filterwarnings("ignore")
 
 EXAMPLES = {

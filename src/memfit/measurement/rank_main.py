@@ -5,9 +5,11 @@ workload's measured step, or a short training run), the results written as JSON 
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 
 import torch.distributed as dist
@@ -28,6 +30,9 @@ def run_job(job: dict) -> dict:
 
 
 def rank_main(out: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # ranks.py asks a rank that hangs for its stacks
+    with open(os.path.join(out, f"pid{os.environ['RANK']}"), "w") as fh:
+        fh.write(str(os.getpid()))
     with open(os.path.join(out, "jobs.json")) as fh:
         jobs = json.load(fh)
     dist.init_process_group("gloo")

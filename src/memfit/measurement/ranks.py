@@ -12,18 +12,22 @@ step (`measure_ranks_many`) or a short training run whose losses are compared wi
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.specs.workload import Workload
-
-RANK_TIMEOUT_S = 1800
+from memfit.steps.deepspeed_loop import build_deepspeed_ops
+from memfit.techniques.resolve import resolve
 
 
 def measure_ranks_many(workloads: Sequence[Workload]) -> list[MemoryEstimate]:
@@ -48,13 +52,15 @@ def train_ranks_many(workloads: Sequence[Workload], *, steps: int, lr: float | N
 
 def _run_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
     """Each job's result on every rank, in the jobs' order: one launch per world size."""
+    for offload in {bool(resolve(w).with_trait("host-optimizer")) for w, _ in jobs if w.engine == "deepspeed"}:
+        build_deepspeed_ops(offload=offload)
     results: list[list[dict] | None] = [None] * len(jobs)
     for world_size in sorted({w.world_size for w, _ in jobs}):
         indices = [i for i, (w, _) in enumerate(jobs) if w.world_size == world_size]
         try:
             for i, per_rank in zip(indices, _launch(world_size, [jobs[i] for i in indices])):
                 results[i] = per_rank
-        except MemfitError:
+        except RanksFailed:
             if len(indices) == 1:
                 raise
             for i in indices:   # one at a time: the error names its own workload
@@ -62,25 +68,65 @@ def _run_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
     return results
 
 
+class RanksFailed(MemfitError):
+    """A rank exited with an error (a timeout is a plain MemfitError: running the jobs again would wait again)."""
+
+
+def rank_timeout_s() -> int:
+    """How long one torchrun launch may take: MEMFIT_RANK_TIMEOUT_S, else 30 minutes."""
+    value = os.environ.get("MEMFIT_RANK_TIMEOUT_S", "1800")
+    if not value.isdigit() or int(value) == 0:
+        raise MemfitError(f"MEMFIT_RANK_TIMEOUT_S must be a whole number of seconds, not {value!r}.")
+    return int(value)
+
+
 def _launch(n: int, jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
+    timeout = rank_timeout_s()
     with tempfile.TemporaryDirectory(prefix="memfit-ranks-") as out:
         with open(os.path.join(out, "jobs.json"), "w") as fh:
             json.dump([{**job, "workload": workload.to_json()} for workload, job in jobs], fh)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                    "-m", "memfit.measurement.rank_main", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+            stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise MemfitError(f"the {n}-rank run did not finish in {RANK_TIMEOUT_S} s.") from None
-        if done.returncode:
-            lines = (done.stderr or done.stdout).strip().splitlines()
+            stderr = _stop(process, out)
+            where = [line.strip() for line in stderr.splitlines() if line.lstrip().startswith(("File", "Thread",
+                                                                                                 "Current thread"))]
+            raise MemfitError(f"the {n}-rank run did not finish in {timeout} s (MEMFIT_RANK_TIMEOUT_S); where the "
+                              f"ranks were: {' | '.join(where[:24]) or 'no stack was printed'}") from None
+        if process.returncode:
+            lines = (stderr or stdout).strip().splitlines()
             errors = [line for line in lines if "Error" in line or "error:" in line]
             errors = [line for line in errors if line.startswith("[rank")][-5:] or errors[-5:]   # the ranks' own
-            raise MemfitError(f"the {n}-rank torchrun run failed (exit {done.returncode}): "
+            raise RanksFailed(f"the {n}-rank torchrun run failed (exit {process.returncode}): "
                               + " | ".join(line.strip() for line in errors or lines[-15:]))
         by_rank = []
         for rank in range(n):
             with open(os.path.join(out, f"rank{rank}.json")) as fh:
                 by_rank.append(json.load(fh))
     return [list(per_job) for per_job in zip(*by_rank)]
+
+
+def _stop(process: subprocess.Popen, out: str) -> str:
+    """Stop a launch that hangs: ask each rank for its Python stacks (rank_main registers SIGUSR1 with
+    faulthandler and writes its pid; torchrun starts each rank in a session of its own), stop torchrun, kill
+    what is left; what they printed to stderr."""
+    pids = []
+    for name in glob.glob(os.path.join(out, "pid*")):
+        with open(name) as fh:
+            pids.append(int(fh.read()))
+    for pid, sig in [(pid, signal.SIGUSR1) for pid in pids] + [(process.pid, signal.SIGTERM)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        time.sleep(1)
+    try:
+        process.wait(timeout=30)   # torchrun stops its ranks on SIGTERM
+    except subprocess.TimeoutExpired:
+        process.kill()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return process.communicate()[1] or ""

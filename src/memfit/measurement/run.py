@@ -48,8 +48,9 @@ def _check_room(workload: Workload, expected_bytes: int, device: str) -> None:
     room = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else available_ram_bytes()
     if room is not None and expected_bytes > 0.8 * room:
         raise MemfitError(
-            f"measuring {workload.model} would need about {format_bytes(expected_bytes)} on {device}, but only "
-            f"{format_bytes(room)} is free; use `memfit estimate` for a model this size.")
+            f"measuring {workload.model} would need about {format_bytes(expected_bytes)} on {device}, more than 80 % "
+            f"of the {format_bytes(room)} free (the rest is kept for this process and the machine); use `memfit "
+            "estimate` for a workload this size.")
 
 
 class _PhaseMarks:

@@ -13,9 +13,13 @@ engine wraps it; mixed precision, optimizer and sharding are DeepSpeed's.
 """
 from __future__ import annotations
 
+import glob
 import logging
+import os
+import subprocess
 
 import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
@@ -42,6 +46,32 @@ def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
                                                   "weight_decay": 0.01}},   # torch.optim.AdamW's default
         "steps_per_print": 2**31 - 1,
     }
+
+
+def build_deepspeed_ops(*, offload: bool) -> None:
+    """Compile, here and now, the C++ ops that DeepSpeed's engine compiles at its first use on CPU (its
+    fused AdamW, or CPU Adam under offload, and its shared-memory collectives), so that the ranks started
+    next only load them. Compiled inside the ranks, one rank builds while the other waits on a lock file,
+    and a rank killed mid-build leaves that lock behind: every later build then waits on it for ever.
+    A few minutes the first time; PyTorch keeps the builds under TORCH_EXTENSIONS_DIR."""
+    deepspeed = _import_deepspeed()
+    accelerator = deepspeed.accelerator.get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return   # the ranks run on CPU; another accelerator builds its own ops
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()   # where PyTorch builds them
+    for name in ("CPUAdamBuilder" if offload else "FusedAdamBuilder", "ShareMemCommBuilder"):
+        builder = accelerator.create_op_builder(name)
+        if builder is None or not builder.is_compatible():
+            continue
+        if not glob.glob(os.path.join(root, "*", builder.name, f"{builder.name}.so")) + glob.glob(
+                os.path.join(root, builder.name, f"{builder.name}.so")):
+            logging.getLogger(__name__).warning("memfit: compiling DeepSpeed's %s under %s (first use only, a few "
+                                                "minutes)", builder.name, root)
+        try:
+            builder.load(verbose=False)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:   # the compiler's own failure
+            raise MemfitError(f"DeepSpeed could not compile its {builder.name} op on this machine ({exc}); "
+                              "it needs a C++ compiler and ninja.") from exc
 
 
 def _import_deepspeed():
