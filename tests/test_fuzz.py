@@ -189,7 +189,7 @@ flags = st.lists(st.one_of(
     st.tuples(st.sampled_from(("--batch-size", "--seq-len", "--new-tokens", "--world-size", "--zero", "--reduce-bucket",
                                "--plan-index")), numbers),
     st.tuples(st.just("--task"), st.sampled_from(("train", "inference", "", "Train"))),
-    st.tuples(st.just("--precision"), st.sampled_from(("fp32", "bf16", "bf16-mixed", "fp16-mixed", "fp8", ""))),
+    st.tuples(st.just("--precision"), st.sampled_from(("fp32", "bf16", "bf16-mixed", "fp16-mixed", "fp16", "fp8", ""))),
     st.tuples(st.just("--optimizer"), st.sampled_from(("adamw", "sgd", "adamw8bit", "lion", ""))),
     st.tuples(st.just("--engine"), st.sampled_from(("pytorch", "deepspeed", "jax"))),
     st.tuples(st.just("--gpu"), st.sampled_from(("t4", "h100-sxm-80gb", "h1000", ""))),
@@ -207,7 +207,7 @@ def test_estimate_arguments(model, pairs):
 VALID_SPECS = ("checkpointing", "checkpointing:every=2", "checkpointing:mode=selective", "checkpointing:mode=offload",
                "chunked-ce", "cpu-offload", "adamw8bit", "adamw4bit", "adafactor", "lora", "qlora", "prune-structured",
                "truncate:max_len=32", "sequence-chunks:window=16,stride=8", "expandable-segments", "release-cache",
-               "distill", "qat", "bf16", "bf16-mixed", "fp16-mixed", "ddp", "fsdp2", "fsdp2:reshard=false",
+               "distill", "qat", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "ddp", "fsdp2", "fsdp2:reshard=false",
                "tensor-parallel", "pipeline-parallel:microbatches=2", "int8-weight-only", "int8-dynamic", "bnb-4bit",
                "stream-layers", "sdpa", "sliding-window:window=16", "prune-unstructured", "park-frozen")
 

@@ -67,3 +67,45 @@ def _read(path: str) -> str:
             return fh.read().decode(errors="replace")
     except OSError:   # the process ended meanwhile
         return ""
+
+
+IMPLS = [("adamw", "foreach"), ("adamw", "fused"), ("adamw", "for-loop"), ("sgd", "fused"), ("adafactor", "foreach")]
+
+
+def test_each_optimizer_implementation_is_run_and_predicted():
+    """--optimizer-impl on a step whose peak is the optimizer's (a tiny batch): each runs for real on the CPU and
+    both estimators predict it; foreach holds a copy of every parameter at once, the for-loop one parameter's
+    worth twice, fused nothing (the peak moves to backward)."""
+    peaks = {}
+    for optimizer, impl in IMPLS:
+        run = measure(ResolvedWorkload(model="tiny-llama", batch_size=1, seq_len=16, optimizer=optimizer,
+                                       optimizer_impl=impl))
+        assert all(abs(ratio - 1) < 0.01 for ratio in run.extra["ratios"].values()), (optimizer, impl, run.extra)
+        peaks[optimizer, impl] = run.peak_bytes, run.peak_phase
+    assert peaks["adamw", "foreach"][0] > peaks["adamw", "for-loop"][0] > peaks["adamw", "fused"][0]
+    assert peaks["adamw", "fused"][1] == "backward" and peaks["adamw", "foreach"][1] == "optimizer"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(optimizer="adafactor", optimizer_impl="fused"), "adafactor runs as foreach or for-loop only"),
+    (dict(optimizer="adamw8bit", optimizer_impl="foreach"), "adamw8bit runs its own kernels"),
+    (dict(task="inference", optimizer_impl="fused"), "drop it for --task inference"),
+    (dict(optimizer_impl="fast"), "unknown --optimizer-impl 'fast'"),
+    (dict(optimizer_impl="fused", world_size=2, zero_stage=2, engine="deepspeed", precision="bf16-mixed"),
+     "DeepSpeed's own AdamW"),
+])
+def test_an_optimizer_implementation_it_cannot_run_is_refused(flags, message):
+    with pytest.raises(MemfitError, match=message):
+        ResolvedWorkload(model="tiny-llama", **flags)
+
+
+@pytest.mark.parametrize("task,new_tokens", [("train", 0), ("inference", 4)])
+def test_pure_fp16_runs_and_is_predicted(task, new_tokens):
+    """--precision fp16: float16 weights (half of float32's bytes), no autocast, no master copy; training says it
+    has no loss scaler."""
+    shape = dict(model="tiny-llama", task=task, batch_size=2, seq_len=64, new_tokens=new_tokens)
+    half, full = measure(ResolvedWorkload(**shape, precision="fp16")), measure(ResolvedWorkload(**shape))
+    assert all(abs(ratio - 1) < 0.01 for ratio in half.extra["ratios"].values()), half.extra["ratios"]
+    assert half.model_state_bytes["parameters"] * 2 == full.model_state_bytes["parameters"]
+    notes = " ".join(half.extra["estimates"]["traced"]["notes"])
+    assert ("no loss scaler" in notes) == (task == "train")

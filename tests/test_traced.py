@@ -102,6 +102,8 @@ def test_gpu_target_models_cuda():
     assert cpu.component_peaks["temporaries"] < params           # CPU: per-parameter temporaries
     assert gpu.overhead_bytes > 0 and gpu.fits is True and gpu.sources["cuda_context"] == "assumed"
     assert gpu.peak_bytes % 512 == 0                              # caching-allocator rounding
+    fused = traced_estimate(ResolvedWorkload(**{**workload.plain(), "optimizer_impl": "fused"}), get_gpu("h100"))
+    assert fused.component_peaks["temporaries"] < params         # --optimizer-impl fused: the step in place
 
 
 def test_cuda_emulation_follows_cuda_kernels():

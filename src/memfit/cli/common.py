@@ -11,7 +11,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
 from memfit.planner import load_plan
 from memfit.specs.hardware import GPU, get_gpu
-from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, TASKS, Workload
+from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, OPTIMIZER_IMPLS, TASKS, Workload
 from memfit.techniques.resolve import ResolvedWorkload, optimizers, resolve
 
 
@@ -31,6 +31,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=0, help="decode steps after the prefill (inference)")
     parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (default fp32)")
     parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(optimizers())} (default adamw)")
+    parser.add_argument("--optimizer-impl", metavar="IMPL",
+                        help=f"how torch.optim runs the step: {', '.join(OPTIMIZER_IMPLS)} (default: PyTorch's choice "
+                             "on the device: foreach on CUDA, for-loop on the CPU)")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 over --world-size")
     parser.add_argument("--engine", default="pytorch", help=f"training engine: {' or '.join(ENGINES)}")
@@ -53,7 +56,8 @@ def workload_from(args: argparse.Namespace) -> ResolvedWorkload:
         raise MemfitError("name a model (memfit models lists them) or pass --plan PLAN.json.")
     return resolve(Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
                             seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
-                            optimizer=args.optimizer, world_size=args.world_size, zero_stage=args.zero_stage,
+                            optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
+                            world_size=args.world_size, zero_stage=args.zero_stage,
                             engine=args.engine, reduce_bucket=args.reduce_bucket,
                             allow_long_seq=args.allow_long_seq, techniques=tuple(args.techniques)))
 
@@ -73,7 +77,8 @@ def command_line(workload: ResolvedWorkload) -> str:
     parts = [workload.model, "--task", workload.task, "--batch-size", str(workload.batch_size),
              "--seq-len", str(workload.effective_seq_len)]
     for field, flag in (("new_tokens", "--new-tokens"), ("precision", "--precision"), ("optimizer", "--optimizer"),
-                        ("world_size", "--world-size"), ("zero_stage", "--zero"), ("engine", "--engine")):
+                        ("optimizer_impl", "--optimizer-impl"), ("world_size", "--world-size"),
+                        ("zero_stage", "--zero"), ("engine", "--engine")):
         value = getattr(workload, field)
         if value != defaults[field].default:
             parts += [flag, str(value)]

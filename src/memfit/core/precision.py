@@ -21,6 +21,7 @@ PRECISIONS: dict[str, Precision] = {
     "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, True),
     "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False),
     "bf16": Precision("bf16", torch.bfloat16, None, False),
+    "fp16": Precision("fp16", torch.float16, None, False),
 }
 
 

@@ -20,5 +20,9 @@ def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None
     if method == "auto":
         method = "traced" if workload.engine == "pytorch" else "analytic"
     if method == "traced":
-        return traced_estimate(workload, gpu, **options)
-    return analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
+        result = traced_estimate(workload, gpu, **options)
+    else:
+        result = analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
+    result.notes += [note for technique in workload.field_techniques + list(workload.technique_configs)
+                     for note in technique.estimate_notes(workload)]
+    return result

@@ -108,7 +108,7 @@ class _AutocastMode(TorchFunctionMode):
             return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
         if func in _FP32_OUTPUT and kwargs.get("dtype") is None and args and \
                 isinstance(args[0], torch.Tensor) and args[0].dtype in _HALF:
-            return func(*args, **kwargs, dtype=torch.float32)
+            return func(*args, **{**kwargs, "dtype": torch.float32})   # F.softmax passes dtype=None on
         if func is F.cross_entropy and args[0].dtype in _HALF and not kwargs.get("label_smoothing"):
             return _cross_entropy_fp32(*args, **kwargs)
         return func(*args, **kwargs)

@@ -4,9 +4,10 @@ The model is built on the meta device and materialised as fake CPU tensors, so n
 allocated at any size. Deep stacks of identical layers are traced at three small depths and
 extrapolated (see extrapolate.py), with an exact check; `full_trace=True` traces every layer.
 For a GPU target the trace models what CUDA runs: the caching allocator's 512-byte rounding,
-foreach optimizer kernels (CUDA's default), CUDA's autocast lists, fused dropout and attention
-kernels (cuda_emulation.py), plus the overheads in gpu_overhead.py. For the CPU, the scratch that
-oneDNN convolution and LSTM kernels allocate inside the kernel is probed (kernel_probe.py).
+the optimizer's implementation (foreach, CUDA's default, unless --optimizer-impl names one), CUDA's
+autocast lists, fused dropout and attention kernels (cuda_emulation.py), plus the overheads in
+gpu_overhead.py. For the CPU, the scratch that oneDNN convolution and LSTM kernels allocate inside the
+kernel is probed (kernel_probe.py).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from memfit.estimators.tracker import MemoryTracker, Trace
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
 from memfit.steps.hooks import tensors_in
+from memfit.steps.optim import device_default_impl
 from memfit.steps.runner import run_workload
 from memfit.techniques.compose import prepare_step
 from memfit.techniques.resolve import ResolvedWorkload, resolve
@@ -120,7 +122,7 @@ def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | N
         tracker.watch_stacks(stacks)
         device_kernels = CudaKernels() if gpu else KernelScratchProbe()
         with FakeKernelFixes(), tracker, real_data_decisions(), device_kernels:
-            setup = prepare_step(model, workload, device_type="cpu", foreach=True if gpu else None,
+            setup = prepare_step(model, workload, device_type="cpu", default_impl=device_default_impl(bool(gpu)),
                                  autocast=CudaAutocast if gpu else None)
             run_workload(setup, batch, workload, head=source.head, hooks=tracker,
                          before_measured_step=tracker.begin_measured_step, trace_safe=True)

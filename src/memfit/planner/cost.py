@@ -148,7 +148,7 @@ class Step:
     @property
     def gradient_bytes(self) -> int:
         """Bytes per element of the gradients (the weights' dtype)."""
-        return 2 if get_precision(self.workload.precision).param_dtype == torch.bfloat16 else 4
+        return get_precision(self.workload.precision).param_dtype.itemsize
 
     def state_bytes(self, category: str) -> int:
         return int(self.estimate.model_state_bytes.get(category, 0))

@@ -48,6 +48,10 @@ def _head_of(class_name: str, config: Any) -> str:
     return "base"
 
 
+# transformers' attn_implementation values memfit models beyond eager -> the class attribute that says a model
+# class has it
+ATTENTION_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa"}
+
 @dataclass(frozen=True)
 class ModelSource:
     """A resolved model source. `hf_config` is a plain dict (model_type + fields) for HF sources."""
@@ -87,6 +91,23 @@ class ModelSource:
             raise MemfitError(f"model config {self.name!r} is not a valid {self.model_type!r} config: {exc}") from None
         config.use_cache = False
         return config
+
+    def check_attention(self) -> None:
+        """The config's `attn_implementation` is one memfit models and its transformers class has."""
+        wanted = self.hf_config.get("attn_implementation")
+        if wanted in (None, "eager"):
+            return
+        flag = ATTENTION_SUPPORT_FLAGS.get(wanted)
+        if flag is None:
+            modelled = ", ".join(["eager", *ATTENTION_SUPPORT_FLAGS])
+            raise MemfitError(f"{self.name!r} asks for attn_implementation {wanted!r}; memfit models {modelled} "
+                              "attention (set one of them in its config.json).")
+        import transformers
+
+        cls = getattr(transformers, self.hf_class_name, None)
+        if cls is not None and not getattr(cls, flag, True):
+            raise MemfitError(f"{self.name!r} asks for attn_implementation {wanted!r}, which {cls.__name__} does not "
+                              f"support in transformers {transformers.__version__}; use 'eager'.")
 
     @property
     def hf_class_name(self) -> str:
@@ -264,6 +285,7 @@ def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
         source = ModelSource(name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
                              kind="hf-config", hf_config=hf_config)
         source.config()  # validate now, not mid-run
+        source.check_attention()
         return source
     if ":" in spec:
         if not inputs:

@@ -14,6 +14,7 @@ from memfit.core.errors import MemfitError, closest, require_positive_int
 from memfit.core.precision import get_precision
 
 TASKS = ("train", "inference")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")   # torch.optim's implementations of a step
 ENGINES = ("pytorch", "deepspeed")
 DEEPSPEED_REDUCE_BUCKET = 500_000_000   # elements: DeepSpeed's default reduce_bucket_size (1 GB in half precision)
 DEFAULT_SEQ_LEN = 512
@@ -29,6 +30,7 @@ class Workload:
     new_tokens: int = 0                 # decode steps after the prefill (inference)
     precision: str = "fp32"
     optimizer: str = "adamw"
+    optimizer_impl: str | None = None   # foreach | fused | for-loop; None: PyTorch's default on the device
     world_size: int = 1
     zero_stage: int = 0
     engine: str = "pytorch"
@@ -54,6 +56,11 @@ class Workload:
         get_precision(self.precision)
         if not isinstance(self.optimizer, str) or not self.optimizer:
             raise MemfitError(f"--optimizer must name an optimizer, got {self.optimizer!r}.")
+        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise MemfitError(f"unknown --optimizer-impl {self.optimizer_impl!r}; choose {', '.join(OPTIMIZER_IMPLS)}."
+                              f"{closest(str(self.optimizer_impl), OPTIMIZER_IMPLS)}")
+        if self.optimizer_impl is not None and self.task != "train":
+            raise MemfitError("--optimizer-impl describes the training step's optimizer; drop it for --task inference.")
         if self.engine not in ENGINES:
             raise MemfitError(f"unknown engine {self.engine!r}; choose pytorch or deepspeed."
                               f"{closest(str(self.engine), ENGINES)}")

@@ -10,22 +10,41 @@ from collections.abc import Iterable
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.specs.workload import OPTIMIZER_IMPLS
 from memfit.steps.hooks import plain_tensors
 
 # name -> (torch.optim class, its default learning rate here, settings)
 _TORCH = {"adamw": (torch.optim.AdamW, 1e-4, {}), "adam": (torch.optim.Adam, 1e-4, {}),
           "sgd": (torch.optim.SGD, 1e-3, {"momentum": 0.9})}
 TORCH_OPTIMIZERS = tuple(_TORCH)
+# How torch.optim runs a step (`--optimizer-impl`, specs/workload.py OPTIMIZER_IMPLS): one kernel over all
+# tensors of a group (foreach: CUDA's default), one fused kernel per group (fused), or tensor by tensor (for-loop:
+# the CPU's default). Adam, AdamW and SGD have all three, on CUDA and on the CPU.
+TORCH_OPTIMIZER_IMPLS = OPTIMIZER_IMPLS
+_IMPL_SETTINGS = {None: {}, "foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 
 
-def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, *, foreach: bool | None = None,
+def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, *, impl: str | None = None,
                    lr: float | None = None, shard: bool = False) -> torch.optim.Optimizer:
     """torch.optim's `name` over the trainable `params` (TORCH_OPTIMIZERS)."""
     if name not in _TORCH:
         raise MemfitError(f"unknown optimizer {name!r}; torch.optim's here are {', '.join(TORCH_OPTIMIZERS)}.")
     kind, default_lr, settings = _TORCH[name]
-    return torch_optimizer(kind, params, lr=default_lr if lr is None else lr, foreach=foreach, shard=shard,
-                           **settings)
+    return torch_optimizer(kind, params, lr=default_lr if lr is None else lr, impl=impl, shard=shard, **settings)
+
+
+def device_default_impl(on_cuda: bool) -> str:
+    """PyTorch's choice when none is given (torch/optim/optimizer.py `_default_to_fused_or_foreach`): foreach
+    when every tensor is on CUDA, else the for-loop; never fused."""
+    return "foreach" if on_cuda else "for-loop"
+
+
+def impl_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The implementation a user's torch.optim optimizer was built with (None: PyTorch's default)."""
+    defaults = getattr(optimizer, "defaults", {})
+    if defaults.get("fused"):
+        return "fused"
+    return {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"))
 
 
 def trainable(params) -> list:
@@ -42,17 +61,17 @@ def default_lr(name: str) -> float:
 
 
 def torch_optimizer(kind: type[torch.optim.Optimizer], params: Iterable[torch.nn.Parameter], *, lr: float,
-                    foreach: bool | None = None, shard: bool = False, **settings) -> torch.optim.Optimizer:
-    """`kind` over the trainable `params`. `foreach=None` keeps PyTorch's default for the device (per-tensor on
-    CPU, foreach on CUDA). `shard`: ZeRO-1 over the process group (torch.distributed.optim.
-    ZeroRedundancyOptimizer): each rank keeps the states of its share of the parameters, steps them and
-    broadcasts them to the others."""
+                    impl: str | None = None, shard: bool = False, **settings) -> torch.optim.Optimizer:
+    """`kind` over the trainable `params`, run by `impl` (OPTIMIZER_IMPLS; None keeps PyTorch's default for the
+    device). `shard`: ZeRO-1 over the process group (torch.distributed.optim.ZeroRedundancyOptimizer): each
+    rank keeps the states of its share of the parameters, steps them and broadcasts them to the others."""
     params = trainable(params)
+    settings = {**settings, **_IMPL_SETTINGS[impl]}
     if shard:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=kind, lr=lr, foreach=foreach, **settings)
-    return kind(params, lr=lr, foreach=foreach, **settings)
+        return ZeroRedundancyOptimizer(params, optimizer_class=kind, lr=lr, **settings)
+    return kind(params, lr=lr, **settings)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from memfit.steps.train import TrainLoop, autocast_region, call_model, loss_of
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 BatchSplit = Callable[[Any], list]
-# (parameters, lr or None for the optimizer's default, foreach, shard over the process group) -> optimizer
+# (parameters, lr or None for the optimizer's default, impl, shard over the process group) -> optimizer
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 # (parameters, a builder of the optimizer over host master weights) -> an optimizer that steps on the host
 HostOptimizer = Callable[[Any, Callable[[list], torch.optim.Optimizer]], torch.optim.Optimizer]
@@ -42,7 +42,7 @@ class StepSetup:
     device_type: str
     optimizer_name: str = "adamw"
     optimizer_factory: OptimizerFactory | None = None   # an optimizer technique's builder; None: torch.optim's
-    foreach: bool | None = None                      # None: PyTorch's default for the device
+    optimizer_impl: str | None = None                # foreach | fused | for-loop; None: PyTorch's default
     autocast_fn: Callable | None = None               # replaces torch.autocast (GPU emulation in traces)
     loss: LossFn = model_loss                         # forward + loss of one micro-batch
     micro_batches: BatchSplit = whole_batch           # how one batch is run (accumulated gradients)
@@ -65,7 +65,7 @@ class StepSetup:
     def optimizer_builder(self) -> Callable[[Any], torch.optim.Optimizer]:
         """params -> this setup's optimizer over them (its kind, learning rate, implementation and sharding)."""
         factory = self._factory()
-        return lambda params: factory(params, lr=self.lr, foreach=self.foreach, shard=self.shard_optimizer)
+        return lambda params: factory(params, lr=self.lr, impl=self.optimizer_impl, shard=self.shard_optimizer)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -73,7 +73,7 @@ class StepSetup:
             if self.host_optimizer is not None:   # it steps on the CPU: the CPU's kernels
                 factory = self._factory()
                 self.optimizer = self.host_optimizer(self.model.parameters(), lambda masters: factory(
-                    over_host_copies(params, self.model, masters), lr=self.lr))
+                    over_host_copies(params, self.model, masters), lr=self.lr, impl=self.optimizer_impl))
             else:
                 self.optimizer = self.optimizer_builder()(params)
         return self.optimizer

@@ -143,9 +143,9 @@ class Technique:
         them: "float32", "uint8", ...)."""
         raise NotImplementedError(f"{self.name} is not an optimizer")
 
-    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
-        """An optimizer step's temporaries alive at once over `params` (each rank's shards); `foreach`: the
-        CUDA implementation."""
+    def analytic_step_temporaries(self, params, impl: str) -> list[tuple[int, str]]:
+        """An optimizer step's temporaries alive at once over `params` (each rank's shards), run by `impl`
+        (foreach, fused or for-loop: the workload's --optimizer-impl, else the device's default)."""
         raise NotImplementedError(f"{self.name} is not an optimizer")
 
     # ---- the planner's cost model (planner/cost.py) ----
@@ -171,6 +171,10 @@ class Technique:
     def check(self, workload: Workload) -> None:
         """Raise MemfitError when this technique cannot apply to `workload` (its own conditions; the rules
         between techniques are `conflicts_with`)."""
+
+    def estimate_notes(self, workload: Workload) -> list[str]:
+        """What an estimate of `workload` with this technique should say beside its figures (a caveat)."""
+        return []
 
     def config_overrides(self, source) -> dict:
         """Fields this technique changes in a Hugging Face model's config (memfit builds the model with them)."""

@@ -19,13 +19,14 @@ from memfit.techniques.resolve import ResolvedWorkload
 from memfit.techniques.rules import check_rules, ordered, parse_all
 
 
-def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: str, foreach: bool | None = None,
-                 autocast: Callable | None = None) -> StepSetup:
+def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: str,
+                 default_impl: str | None = None, autocast: Callable | None = None) -> StepSetup:
     """The workload's step for `model` (built in the workload's precision), techniques applied in order (its
-    precision and optimizer too, where they are techniques)."""
+    precision and optimizer too, where they are techniques). `default_impl`: the optimizer's implementation
+    where the workload names none (None: PyTorch's default on this device)."""
     setup = StepSetup(model=model, precision=get_precision(workload.precision), device_type=device_type,
-                      optimizer_name=workload.optimizer, foreach=foreach, autocast_fn=autocast,
-                      shard_optimizer=workload.zero_stage == 1)
+                      optimizer_name=workload.optimizer, optimizer_impl=workload.optimizer_impl or default_impl,
+                      autocast_fn=autocast, shard_optimizer=workload.zero_stage == 1)
     for technique in ordered(workload.field_techniques + list(workload.technique_configs)):
         technique.apply_(setup)
     return setup

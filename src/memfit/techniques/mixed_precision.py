@@ -1,11 +1,13 @@
-"""Mixed precision (torch.amp): fp16 autocast with dynamic loss scaling, bf16 autocast, pure bf16.
+"""Mixed precision (torch.amp): fp16 autocast with dynamic loss scaling, bf16 autocast, pure bf16 and fp16.
 
 Mechanism: `fp16-mixed` and `bf16-mixed` keep float32 weights, gradients and optimizer states and
 run the forward under torch.autocast, which casts each weight to half once per region and caches
 the copy until the region ends (the "autocast cast cache"); activations saved by matmuls are half.
 `fp16-mixed` adds torch.amp.GradScaler: the loss is scaled, gradients unscaled before the step, and
 a step whose gradients overflowed is skipped (the scale backs off). `bf16` stores the weights
-themselves in bfloat16 (2 bytes each; gradients and Adam states follow the weights' dtype).
+themselves in bfloat16 (2 bytes each; gradients and Adam states follow the weights' dtype); `fp16` in
+float16, as T4 and V100 users (no bf16) run inference and as transformers loads the modules it does not
+quantize in an 8-bit or 4-bit model.
 Memory (per parameter, AdamW): mixed 16 bytes + a half copy of each weight while the forward runs;
 pure bf16 8 bytes. Source: PyTorch AMP docs; Micikevicius et al., "Mixed Precision Training", 2018.
 """
@@ -82,3 +84,22 @@ class PureBf16(_Precision):
         if not weights:
             return None
         return OomFix(self.name, weights // 2, SNAPSHOT_RATIO + "; float32 weights", f"-t {self.name}")
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PureFp16(_Precision):
+    name = "fp16"
+    risk = "numerical"
+    summary = "weights (and in training gradients and optimizer states) in float16: inference where bf16 is missing"
+    time_factor = 0.5
+
+    @classmethod
+    def search_values(cls, request, workload):   # inference on GPUs before Ampere; training needs a loss scaler
+        return [cls.name] if request.task == "inference" and not request.on_cpu and not request.gpu.bf16_tflops else []
+
+    def estimate_notes(self, workload) -> list[str]:
+        if workload.task != "train":
+            return []
+        return ["fp16 training keeps no float32 master weights and no loss scaler: small updates round away and "
+                "gradients can overflow (fp16-mixed scales the loss; bf16 has float32's range)"]

@@ -15,7 +15,8 @@ runs one kernel per tensor (no temporaries); on the CPU bitsandbytes' 8-bit step
 updates in float32 (bitsandbytes/backends/cpu/ops.py): 5 float32 copies of the tensor at once (m, v, scaled
 gradient, sqrt(v), denominator), plus a float32 copy of a half parameter, one tensor at a time; torchao's
 compiled 4-bit step fuses per tensor; Adafactor's var_estimate is parameter-sized (and grad*grad for vectors),
-one parameter at a time, or all at once with foreach.
+one parameter at a time, or all at once with foreach. Adafactor runs as foreach or for-loop (`--optimizer-impl`);
+the 8-bit and 4-bit optimizers have their own kernels and take none.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class _Optimizer(Technique):
     default_lr: ClassVar[float] = 1e-4
     search_axis = "optimizer"
     deepspeed_conflict = ("runs DeepSpeed's own AdamW (float32 master weights and moments)", "use --engine pytorch")
+    # the --optimizer-impl values it runs with (steps/optim.py OPTIMIZER_IMPLS); none: its own kernels
+    implementations: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def search_values(cls, request, workload):
@@ -52,12 +55,12 @@ class _Optimizer(Technique):
         setup.optimizer_name = self.name
         setup.optimizer_factory = self.build
 
-    def build(self, params, *, lr: float | None = None, foreach: bool | None = None,
+    def build(self, params, *, lr: float | None = None, impl: str | None = None,
               shard: bool = False) -> torch.optim.Optimizer:
         """The optimizer over the trainable `params` (`lr` None: its default)."""
         raise NotImplementedError
 
-    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+    def analytic_step_temporaries(self, params, impl: str) -> list[tuple[int, str]]:
         return []   # one fused kernel per tensor
 
     def _refuse_shard(self, shard: bool) -> None:
@@ -88,9 +91,9 @@ class AdamW8bit(_Optimizer):
             [(p.numel, "float32")] * 2 if p.numel < BNB_MIN_8BIT_SIZE
             else [(p.numel, "uint8"), (-(-p.numel // BNB_BLOCK), "float32")] * 2)]
 
-    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+    def analytic_step_temporaries(self, params, impl: str) -> list[tuple[int, str]]:
         quantized = [p for p in params if p.numel >= BNB_MIN_8BIT_SIZE]
-        if foreach or not quantized:   # foreach marks a CUDA target: one fused kernel per tensor
+        if impl == "foreach" or not quantized:   # CUDA's default marks a CUDA target: one fused kernel per tensor
             return []
         largest = max(quantized, key=lambda p: p.numel)
         return [(largest.numel, "float32")] * (5 + (largest.dtype != "float32"))
@@ -101,7 +104,7 @@ class AdamW8bit(_Optimizer):
             return None
         return OomFix(self.name, int(states * (1 - KEEP_8BIT_STATE)), SNAPSHOT_RATIO, f"-t {self.name}")
 
-    def build(self, params, *, lr=None, foreach=None, shard=False):
+    def build(self, params, *, lr=None, impl=None, shard=False):
         # Imported and built outside any tracking or fake mode: the import creates constant tables and the
         # constructor computes its quantization maps from real values; neither is the step's memory.
         from torch.utils._python_dispatch import _disable_current_modes
@@ -142,7 +145,7 @@ class AdamW4bit(_Optimizer):
                 layout += [(p.numel, p.dtype)] * 2
         return layout
 
-    def build(self, params, *, lr=None, foreach=None, shard=False):
+    def build(self, params, *, lr=None, impl=None, shard=False):
         from torch._subclasses.fake_tensor import is_fake
 
         self._refuse_shard(shard)
@@ -167,6 +170,7 @@ class Adafactor(_Optimizer):
     risk = "lossy"      # a different update rule (and learning rate) than AdamW: the training path changes
     summary = "Adafactor: factored second moment, no first moment (rows + columns per matrix)"
     default_lr = 1e-2
+    implementations = ("foreach", "for-loop")   # torch.optim.Adafactor has no fused kernel
     conflicts_with = {"dtensor": ("torch.optim.Adafactor's in-place norm updates do not run on DTensor shards",
                                   "use AdamW with {other}")}
 
@@ -174,17 +178,17 @@ class Adafactor(_Optimizer):
         """A float32 `step`; row and column second-moment factors for a matrix, a full variance for a vector."""
         return [state for p in params for state in [(1, "float32")] + [(n, p.dtype) for n in _factors(p.shape)]]
 
-    def analytic_step_temporaries(self, params, foreach: bool) -> list[tuple[int, str]]:
+    def analytic_step_temporaries(self, params, impl: str) -> list[tuple[int, str]]:
         if not params:
             return []
-        if foreach:
+        if impl == "foreach":
             return [(p.numel, p.dtype) for p in params]
         largest = max(params, key=lambda p: p.nbytes * (2 if len(p.shape) < 2 else 1))
         return [(largest.numel, largest.dtype)] * (2 if len(largest.shape) < 2 else 1)
 
-    def build(self, params, *, lr=None, foreach=None, shard=False):
+    def build(self, params, *, lr=None, impl=None, shard=False):
         return torch_optimizer(torch.optim.Adafactor, params, lr=self.default_lr if lr is None else lr,
-                               foreach=foreach, shard=shard)
+                               impl=impl, shard=shard)
 
 
 def _factors(shape: tuple[int, ...]) -> list[int]:

@@ -19,7 +19,7 @@ from memfit.core.errors import MemfitError, closest
 from memfit.core.precision import get_precision, precision_names
 from memfit.specs.model_source import ModelSource, resolve_source
 from memfit.specs.workload import DEFAULT_SEQ_LEN, Workload
-from memfit.steps.optim import TORCH_OPTIMIZERS
+from memfit.steps.optim import TORCH_OPTIMIZER_IMPLS, TORCH_OPTIMIZERS
 from memfit.techniques.base import REGISTRY, Technique, parse_technique
 from memfit.techniques.rules import check_rules, ordered, parse_all
 
@@ -131,11 +131,25 @@ def optimizers() -> tuple[str, ...]:
     return TORCH_OPTIMIZERS + tuple(name for name, cls in REGISTRY.items() if cls.workload_field == "optimizer")
 
 
+def implementations(optimizer: str) -> tuple[str, ...]:
+    """The --optimizer-impl values `optimizer` runs with: torch.optim's all three; an optimizer technique declares
+    its own (none for those with their own kernels)."""
+    return TORCH_OPTIMIZER_IMPLS if optimizer in TORCH_OPTIMIZERS else REGISTRY[optimizer].implementations
+
+
 def _check_settings(workload: Workload) -> None:
     known = optimizers()
     if workload.optimizer not in known:
         raise MemfitError(f"unknown optimizer {workload.optimizer!r}; choose one of {', '.join(known)}."
                           f"{closest(workload.optimizer, known)}")
+    impls = implementations(workload.optimizer)
+    if workload.optimizer_impl is not None and workload.optimizer_impl not in impls:
+        raise MemfitError(f"--optimizer-impl {workload.optimizer_impl}: {workload.optimizer} runs "
+                          + (f"as {' or '.join(impls)} only." if impls else "its own kernels (no torch.optim "
+                             "implementation to choose); drop --optimizer-impl."))
+    if workload.optimizer_impl is not None and workload.engine == "deepspeed":
+        raise MemfitError("--optimizer-impl chooses torch.optim's implementation; --engine deepspeed runs DeepSpeed's "
+                          "own AdamW: drop --optimizer-impl.")
     if workload.engine == "deepspeed" and get_precision(workload.precision).autocast_dtype is None:
         raise MemfitError(
             f"--engine deepspeed models half-precision training with fp32 master weights; use --precision "

@@ -7,7 +7,7 @@ Step temporaries (torch/optim/adam.py, adamw.py):
   single-tensor Adam/AdamW (CPU default): denom = exp_avg_sq.sqrt() / bias_correction2_sqrt, two
   parameter-sized tensors at once, for one parameter at a time;
   foreach Adam/AdamW (CUDA default): _foreach_sqrt of every exp_avg_sq at once, one copy of all
-  parameters; SGD: in place.
+  parameters; fused Adam/AdamW (`_fused_adamw_`, CUDA and CPU kernels): in place, none; SGD: in place.
 An optimizer that is a technique (8-bit and 4-bit AdamW, Adafactor) declares its own layout and step
 (`analytic_states`, `analytic_step_temporaries` in its module).
 """
@@ -44,21 +44,21 @@ class Shard:
         self.nbytes = p.nbytes // shards
 
 
-def step_temporaries(e: Engine, workload: ResolvedWorkload, foreach: bool, shards: int = 1) -> None:
-    """Allocate (and free) the step's temporaries at their peak; with ZeRO the step sees 1/shards of
-    every parameter. Temporaries carry the unsharded weight (sharding.py), so a shard's temporaries
-    are allocated at 1/shards of the size."""
+def step_temporaries(e: Engine, workload: ResolvedWorkload, impl: str, shards: int = 1) -> None:
+    """Allocate (and free) the step's temporaries at their peak, run by `impl` (foreach, fused or for-loop);
+    with ZeRO the step sees 1/shards of every parameter. Temporaries carry the unsharded weight
+    (sharding.py), so a shard's temporaries are allocated at 1/shards of the size."""
     params = [Shard(p, shards) for p in _trainable(e)]
     optimizer = workload.optimizer
     if optimizer in REGISTRY:
-        layout = REGISTRY[optimizer]().analytic_step_temporaries(params, foreach)
-    elif optimizer in ("adam", "adamw") and params:
-        if foreach:
+        layout = REGISTRY[optimizer]().analytic_step_temporaries(params, impl)
+    elif optimizer in ("adam", "adamw") and params and impl != "fused":
+        if impl == "foreach":
             layout = [(p.numel, p.dtype) for p in params]
         else:
             largest = max(params, key=lambda p: p.nbytes)
             layout = [(largest.numel, largest.dtype)] * 2
-    else:   # sgd steps in place
+    else:   # sgd and fused Adam/AdamW step in place
         layout = []
     temps = [e.new(numel, dtype) for numel, dtype in layout]
     del temps

@@ -19,6 +19,7 @@ from memfit.estimators.analytic.program import Program, Windows
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.sharding import effective_zero_stage
 from memfit.specs.hardware import GPU
+from memfit.steps.optim import device_default_impl
 from memfit.techniques.resolve import ResolvedWorkload
 
 
@@ -131,5 +132,5 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
     # the step runs on this rank's shard (ZeRO-1/2, or a layout that shards like ZeRO-3)
     shards = workload.world_size if effective_zero_stage(workload) >= 1 else 1
     if not workload.with_trait("host-optimizer") and not deepspeed:   # host steps: host.py; DeepSpeed's fused Adam
-        step_temporaries(e, workload, foreach=gpu is not None, shards=shards)
+        step_temporaries(e, workload, workload.optimizer_impl or device_default_impl(gpu is not None), shards=shards)
     return e
