@@ -1,112 +1,228 @@
 """GPU checks of what memfit models but cannot measure on a CPU (run where a CUDA GPU is present).
 
-For each workload: the real step on CUDA (max_memory_allocated and max_memory_reserved after the
-steady-state step) beside memfit's traced and analytic estimates for that GPU, plus the device
-memory that lies outside PyTorch's allocator (CUDA context, library workspaces). The ratios it prints
-are what the `assumed` figures in estimators/gpu_overhead.py and gpus.json should be replaced with.
-Run:  python benchmarks/gpu_validate.py  (about 7 minutes on one H200)
-Writes benchmarks/results/gpu_validate.{txt,json}.
+For each row: the real step on CUDA (max_memory_allocated and max_memory_reserved after the steady-state step)
+beside memfit's traced and analytic estimates for that GPU, plus the device memory that lies outside PyTorch's
+allocator (CUDA context, library workspaces). The rows: the test zoo × {fp32, fp16-mixed, bf16-mixed, bf16, fp16}
+× {foreach, fused} optimizer × {eager, sdpa} attention, then the techniques whose CUDA behaviour is modelled
+(checkpointing, 8-bit and 4-bit states, offload, the allocator settings). The ratios it prints are what the
+`assumed` figures in estimators/gpu_overhead.py and gpus.json should be replaced with.
+
+    python benchmarks/gpu_validate.py               # one CUDA GPU: stops starting rows after --budget-s
+    python benchmarks/gpu_validate.py --dry-run     # the rows it would run, and what it would skip (no GPU)
+    PYTHONPATH=src python benchmarks/gpu_validate.py   # memfit from source, on whatever torch is installed
+
+Every row is written to benchmarks/results/gpu_validate.json as soon as it is measured (a run cut off keeps
+what it measured), with the versions it ran on; the table goes to gpu_validate.txt. A row that needs a package
+that is not installed (bitsandbytes, torchao) is skipped by name.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
+import platform
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
-import docs_sync  # noqa: E402   # benchmarks/docs_sync.py: the docs show these results
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from memfit.core.precision import PRECISIONS  # noqa: E402
 from memfit.core.units import format_bytes  # noqa: E402
-from memfit.measurement import measure  # noqa: E402
+from memfit.specs.model_source import catalog  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
 
-WORKLOADS = [
-    dict(model="tiny-llama", batch_size=8, seq_len=512, precision="bf16-mixed"),
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_validate")
+ZOO = ("tiny-llama", "tiny-bert", "tiny-gpt2", "tiny-t5", "tiny-vit", "tiny-mixtral")
+SHAPE = dict(batch_size=8, seq_len=256)
+IMPLS = ("foreach", "fused")
+ATTENTION = ("sdpa", "eager")
+TECHNIQUES = [
     dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed"),          # dropout, fused attention
-    dict(model="gpt2", batch_size=8, seq_len=1024, precision="fp32"),
     dict(model="bert-base-uncased", batch_size=32, seq_len=512, precision="fp16-mixed"),
-    dict(model="t5-base", batch_size=8, seq_len=512, precision="bf16-mixed"),
-    dict(model="vit-base-patch16-224", batch_size=64, seq_len=224, precision="bf16-mixed"),
-    dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16", optimizer="sgd"),
     dict(model="llama-3.1-8b", task="inference", batch_size=8, seq_len=2048, new_tokens=64, precision="bf16"),
-    # techniques: what CUDA changes about them (foreach temporaries, fused kernels, the 8-bit optimizer's
-    # fused kernel, the CUDA autocast lists inside checkpoint re-runs)
+    dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16", optimizer="sgd"),
     dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("checkpointing",)),
     dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed",
          techniques=("checkpointing:mode=selective",)),
     dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("chunked-ce",)),
     dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("adamw8bit", "checkpointing")),
     dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16", techniques=("adamw4bit",)),
-    dict(model="qwen2.5-7b", batch_size=1, seq_len=2048, precision="bf16",
-         techniques=("checkpointing", "chunked-ce", "adamw8bit")),
-    # offload: pinned host buffers, real device <-> host copies (the host column is memfit's own count)
     dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed",
          techniques=("checkpointing:mode=offload",)),
     dict(model="gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("cpu-offload",)),
     dict(model="qwen2.5-7b", task="inference", batch_size=1, seq_len=2048, new_tokens=16, precision="bf16",
          techniques=("stream-layers",)),
+    dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("release-cache",)),
     # the allocator setting is process-wide and stays on: this row comes last (reserved / allocated is its check)
     dict(model="tiny-llama", batch_size=8, seq_len=1024, precision="bf16-mixed", techniques=("expandable-segments",)),
 ]
+NEEDS = {"adamw8bit": "bitsandbytes", "adamw4bit": "torchao", "qlora": "bitsandbytes"}   # technique -> package
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_validate: no CUDA device here; nothing to check.")
-        return 0
+def rows(config_dir: str) -> list[dict]:
+    """The rows in the order they run: every model at every precision first (the default optimizer and
+    attention), then the other optimizer implementation, then eager attention, then the techniques; a run cut
+    off by its budget still covers each axis."""
+    def zoo_row(model, precision, impl, attention):
+        config = os.path.join(config_dir, f"{model}-{attention}.json")
+        return dict(model=config, label=model, **SHAPE, precision=precision, optimizer_impl=impl,
+                    attention=attention)
+
+    grid = [zoo_row(m, p, IMPLS[0], ATTENTION[0]) for m in ZOO for p in PRECISIONS]
+    grid += [zoo_row(m, p, IMPLS[1], ATTENTION[0]) for m in ZOO for p in PRECISIONS]
+    grid += [zoo_row(m, p, i, ATTENTION[1]) for m in ZOO for p in PRECISIONS for i in IMPLS]
+    return grid + [dict(kw, label=kw["model"]) for kw in TECHNIQUES]
+
+
+def write_configs(config_dir: str) -> None:
+    for model in ZOO:
+        for attention in ATTENTION:
+            with open(os.path.join(config_dir, f"{model}-{attention}.json"), "w") as fh:
+                json.dump({**catalog()[model]["hf_config"], "attn_implementation": attention}, fh)
+
+
+def missing_package(row: dict) -> str | None:
+    for spec in row.get("techniques", ()):
+        package = NEEDS.get(spec.split(":")[0])
+        if package and importlib.util.find_spec(package) is None:
+            return package
+    return None
+
+
+def workload_of(row: dict) -> Workload:
+    return Workload(**{k: v for k, v in row.items() if k not in ("label", "attention")})
+
+
+def check(row: dict) -> str:
+    """'' when memfit accepts the row's workload, else the reason (a dry run shows it before any GPU time)."""
+    from memfit.core.errors import MemfitError
+    from memfit.techniques.resolve import resolve
+
+    try:
+        resolve(workload_of(row))
+    except MemfitError as exc:
+        return f"   (refused: {exc})"
+    return ""
+
+
+def row_name(row: dict) -> str:
+    parts = [row["label"], row.get("task", "train"), f"b{row['batch_size']}×{row['seq_len']}", row["precision"]]
+    parts += [row[k] for k in ("optimizer_impl", "attention") if k in row] + list(row.get("techniques", ()))
+    return " ".join(parts)
+
+
+def versions() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(RESULTS), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "memfit_commit": commit,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def measure_row(row: dict) -> dict:
+    from memfit.measurement import measure
+
+    started = time.perf_counter()
+    try:
+        m = measure(workload_of(row), device="cuda:0")
+    finally:
+        torch.cuda.empty_cache()
+    est = m.extra["estimates"]
+    return {"allocated": m.extra["max_memory_allocated"], "reserved": m.extra["max_memory_reserved"],
+            "traced": est["traced"]["peak_bytes"], "analytic": est.get("analytic", {}).get("peak_bytes"),
+            "host": m.host_bytes, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def table_of(results: list[dict], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("row", "max allocated", "traced", "analytic", "reserved / allocated", "host RAM", "s"):
+        table.add_column(column, justify="left" if column == "row" else "right")
+    for r in results:
+        if "allocated" not in r:
+            table.add_row(r["row"], r.get("error") or r.get("skipped", ""), "", "", "", "", "")
+            continue
+
+        def cell(v, allocated=r["allocated"]):
+            return "n/a" if v is None else f"{format_bytes(v)} ({allocated / v:.3f})"
+        table.add_row(r["row"], format_bytes(r["allocated"]), cell(r["traced"]), cell(r["analytic"]),
+                      f"{r['reserved'] / r['allocated']:.3f}", format_bytes(r["host"]) if r["host"] else "",
+                      f"{r['seconds']:.0f}")
+    return table
+
+
+def context_bytes() -> tuple[int, int]:
+    """Device memory outside PyTorch's allocator after CUDA's init and a first matmul (context, cuBLAS)."""
     free_before, total = torch.cuda.mem_get_info()
-    torch.cuda.init()
     torch.zeros(1, device="cuda")
     torch.matmul(torch.ones(64, 64, device="cuda"), torch.ones(64, 64, device="cuda"))
     free_after, _ = torch.cuda.mem_get_info()
-    context = free_before - free_after - torch.cuda.memory_reserved()
-    rows = []
-    for kw in WORKLOADS:
-        started = time.perf_counter()
-        try:
-            m = measure(Workload(**kw), device="cuda:0")
-        except Exception as exc:  # report and go on: one failure must not hide the rest
-            rows.append({"workload": kw, "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        finally:
-            torch.cuda.empty_cache()
-        est = m.extra["estimates"]
-        rows.append({"workload": kw, "allocated": m.extra["max_memory_allocated"],
-                     "reserved": m.extra["max_memory_reserved"], "traced": est["traced"]["peak_bytes"],
-                     "analytic": est.get("analytic", {}).get("peak_bytes"), "host": m.host_bytes,
-                     "seconds": time.perf_counter() - started})
-    table = Table(title=f"{torch.cuda.get_device_name()}: measured vs memfit (GPU target)", title_justify="left")
-    for column in ("workload", "max allocated", "traced", "analytic", "reserved / allocated", "host RAM"):
-        table.add_column(column, justify="left" if column == "workload" else "right")
-    for row in rows:
-        kw = row["workload"]
-        name = " ".join([kw["model"], kw.get("task", "train"), f"b{kw['batch_size']}×{kw['seq_len']}", kw["precision"],
-                         *kw.get("techniques", ())])
-        if "error" in row:
-            table.add_row(name, row["error"], "", "", "", "")
-            continue
-        def cell(v, allocated=row["allocated"]):
-            return "n/a" if v is None else f"{format_bytes(v)} ({allocated / v:.3f})"
-        table.add_row(name, format_bytes(row["allocated"]), cell(row["traced"]), cell(row["analytic"]),
-                      f"{row['reserved'] / row['allocated']:.3f}", format_bytes(row["host"]) if row["host"] else "")
-    console = Console(width=180)
+    return free_before - free_after - torch.cuda.memory_reserved(), total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="list the rows and what would be skipped; no GPU")
+    parser.add_argument("--budget-s", type=float, default=220.0,
+                        help="start no row after this many seconds (default 220: the run ends within ~4 minutes)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="memfit-gpu-validate-") as config_dir:
+        write_configs(config_dir)
+        planned = rows(config_dir)
+        if args.dry_run:
+            for row in planned:
+                package = missing_package(row)
+                print(row_name(row) + (f"   (skipped: needs {package})" if package else check(row)))
+            print(f"{len(planned)} rows; versions here: {json.dumps(versions())}")
+            return 0
+        if not torch.cuda.is_available():
+            print("gpu_validate: no CUDA device here; nothing to check (--dry-run lists the rows).")
+            return 0
+        return run(planned, args.budget_s)
+
+
+def run(planned: list[dict], budget_s: float) -> int:
+    started = time.perf_counter()
+    context, total = context_bytes()
+    report = {"versions": versions(), "context_bytes": context, "total_bytes": total, "rows": []}
+    console = Console(width=200)
+    for row in planned:
+        result = {"row": row_name(row), "workload": {k: v for k, v in row.items() if k != "model"} | {
+            "model": row["label"]}}
+        package = missing_package(row)
+        if package:
+            result["skipped"] = f"skipped: needs {package}"
+        elif time.perf_counter() - started > budget_s:
+            result["skipped"] = f"not run: the {budget_s:.0f} s budget was spent"
+        else:
+            try:
+                result |= measure_row(row)
+            except Exception as exc:   # report and go on: one failure must not hide the rest
+                result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        report["rows"].append(result)
+        console.print(f"{time.perf_counter() - started:6.0f} s  {result['row']}: "
+                      f"{result.get('error') or result.get('skipped') or format_bytes(result['allocated'])}")
+        with open(RESULTS + ".json", "w") as fh:   # after every row: a run cut off keeps what it measured
+            json.dump(report, fh, indent=1)
+    title = (f"{report['versions']['device']}: measured vs memfit (GPU target); memory outside PyTorch's allocator "
+             f"{format_bytes(context)} of {format_bytes(total)}")
+    table = table_of(report["rows"], title)
     console.print(table)
-    console.print(f"memory outside PyTorch's allocator after init + first matmul: {format_bytes(context)} "
-                  f"(device total {format_bytes(total)})")
-    out = os.path.join(os.path.dirname(__file__), "results", "gpu_validate")
-    with open(out + ".json", "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(), "context_bytes": context, "total_bytes": total,
-                   "rows": rows}, fh, indent=1)
-    with open(out + ".txt", "w") as fh:
-        Console(file=fh, width=180).print(table)
-    docs_sync.sync()
+    with open(RESULTS + ".txt", "w") as fh:
+        Console(file=fh, width=200).print(table)
     return 0
 
 

@@ -2,6 +2,10 @@
 estimator runs the step under memfit's emulation of CUDA (its autocast lists, fused dropout and attention
 kernels), the analytic one under its rules. Neither may crash, and the two must agree."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +49,20 @@ def test_every_precision_attention_and_task_estimates_on_a_gpu(family, model, tm
                 where = (attention, precision, task, traced.peak_bytes, analytic.peak_bytes)
                 assert traced.peak_bytes > traced.model_state_bytes["parameters"] > 0, where
                 assert rel(analytic.peak_bytes, traced.peak_bytes) < 0.01, where   # 0.1 % at most when written
+
+
+def test_the_gpu_validation_script_lists_its_rows_without_a_gpu():
+    """benchmarks/gpu_validate.py --dry-run (what a lent GPU would run): the zoo at every precision, both optimizer
+    implementations and both attentions, then the techniques; memfit accepts every row's workload."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_validate.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert not [line for line in lines if "refused" in line]
+    for precision in PRECISIONS:
+        for impl in ("foreach", "fused"):
+            for attention in ("eager", "sdpa"):
+                assert any(f" {precision} {impl} {attention}" in line for line in lines), (precision, impl, attention)
+    assert "expandable-segments" in lines[-2] and lines[-1].startswith(f"{len(lines) - 1} rows")
