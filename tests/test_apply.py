@@ -69,3 +69,24 @@ def test_the_package_is_typed_and_its_names_are_visible():
     for name in memfit.__all__:
         assert getattr(memfit, name) is not None
     assert Checkpointing(every=2).spec == "checkpointing:every=2"
+
+
+def test_optimizer_in_backward_in_a_users_own_loop_gives_the_same_weights():
+    """apply_ with optimizer-in-backward rebuilds the user's AdamW (its groups and settings) as one optimizer per
+    parameter stepped in backward; the user's loop (backward, optimizer.step, zero_grad) is unchanged and every
+    weight ends as with the plain AdamW."""
+    torch.manual_seed(1)
+    batches = [batch() for _ in range(3)]
+    finals = []
+    for techniques in ((), ("optimizer-in-backward",)):
+        model, optimizer, _ = llama_with_groups(steps_before=0)
+        setup = memfit.apply_(model, optimizer, techniques)
+        for b in batches:
+            setup.model(**b).loss.backward()
+            setup.optimizer.step()
+            setup.optimizer.zero_grad()
+        finals.append([p.detach().clone() for p in model.parameters()])
+        assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(*finals))
+    with pytest.raises(MemfitError, match="pass your optimizer"):
+        memfit.apply_(llama_with_groups(0)[0], None, ["optimizer-in-backward"])

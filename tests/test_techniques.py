@@ -104,6 +104,33 @@ def test_results_change_only_as_the_risk_label_says(techniques, losses):
         assert got != base, "a lossy technique that changes nothing is mislabelled"
 
 
+def test_optimizer_in_backward_saves_the_gradients_and_changes_no_result(losses):
+    """A step whose peak is the optimizer's (a tiny batch): in backward each parameter steps as its gradient is
+    complete, so the gradients and the whole-model step temporaries are never held at once; each parameter gets
+    the same update as from one optimizer over all (lossless)."""
+    shape = dict(model="tiny-llama", batch_size=1, seq_len=16)
+    for impl in (None, "fused"):
+        run = measure(ResolvedWorkload(**shape, optimizer_impl=impl, techniques=("optimizer-in-backward",)))
+        base = measure(ResolvedWorkload(**shape, optimizer_impl=impl))
+        gradients = base.model_state_bytes["gradients"]
+        assert run.peak_phase == "backward" and run.peak_bytes < base.peak_bytes - gradients / 2, (impl, run, base)
+        for method in ("traced", "analytic"):
+            assert rel(predicted(run, method), run.peak_bytes) < 0.01, (impl, method)
+    got, base = losses(("optimizer-in-backward",)), losses(())
+    assert all(rel(a, b) < 1e-6 for a, b in zip(got, base)), (got, base)
+
+
+def test_optimizer_in_backward_refuses_what_needs_every_gradient_at_once():
+    for flags, message in ((dict(precision="fp16-mixed"), "GradScaler unscales every gradient"),
+                           (dict(techniques=("sequence-chunks:window=64",)), "runs backward once per window"),
+                           (dict(techniques=("cpu-offload",)), "steps the optimizer on the host"),
+                           (dict(world_size=2, techniques=("ddp",)), "before the gradients are reduced"),
+                           (dict(task="inference"), "drop it for --task inference")):
+        techniques = ("optimizer-in-backward", *flags.pop("techniques", ()))
+        with pytest.raises(MemfitError, match=message):
+            ResolvedWorkload(model="tiny-llama", techniques=techniques, **flags)
+
+
 def test_fp16_overflow_skips_the_step_and_backs_off():
     from memfit.steps.train import TrainLoop
     from memfit.techniques.compose import prepare_step

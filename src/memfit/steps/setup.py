@@ -25,6 +25,8 @@ BatchSplit = Callable[[Any], list]
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 # (parameters, a builder of the optimizer over host master weights) -> an optimizer that steps on the host
 HostOptimizer = Callable[[Any, Callable[[list], torch.optim.Optimizer]], torch.optim.Optimizer]
+# (parameters, a builder of the optimizer over some of them) -> an optimizer that runs those otherwise
+OptimizerWrapper = Callable[[Any, Callable[[list], torch.optim.Optimizer]], Any]
 
 
 def model_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -54,6 +56,7 @@ class StepSetup:
     # technique that keeps the states on the host itself takes it over and sets `states_on_host`
     host_optimizer: HostOptimizer | None = None
     states_on_host: bool = False      # gradient shards, optimizer states and the step live in host RAM
+    optimizer_wrapper: OptimizerWrapper | None = None   # a technique that changes when the step runs (in backward)
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
     pipeline: Any = None              # a pipeline schedule that runs each step's micro-batches itself
     scheduler: Any = None             # the user's LR scheduler, on `optimizer` (apply_)
@@ -74,6 +77,8 @@ class StepSetup:
                 factory = self._factory()
                 self.optimizer = self.host_optimizer(self.model.parameters(), lambda masters: factory(
                     over_host_copies(params, self.model, masters), lr=self.lr, impl=self.optimizer_impl))
+            elif self.optimizer_wrapper is not None:
+                self.optimizer = self.optimizer_wrapper(params, self.optimizer_builder())
             else:
                 self.optimizer = self.optimizer_builder()(params)
         return self.optimizer

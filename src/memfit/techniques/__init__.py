@@ -16,8 +16,9 @@ from memfit.techniques.base import REGISTRY, Technique, parse_technique, registe
 from memfit.techniques.checkpointing import Checkpointing
 from memfit.techniques.distillation import Distill
 from memfit.techniques.distributed import Ddp, Fsdp2, TensorParallel
-from memfit.techniques.mixed_precision import Bf16Mixed, Fp16Mixed, PureBf16
+from memfit.techniques.mixed_precision import Bf16Mixed, Fp16Mixed, PureBf16, PureFp16
 from memfit.techniques.offload import CpuOffload, ParkFrozen, StreamLayers
+from memfit.techniques.optimizer_in_backward import OptimizerInBackward
 from memfit.techniques.optimizer_states import Adafactor, AdamW4bit, AdamW8bit
 from memfit.techniques.pipeline import PipelineParallel
 from memfit.techniques.pruning import PruneStructured, PruneUnstructured
@@ -27,7 +28,7 @@ from memfit.techniques.sequence import ChunkedCrossEntropy, SequenceChunks, Trun
 __all__ = [
     "REGISTRY", "Adafactor", "AdamW4bit", "AdamW8bit", "Bf16Mixed", "Bnb4bit", "Checkpointing", "ChunkedCrossEntropy",
     "CpuOffload", "Ddp", "Distill", "ExpandableSegments", "Fp16Mixed", "Fsdp2", "Int8Dynamic", "Int8WeightOnly",
-    "Lora", "ParkFrozen", "PipelineParallel", "PruneStructured", "PruneUnstructured", "PureBf16", "Qat", "Qlora",
-    "ReleaseCache", "Sdpa", "SequenceChunks", "SlidingWindow", "StreamLayers", "Technique", "TensorParallel",
-    "Truncate", "convert_qat_", "parse_technique", "register",
+    "Lora", "OptimizerInBackward", "ParkFrozen", "PipelineParallel", "PruneStructured", "PruneUnstructured",
+    "PureBf16", "PureFp16", "Qat", "Qlora", "ReleaseCache", "Sdpa", "SequenceChunks", "SlidingWindow", "StreamLayers",
+    "Technique", "TensorParallel", "Truncate", "convert_qat_", "parse_technique", "register",
 ]

@@ -37,6 +37,8 @@ TRAITS = {
     "wraps-forward": "the model runs through its wrapper (calling the base model directly skips it)",
     "reduces-gradients": "reduces each gradient across the ranks as backward produces it",
     "host-optimizer": "moves the optimizer and its states to host RAM",
+    "steps-in-backward": "steps the optimizer inside backward, each parameter as its gradient is complete (which "
+                         "frees it)",
     "offloads-shards": "keeps its shards, their gradients and the optimizer states in host RAM when offload is asked "
                        "for (it takes the offload over)",
     "subclass-weights": "turns weights into tensor subclasses (quantized codes)",

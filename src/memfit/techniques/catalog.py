@@ -8,6 +8,7 @@ from memfit.techniques import (  # noqa: F401
     distributed,
     mixed_precision,
     offload,
+    optimizer_in_backward,
     optimizer_states,
     pipeline,
     pruning,

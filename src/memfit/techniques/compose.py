@@ -47,9 +47,10 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     configs = parse_all(techniques)
     check_rules(configs, None)
     new_optimizer = any(t.workload_field == "optimizer" for t in configs)
-    if optimizer is None and not new_optimizer and any("host-optimizer" in t.traits for t in configs):
-        names = ", ".join(t.name for t in configs if "host-optimizer" in t.traits)
-        raise MemfitError(f"-t {names} moves the optimizer to the host: pass your optimizer to apply_.")
+    rebuilds = [t.name for t in configs if t.traits & {"host-optimizer", "steps-in-backward"}]
+    if optimizer is None and not new_optimizer and rebuilds:
+        raise MemfitError(f"-t {', '.join(rebuilds)} rebuilds your optimizer (on the host, or one per parameter "
+                          "stepped in backward): pass your optimizer to apply_.")
     if scheduler is not None and (optimizer is None or getattr(scheduler, "optimizer", None) is not optimizer):
         raise MemfitError("apply_(scheduler=...) takes the LR scheduler of the optimizer you pass with it.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -67,6 +68,8 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         same = _same_kind(optimizer)
         setup.optimizer = setup.host_optimizer(setup.model.parameters(),
                                                lambda masters: same(over_host_copies(groups, setup.model, masters)))
+    elif setup.optimizer_wrapper is not None:   # the user's optimizer, one per parameter, stepped in backward
+        setup.optimizer = setup.optimizer_wrapper(groups, _same_kind(optimizer))
     elif optimizer is not None and {id(p) for p in trainable} != {
             id(p) for group in optimizer.param_groups for p in group["params"]}:   # lora froze the weights
         setup.optimizer = _same_kind(optimizer)(groups)

@@ -8,6 +8,7 @@ a tensor; a 405B model costs the same microseconds as a tiny one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memfit.core.categories import CATEGORIES, zero_categories
@@ -85,6 +86,8 @@ class Engine:
         self.host_live = 0
         self.host_peak = 0
         self._bucket: Sym | None = None
+        # called with a parameter once its gradient is complete (an optimizer step in backward: optimizer.py)
+        self.gradient_ready: Callable[[Param], None] | None = None
 
     # ---- accounting ------------------------------------------------------------------------
     def _account(self, sym: Sym, sign: int) -> None:
@@ -281,6 +284,8 @@ class Engine:
                 param.grad_sym = grad
             if self.policy.grad_bucket and self._bucket is None:
                 self._bucket = self.new(self.policy.grad_bucket, self.policy.param_dtype, category="gradients")
+            if self.gradient_ready is not None:
+                self.gradient_ready(param)
             return
         if uid not in pending:
             pending[uid] = grad           # a second gradient for the same tensor is added in place

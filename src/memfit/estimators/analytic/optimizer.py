@@ -48,7 +48,16 @@ def step_temporaries(e: Engine, workload: ResolvedWorkload, impl: str, shards: i
     """Allocate (and free) the step's temporaries at their peak, run by `impl` (foreach, fused or for-loop);
     with ZeRO the step sees 1/shards of every parameter. Temporaries carry the unsharded weight
     (sharding.py), so a shard's temporaries are allocated at 1/shards of the size."""
-    params = [Shard(p, shards) for p in _trainable(e)]
+    _temporaries(e, workload, [Shard(p, shards) for p in _trainable(e)], impl)
+
+
+def step_in_backward(e: Engine, workload: ResolvedWorkload, impl: str) -> None:
+    """An optimizer per parameter, stepped as each gradient is complete: that parameter's step temporaries, then
+    its gradient goes (the policy's grads_leave)."""
+    e.gradient_ready = lambda param: _temporaries(e, workload, [Shard(param, 1)], impl)
+
+
+def _temporaries(e: Engine, workload: ResolvedWorkload, params: list[Shard], impl: str) -> None:
     optimizer = workload.optimizer
     if optimizer in REGISTRY:
         layout = REGISTRY[optimizer]().analytic_step_temporaries(params, impl)

@@ -14,7 +14,7 @@ import gc
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
-from memfit.estimators.analytic.optimizer import create_states, step_temporaries
+from memfit.estimators.analytic.optimizer import create_states, step_in_backward, step_temporaries
 from memfit.estimators.analytic.program import Program, Windows
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.sharding import effective_zero_stage
@@ -116,6 +116,10 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
         technique.analytic_buffers(program)
     if not one_process_host_optimizer(workload) and not deepspeed:   # DeepSpeed's states: host.deepspeed_states
         e.keep += create_states(e, workload)
+    impl = workload.optimizer_impl or device_default_impl(gpu is not None)
+    in_backward = workload.with_trait("steps-in-backward") is not None
+    if in_backward:
+        step_in_backward(e, workload, impl)
     if get_precision(workload.precision).loss_scaling and not deepspeed:
         e.keep += [e.new(1, "float32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
     if not any(technique.analytic_train(program) for technique in workload.technique_configs):
@@ -131,6 +135,7 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
     e.set_phase("optimizer")
     # the step runs on this rank's shard (ZeRO-1/2, or a layout that shards like ZeRO-3)
     shards = workload.world_size if effective_zero_stage(workload) >= 1 else 1
-    if not workload.with_trait("host-optimizer") and not deepspeed:   # host steps: host.py; DeepSpeed's fused Adam
-        step_temporaries(e, workload, workload.optimizer_impl or device_default_impl(gpu is not None), shards=shards)
+    # host steps: host.py; DeepSpeed's fused Adam; a step in backward ran there
+    if not workload.with_trait("host-optimizer") and not deepspeed and not in_backward:
+        step_temporaries(e, workload, impl, shards=shards)
     return e
