@@ -509,7 +509,9 @@ APPLIES = {"sdpa": ("sdpa", {"model": "eager"}),
            **{name: (name, {"world_size": 2}) for name in ("fsdp2", "tensor-parallel", "pipeline-parallel")},
            **{name: (name, {"task": "inference"}) for name in ("stream-layers", "int8-weight-only", "bnb-4bit",
                                                                "int8-dynamic")},
-           "park-frozen": ("park-frozen", dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"])))}
+           "park-frozen": ("park-frozen", dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))),
+           # its saving is the optimizer step's peak: a batch small enough for that step to be the peak
+           "optimizer-in-backward": ("optimizer-in-backward", {"batch_size": 1, "seq_len": 16})}
 # ... and the ones that by design change no tensor of the step
 NO_TENSOR_EFFECT = {"expandable-segments": "changes the CUDA allocator's reserve",
                     "release-cache": "returns cached CUDA blocks between phases",
