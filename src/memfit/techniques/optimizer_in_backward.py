@@ -23,7 +23,7 @@ import torch
 from memfit.core.errors import MemfitError
 from memfit.core.precision import precision_names
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
 
 @register
@@ -46,6 +46,14 @@ class OptimizerInBackward(Technique):
                    "gradients are reduced across ranks)", "drop {other}, or the step in backward"),
     }
     deepspeed_conflict = ("DeepSpeed's engine steps its own optimizer after backward", "use --engine pytorch")
+    oom_fixes = ("optimizer-in-backward",)
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        """From a snapshot: the gradients, never all held at once (the most it saves: the peak may lie before)."""
+        gradients = snapshot.by_category.get("gradients") if snapshot is not None else None
+        if not gradients:
+            return None
+        return OomFix(self.name, gradients, SNAPSHOT_RATIO + "; at most", f"-t {self.name}")
 
     def check(self, workload) -> None:
         if workload.task != "train":
