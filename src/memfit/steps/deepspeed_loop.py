@@ -63,8 +63,8 @@ def build_deepspeed_ops(*, offload: bool) -> None:
         builder = accelerator.create_op_builder(name)
         if builder is None or not builder.is_compatible():
             continue
-        if not glob.glob(os.path.join(root, "*", builder.name, f"{builder.name}.so")) + glob.glob(
-                os.path.join(root, builder.name, f"{builder.name}.so")):
+        # PyTorch builds under TORCH_EXTENSIONS_DIR/NAME, or the default root's pyXY_cpu/NAME
+        if not glob.glob(os.path.join(root, "**", builder.name, f"{builder.name}.so"), recursive=True):
             logging.getLogger(__name__).warning("memfit: compiling DeepSpeed's %s under %s (first use only, a few "
                                                 "minutes)", builder.name, root)
         try:

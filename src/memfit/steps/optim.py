@@ -39,14 +39,6 @@ def device_default_impl(on_cuda: bool) -> str:
     return "foreach" if on_cuda else "for-loop"
 
 
-def impl_of(optimizer: torch.optim.Optimizer) -> str | None:
-    """The implementation a user's torch.optim optimizer was built with (None: PyTorch's default)."""
-    defaults = getattr(optimizer, "defaults", {})
-    if defaults.get("fused"):
-        return "fused"
-    return {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"))
-
-
 def trainable(params) -> list:
     """The trainable parameters of `params`, or of each parameter group when `params` are groups (dicts; a group
     left empty stays, so that an LR scheduler's per-group settings still line up)."""
