@@ -1,4 +1,4 @@
-"""Keep the docs true to the benchmarks: a section of docs/*.md written as
+"""Keep the docs true to the benchmarks: a section of README.md or docs/*.md written as
 
     <!-- results: technique_table.txt -->
     ```text
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SECTION = re.compile(r"(<!-- results: (?P<name>[\w.]+) -->\n```text\n)(?P<body>.*?)(```\n<!-- /results -->)", re.S)
 
 
@@ -32,9 +32,9 @@ def results_text(name: str) -> str:
 
 
 def sync() -> list[str]:
-    """Rewrite every results section of docs/*.md from benchmarks/results/; the pages changed."""
+    """Rewrite every results section of the pages from benchmarks/results/; the pages changed."""
     changed = []
-    for page in sorted(DOCS.glob("*.md")):
+    for page in PAGES:
         text = page.read_text()
         new = SECTION.sub(lambda m: m.group(1) + results_text(m.group("name")) + m.group(4), text)
         if new != text:

@@ -1,8 +1,9 @@
 """GPU checks of what memfit models but cannot measure on a CPU (run where a CUDA GPU is present).
 
 For each row: the real step on CUDA (max_memory_allocated and max_memory_reserved after the steady-state step)
-beside memfit's traced and analytic estimates for that GPU, plus the device memory that lies outside PyTorch's
-allocator (CUDA context, library workspaces). The rows: the test zoo × {fp32, fp16-mixed, bf16-mixed, bf16, fp16}
+beside memfit's traced and analytic estimates for that GPU (their tensor peaks, and the reserved bytes of the
+simulated caching allocator), plus the device memory that lies outside PyTorch's allocator (CUDA context, library
+workspaces). The rows: the test zoo × {fp32, fp16-mixed, bf16-mixed, bf16, fp16}
 × {foreach, fused} optimizer × {eager, sdpa} attention, then the techniques whose CUDA behaviour is modelled
 (checkpointing, 8-bit and 4-bit states, offload, the allocator settings). The ratios it prints are what the
 `assumed` figures in estimators/gpu_overhead.py and gpus.json should be replaced with.
@@ -144,23 +145,27 @@ def measure_row(row: dict) -> dict:
     est = m.extra["estimates"]
     return {"allocated": m.extra["max_memory_allocated"], "reserved": m.extra["max_memory_reserved"],
             "traced": est["traced"]["peak_bytes"], "analytic": est.get("analytic", {}).get("peak_bytes"),
-            "host": m.host_bytes, "seconds": round(time.perf_counter() - started, 1)}
+            "traced_reserved": est["traced"].get("reserved_bytes"),
+            "analytic_reserved": est.get("analytic", {}).get("reserved_bytes"), "host": m.host_bytes,
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
 def table_of(results: list[dict], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for column in ("row", "max allocated", "traced", "analytic", "reserved / allocated", "host RAM", "s"):
+    for column in ("row", "max allocated", "traced", "analytic", "max reserved", "traced (simulated)",
+                   "analytic (simulated)", "host RAM", "s"):
         table.add_column(column, justify="left" if column == "row" else "right")
     for r in results:
         if "allocated" not in r:
-            table.add_row(r["row"], r.get("error") or r.get("skipped", ""), "", "", "", "", "")
+            table.add_row(r["row"], r.get("error") or r.get("skipped", ""), *[""] * 7)
             continue
 
-        def cell(v, allocated=r["allocated"]):
-            return "n/a" if v is None else f"{format_bytes(v)} ({allocated / v:.3f})"
-        table.add_row(r["row"], format_bytes(r["allocated"]), cell(r["traced"]), cell(r["analytic"]),
-                      f"{r['reserved'] / r['allocated']:.3f}", format_bytes(r["host"]) if r["host"] else "",
-                      f"{r['seconds']:.0f}")
+        def cell(v, measured):
+            return "n/a" if v is None else f"{format_bytes(v)} ({measured / v:.3f})"
+        table.add_row(r["row"], format_bytes(r["allocated"]), cell(r["traced"], r["allocated"]),
+                      cell(r["analytic"], r["allocated"]), format_bytes(r["reserved"]),
+                      cell(r.get("traced_reserved"), r["reserved"]), cell(r.get("analytic_reserved"), r["reserved"]),
+                      format_bytes(r["host"]) if r["host"] else "", f"{r['seconds']:.0f}")
     return table
 
 

@@ -6,7 +6,7 @@ print for a fixed set of commands, recorded so that a refactoring can prove it c
     python scripts/golden.py --write              # record them again (after an intended change: say why)
 
 Timings (`elapsed_s`) are dropped; everything else must be byte-identical. A command that fails records its
-exit code and its one-line error, which must not change either. tests/test_golden.py checks a fast sample.
+exit code and its one-line error, which must not change either. The suite does not run it (about two minutes).
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ class MemoryEstimate:
     device_memory_bytes: int | None = None
     sources: dict[str, str] = field(default_factory=dict)        # category / overhead part -> source
     overhead_detail: dict[str, int] = field(default_factory=dict)
+    reserved_bytes: int | None = None          # GPU target: predicted max_memory_reserved (simulated allocator)
+    allocator: dict[str, Any] | None = None    # GPU target: the simulated allocator's figures (caching_allocator.py)
     notes: list[str] = field(default_factory=list)
     modules: list[ModuleMemory] = field(default_factory=list)
     timeline: dict[str, Any] | None = None
@@ -75,6 +77,9 @@ class MemoryEstimate:
             "elapsed_s": round(self.elapsed_s, 4), "device_memory_bytes": self.device_memory_bytes,
             "sources": self.sources, "overhead_detail": self.overhead_detail, "notes": self.notes,
         }
+        if self.reserved_bytes is not None:
+            data["reserved_bytes"] = self.reserved_bytes
+            data["allocator"] = self.allocator
         if self.modules:
             data["modules"] = [asdict(m) for m in self.modules]
         if self.timeline is not None:

@@ -1,42 +1,56 @@
-"""What a CUDA device holds beyond the tensors PyTorch allocates (all ASSUMED until measured).
+"""What a CUDA device holds beyond the tensors PyTorch allocates.
 
-- CUDA context and kernel images: per-GPU figure from the catalog (gpus.json, context_mib).
-- cuBLAS/cuDNN workspaces: PyTorch keeps one cuBLAS workspace per handle and stream.
-- The caching allocator's reserve: reserved bytes exceed allocated bytes (block splitting,
-  2 MiB / 20 MiB segments, fragmentation). A fraction of the tensor peak, typical of training
-  loops, smaller with expandable segments (techniques/allocator.py); `benchmarks/gpu_validate`
-  measures the real ratio.
+- CUDA context and kernel images: per-GPU figure from the catalog (gpus.json, context_mib), ASSUMED.
+- cuBLAS/cuDNN workspaces: PyTorch keeps one cuBLAS workspace per handle and stream, ASSUMED.
+- The caching allocator's reserve: what it holds beyond the tensors (segments of 2 and 20 MiB, blocks it did not
+  split, freed blocks too small for the next request). SIMULATED: the step's allocations and frees replayed through
+  a model of PyTorch's allocator (caching_allocator.py) under the workload's allocator settings.
 """
 from __future__ import annotations
 
 from memfit.core.units import MiB
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.specs.hardware import GPU
+from memfit.estimators.caching_allocator import Event, predict_reserve
+from memfit.specs.hardware import GPU, AllocatorSettings
 
 CUDA_ALLOCATION_ROUND_BYTES = 512          # every caching-allocator block is a multiple of this
 CUBLAS_WORKSPACE_BYTES_ASSUMED = 32 * MiB
-RESERVE_FRACTION_ASSUMED = 0.10            # PyTorch's default caching allocator, training loops
 
 
-def reserve_fraction(techniques) -> float:
-    """The caching allocator's reserve beyond the tensor peak, as a fraction of it (ASSUMED): the smallest an
-    allocator technique among `techniques` declares, else the default allocator's."""
-    declared = [t.reserve_fraction for t in techniques if t.reserve_fraction is not None]
-    return min(declared, default=RESERVE_FRACTION_ASSUMED)
+def allocator_settings(workload) -> AllocatorSettings:
+    """The allocator settings the workload's techniques leave (default: PyTorch's)."""
+    settings = AllocatorSettings()
+    for technique in workload.technique_configs:
+        settings = technique.allocator_settings(settings)
+    return settings
 
 
-def gpu_overheads(gpu: GPU, peak_bytes: int, techniques=()) -> dict[str, int]:
-    return {
+def allocator_capacity(gpu: GPU) -> int:
+    """The bytes the caching allocator can get from the device: its memory less what lives outside the allocator."""
+    return gpu.memory_bytes - gpu.context_bytes - CUBLAS_WORKSPACE_BYTES_ASSUMED
+
+
+def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations: list[Event],
+                      sampled_depth: int | None = None) -> None:
+    """Add the device's overheads to a tensor-peak estimate and decide whether it fits: the allocator's reserve,
+    simulated on the step's `allocations` (at `sampled_depth` layers when the step was sampled shallower than the
+    model: caching_allocator.predict_reserve), and the assumed context and workspace."""
+    allocator, note = predict_reserve(allocations, allocator_settings(workload), allocator_capacity(gpu),
+                                      estimate.peak_bytes, sampled_depth)
+    # what the allocator reserves beyond its own allocated peak, added to the estimate's peak (they differ only
+    # where the estimator adds tensors the replay does not see: DeepSpeed's states)
+    reserved = estimate.peak_bytes + max(0, allocator.reserved_bytes - allocator.allocated_bytes)
+    estimate.reserved_bytes = reserved
+    estimate.allocator = {**allocator.to_json(), "reserved_bytes": reserved,
+                          "expandable_segments": allocator_settings(workload).expandable_segments}
+    estimate.overhead_detail = {
         "cuda_context": gpu.context_bytes,
         "cublas_workspace": CUBLAS_WORKSPACE_BYTES_ASSUMED,
-        "allocator_reserve": int(peak_bytes * reserve_fraction(techniques)),
+        "allocator_reserve": reserved - estimate.peak_bytes,
     }
-
-
-def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload=None) -> None:
-    """Add the device's overheads to a tensor-peak estimate (labelled assumed) and decide whether it fits."""
-    estimate.overhead_detail = gpu_overheads(gpu, estimate.peak_bytes,
-                                             workload.technique_configs if workload is not None else ())
     estimate.overhead_bytes = sum(estimate.overhead_detail.values())
-    estimate.sources.update({name: "assumed" for name in estimate.overhead_detail})
+    estimate.sources.update({"cuda_context": "assumed", "cublas_workspace": "assumed",
+                             "allocator_reserve": "simulated", "reserved_bytes": "simulated"})
+    if note:
+        estimate.notes.append(note)
     estimate.apply_device(gpu.memory_bytes)

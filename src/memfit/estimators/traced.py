@@ -154,6 +154,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
             host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, source.num_layers)
             regions = extrapolate(samples, source.num_layers)
+            sampled_depth = depths[-1]
             notes.append(f"traced {', '.join(map(str, depths))} of {source.num_layers} layers and "
                          "extrapolated (linear in depth, checked exactly on the third trace)")
             run = runs[depths[-1]]
@@ -164,6 +165,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         by_rank = [region_peaks(r.trace, WHOLE_RUN, weights) for r in runs]
         highest = max(range(len(runs)), key=lambda i: peak_of(by_rank[i])[0].total)
         run, regions = runs[highest], by_rank[highest]
+        sampled_depth = None
         if len(runs) > 1:
             notes.append(f"traced each of {len(runs)} ranks; rank {highest} has the highest peak")
         host_bytes = max(run.trace.host_peaks().values())
@@ -183,7 +185,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         sources={name: "traced" for name in CATEGORIES}, notes=notes,
     )
     if gpu:
-        add_gpu_overheads(estimate, gpu, workload)
+        add_gpu_overheads(estimate, gpu, workload, run.trace.allocations(weights, divisor), sampled_depth)
     if modules:
         estimate.modules = module_rows(run.trace, run.model, run.stacks, source.num_layers)
     if timeline:

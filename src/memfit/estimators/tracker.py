@@ -78,12 +78,8 @@ class Trace:
         """Yield (event index, category totals) after every event of the measured step.
         `weights` multiplies each category (per-rank sharding, see sharding.py); host storages count
         only with `include_host` (a CPU run, where host and device share one allocator)."""
-        weights = weights or {name: 1 for name in CATEGORIES}
         category = [self.category_of(s) for s in self.storages]
-        step_weight = weights.get("optimizer_temporaries", weights["temporaries"])
-        weight = [0 if s.host and not include_host
-                  else step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
-                  for c, s in zip(category, self.storages)]
+        weight = self._storage_weights(category, weights, include_host)
         totals = zero_categories()
         for index, storage in enumerate(self.storages):   # watched before tracking began
             if storage.born == -1:
@@ -95,6 +91,26 @@ class Trace:
             sid, delta = self.events[index]
             totals[category[sid]] += delta * weight[sid]
             yield index, totals
+
+    def _storage_weights(self, category: list[str], weights: dict[str, int] | None, include_host: bool) -> list[int]:
+        weights = weights or {name: 1 for name in CATEGORIES}
+        step_weight = weights.get("optimizer_temporaries", weights["temporaries"])
+        return [0 if s.host and not include_host
+                else step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
+                for c, s in zip(category, self.storages)]
+
+    def allocations(self, weights: dict[str, int] | None = None, divisor: int = 1) -> list[tuple[int, int, int]]:
+        """The device's allocations in order, for the caching allocator (caching_allocator.replay): (storage,
+        bytes it holds from now on, stream 0) for the storages alive before tracking began, then every event of
+        the warm-up and measured steps; sharded bytes per rank with `weights` and `divisor` (sharding.py)."""
+        weight = self._storage_weights([self.category_of(s) for s in self.storages], weights, False)
+        size = {i: s.nbytes for i, s in enumerate(self.storages) if s.born == -1}
+        out = [(i, -(-nbytes * weight[i] // divisor), 0) for i, nbytes in size.items() if weight[i]]
+        for sid, delta in self.events:
+            if weight[sid]:
+                size[sid] = size.get(sid, 0) + delta
+                out.append((sid, -(-size[sid] * weight[sid] // divisor), 0))
+        return out
 
     def measured_marks(self) -> list[tuple[int, str]]:
         """The phase marks of the measured step: (first event index of the phase, phase)."""

@@ -5,8 +5,8 @@ micro-batch; a candidate that fits there is sized at the next micro-batch too, t
 in the micro-batch between them (activations grow with it, model states do not), the largest
 micro-batch predicted to fit is estimated exactly, and stepped down until it does. Gradient accumulation
 makes up the rest of the user's global batch. Fit means tensors + CUDA context + cuBLAS workspace +
-the allocator's reserve (gpu_overhead.py) <= device memory x (1 - margin); an allocator technique (expandable
-segments) makes the reserve smaller, so a plan that only fits that way gets it (space.allocator_options).
+the allocator's simulated reserve (gpu_overhead.py) <= device memory x (1 - margin); an allocator technique
+(expandable segments) changes the reserve, so a plan that only fits that way gets it (space.allocator_options).
 
 With the `fastest` objective candidates are tried in order of a FLOPs-only lower bound on their step
 time, and the search stops once that bound is slower than the plans already found. Nothing is traced
@@ -66,13 +66,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def device_bytes(estimate: MemoryEstimate, reserve_fraction: float | None = None) -> int:
-    """Tensors and overheads per GPU; with `reserve_fraction`, the allocator's reserve that fraction of the peak."""
-    if reserve_fraction is None:
-        return estimate.peak_bytes + estimate.overhead_bytes
-    detail = estimate.overhead_detail
-    return (estimate.peak_bytes + detail.get("cuda_context", 0) + detail.get("cublas_workspace", 0)
-            + int(estimate.peak_bytes * reserve_fraction))
+def device_bytes(estimate: MemoryEstimate) -> int:
+    """Tensors and overheads per GPU."""
+    return estimate.peak_bytes + estimate.overhead_bytes
 
 
 class Search:
@@ -96,9 +92,13 @@ class Search:
         request = self.request
         budget = request.budget_bytes
         device, added = device_bytes(estimate), ()
-        for option in self.allocator_options if device > budget else ():
-            if device_bytes(estimate, option.reserve_fraction) <= budget:
-                device, added = device_bytes(estimate, option.reserve_fraction), (option.spec,)
+        reserve = estimate.overhead_detail.get("allocator_reserve", 0)
+        only_the_reserve_is_over = device - reserve <= budget < device
+        for option in self.allocator_options if only_the_reserve_is_over else ():
+            with_option = replace(candidate, techniques=candidate.techniques + (option.spec,))
+            option_estimate = self._estimate(with_option.workload(request, micro_batch))
+            if device_bytes(option_estimate) <= budget:
+                estimate, device, added = option_estimate, device_bytes(option_estimate), (option.spec,)
                 break
         processes_per_node = min(candidate.num_gpus, GPUS_PER_NODE)
         host = estimate.host_bytes * processes_per_node

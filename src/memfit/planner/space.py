@@ -130,5 +130,5 @@ def _lossy(optimizer: str) -> bool:
 
 def allocator_options(request: PlanRequest, base: ResolvedWorkload) -> list[Technique]:
     """Techniques a plan gets only when it needs them to fit (they change what the allocator reserves, not the
-    tensors: search.py sizes a candidate with each without estimating it again)."""
+    tensors: search.py sizes a candidate that does not fit without them once more with each)."""
     return [parse_technique(spec) for spec in searched(request, base)["allocator"]]

@@ -49,8 +49,8 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         best = result.plan_json(0)
         parts = ", ".join(f"{name} {_seconds(value)}" for name, value in best["time_parts_s"].items() if value)
         console.print(f"[dim]plan 1's step: {parts} (cost model: assumed constants, planner/cost.py); peak per GPU "
-                      f"is the analytic tensor peak {format_bytes(best['tensor_peak_bytes'])} + CUDA context, "
-                      "cuBLAS workspace and allocator reserve (assumed)[/dim]")
+                      f"is the analytic tensor peak {format_bytes(best['tensor_peak_bytes'])} + the caching "
+                      "allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
         if result.request.host_ram_bytes is None and any(p.host_ram_bytes for p in result.plans):
             console.print("[dim]host RAM was not checked: pass --host-ram to rule out plans your machine cannot "
                           "hold[/dim]")

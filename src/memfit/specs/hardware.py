@@ -1,4 +1,5 @@
-"""The GPU catalog (bundled JSON): memory, throughput and bandwidth of the GPUs users rent."""
+"""The GPU catalog (bundled JSON): memory, throughput and bandwidth of the GPUs users rent; the CUDA caching
+allocator's settings (PYTORCH_CUDA_ALLOC_CONF) a run uses on them."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,14 @@ class GPU:
             "interconnect_gbps": self.interconnect_gbps, "host_link_gbps": self.host_link_gbps,
             "context_bytes": self.context_bytes, "context_source": "assumed",
         }
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """PYTORCH_CUDA_ALLOC_CONF, as far as estimators/caching_allocator.py simulates it."""
+
+    expandable_segments: bool = False
+    max_split_size: int | None = None   # bytes (max_split_size_mb); None: no limit
 
 
 @lru_cache(maxsize=1)

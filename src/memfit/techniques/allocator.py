@@ -4,27 +4,29 @@ tensors' peak (what `max_memory_allocated` reports); they change what the alloca
   expandable-segments  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set at run time through
                        torch.cuda.memory._set_allocator_settings): a segment grows in place by mapping
                        more pages, instead of a new fixed segment per size class, so freed blocks of
-                       changing sizes (growing sequences, variable batches) fragment less. Modelled as
-                       an allocator reserve of 2 % of the tensor peak instead of 10 % (both ASSUMED until
-                       benchmarks/gpu_validate.py measures max_memory_reserved / max_memory_allocated).
+                       changing sizes (growing sequences, variable batches) fragment less. The estimators
+                       replay the step through the allocator with this setting
+                       (estimators/caching_allocator.py: simulated, not yet compared with a GPU run).
   release-cache        torch.cuda.empty_cache() between the step's phases (after backward, after the
                        optimizer step): cached, unused blocks go back to the driver, for another process
                        or a later phase of a different shape. The step's own peak is unchanged, so the
-                       estimate is too; the cost is re-allocating through cudaMalloc every phase.
+                       estimate is too; the cost is re-allocating through cudaMalloc every phase. The
+                       simulated allocator does not release between phases yet: its reserved figure is
+                       the one without this technique (an upper bound).
 
-On the CPU both are no-ops (CPU runs have no caching allocator), so their figures come from a GPU.
+On the CPU both are no-ops (CPU runs have no caching allocator), so their figures come from a GPU or the
+simulated allocator.
 expandable-segments is a process-wide setting: it stays on for later runs in the same process.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from memfit.specs.hardware import AllocatorSettings
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import OomFix, Technique, register
-
-EXPANDABLE_RESERVE_FRACTION_ASSUMED = 0.02   # of the tensor peak (PyTorch's default allocator: gpu_overhead.py)
 
 
 @register
@@ -36,7 +38,6 @@ class ExpandableSegments(Technique):
     summary = "CUDA allocator segments that grow in place: less fragmentation, a smaller reserve (CUDA only)"
     oom_fixes = ("expandable-segments",)
     search_axis = "allocator"
-    reserve_fraction = EXPANDABLE_RESERVE_FRACTION_ASSUMED
     how = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
     @classmethod
@@ -45,6 +46,9 @@ class ExpandableSegments(Technique):
 
     def cost_compute(self, compute) -> None:   # growing a segment in place costs no step time here
         pass
+
+    def allocator_settings(self, settings: AllocatorSettings) -> AllocatorSettings:
+        return replace(settings, expandable_segments=True)
 
     def oom_fix(self, message, snapshot) -> OomFix | None:
         """What the allocator held but no tensor used: the message's "reserved but unallocated", or a snapshot's

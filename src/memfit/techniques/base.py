@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from memfit.core.errors import MemfitError, closest
+from memfit.specs.hardware import AllocatorSettings
 from memfit.specs.workload import Workload
 from memfit.steps.setup import StepSetup
 
@@ -81,9 +82,6 @@ class Technique:
     # added only to a plan that fits with it alone), None when it is not searched; `search_values` says which
     # configurations to try
     search_axis: ClassVar[str | None] = None
-    # the caching allocator's reserve beyond the tensor peak with this technique, as a fraction of the peak (an
-    # allocator setting); None: it does not change the reserve
-    reserve_fraction: ClassVar[float | None] = None
 
     @classmethod
     def implied_by(cls, workload: Workload, techniques: list[Technique]) -> bool:
@@ -95,6 +93,11 @@ class Technique:
         """The configurations (specs) the planner tries for `request` (a PlanRequest), `workload` being the request's
         model and task resolved; [] for none. Lossy ones are kept only under --allow lossy."""
         return []
+
+    def allocator_settings(self, settings: AllocatorSettings) -> AllocatorSettings:
+        """The CUDA caching allocator's settings with this technique (estimators/caching_allocator.py simulates
+        them); unchanged unless it is an allocator setting."""
+        return settings
 
     def step_time_factor(self) -> float:
         """This configuration's step-time factor (the class's `time_factor` unless a parameter changes it)."""

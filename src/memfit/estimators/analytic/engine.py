@@ -77,7 +77,8 @@ class Engine:
         self.cast_cache: dict[str, Sym] = {}
         self.autocast_on = policy.autocast_dtype is not None
         self.keep: list = []          # tensors the program holds across calls (inputs, caches)
-        self.log: list | None = None  # set to [] to record (phase, segment, category, +/-bytes, dtype, numel)
+        # set to [] to record the device's allocations in order: (tensor uid, weighted bytes it holds from now on)
+        self.allocations: list[tuple[int, int]] | None = None
         self.inputs_are_views = False
         self.region: Region | None = None         # the checkpointed block being run, if any
         self.gathers = Gathers(self) if policy.fsdp else None   # FSDP2's all-gathers (blocks.py)
@@ -94,10 +95,18 @@ class Engine:
         nbytes = sym.nbytes * self.weights[sym.category]
         self.live[sym.category] += sign * nbytes
         self.total += sign * nbytes
-        if self.log is not None:
-            self.log.append((self.phase, self.segment, sym.category, sign * nbytes, sym.dtype, sym.numel))
+        if self.allocations is not None:
+            self.allocations.append((sym.uid, nbytes if sign > 0 else 0))
         if sign > 0:
             self._observe(sym.category)
+
+    def recategorize(self, sym: Sym, category: str) -> None:
+        """The same tensor counted under another category from now on (no allocation)."""
+        recording, self.allocations = self.allocations, None
+        self._account(sym, -1)
+        sym.category = category
+        self._account(sym, +1)
+        self.allocations = recording
 
     def _host(self, nbytes: int) -> None:
         self.host_live += nbytes
@@ -277,9 +286,7 @@ class Engine:
                 self.gathers.unsharded_grads.append((param, grad))
                 return
             if first and grad.category != "gradients":   # AccumulateGrad steals the tensor as .grad
-                self._account(grad, -1)
-                grad.category = "gradients"
-                self._account(grad, +1)
+                self.recategorize(grad, "gradients")
             if first and not self.policy.grads_leave:
                 param.grad_sym = grad
             if self.policy.grad_bucket and self._bucket is None:

@@ -25,7 +25,7 @@ from memfit.estimators.extrapolate import (
     extrapolation_depths,
     peak_of,
 )
-from memfit.estimators.gpu_overhead import add_gpu_overheads
+from memfit.estimators.gpu_overhead import add_gpu_overheads, allocator_capacity
 from memfit.estimators.sharding import per_rank, ranks_to_estimate, state_weights
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
@@ -77,7 +77,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     period = spec.period
     layers = source.num_layers
     weights, divisor, notes = state_weights(workload)
-    depths, failure = None, None
+    depths, failure, allocations = None, None, None
     if all(t.depth_linear for t in workload.technique_configs):
         # FSDP2 prefetches the next block's parameters, so in backward the second-to-last block differs from
         # the rest too: when the first fit fails, the last region is two periods wide, sampled from 3 periods
@@ -100,11 +100,11 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         ranks, why = ranks_to_estimate(workload, "analytic")
         by_rank = {}
         for rank in ranks:
-            engine = simulate(workload, gpu, layers, weights, rank)
-            by_rank[rank] = (regions_of(engine, layers, layers), engine.host_peak)
+            engine = simulate(workload, gpu, layers, weights, rank, record_allocations=gpu is not None)
+            by_rank[rank] = (regions_of(engine, layers, layers), engine.host_peak, engine.allocations)
             del engine
         highest = max(ranks, key=lambda r: peak_of(by_rank[r][0])[0].total)
-        regions, saved = by_rank[highest]
+        regions, saved, allocations = by_rank[highest]
         if why:
             notes.append(f"simulated ranks {' and '.join(map(str, ranks))} ({why}); rank {highest} has the highest "
                          "peak")
@@ -129,7 +129,10 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         host_bytes=held + max(saved, step), sources={name: "analytic" for name in CATEGORIES}, notes=notes,
     )
     if gpu:
-        add_gpu_overheads(estimate, gpu, workload)
+        if depths and estimate.peak_bytes <= allocator_capacity(gpu):   # the whole step: milliseconds, no tensors
+            allocations = simulate(workload, gpu, layers, weights, record_allocations=True).allocations
+        events = [(uid, -(-nbytes // divisor), 0) for uid, nbytes in allocations or ()]
+        add_gpu_overheads(estimate, gpu, workload, events)
     estimate.elapsed_s = time.perf_counter() - started
     return estimate
 

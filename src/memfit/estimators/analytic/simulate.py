@@ -61,20 +61,21 @@ def sequence_windows(workload: ResolvedWorkload) -> Windows:
 
 
 def simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None = None,
-             rank: int = 0) -> Engine:
+             rank: int = 0, *, record_allocations: bool = False) -> Engine:
     """Run the family's program for one step at `num_layers` depth (with Python's cyclic garbage
-    collector paused: the program frees by reference counting, and a collection pass only adds jitter)."""
+    collector paused: the program frees by reference counting, and a collection pass only adds jitter).
+    `record_allocations`: the engine keeps every allocation and free in order (Engine.allocations)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(workload, gpu, num_layers, weights, rank)
+        return _simulate(workload, gpu, num_layers, weights, rank, record_allocations)
     finally:
         if enabled:
             gc.enable()
 
 
 def _program(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None,
-             rank: int) -> Program:
+             rank: int, record_allocations: bool) -> Program:
     """The model declared as the techniques leave it. A technique that narrows the model narrows the one that
     trains (a teacher keeps the model's own shape: the canonical order puts the student first)."""
     family, spec = registry.family_of(workload.source)
@@ -84,6 +85,7 @@ def _program(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weigh
         num_layers = technique.analytic_layers(num_layers, rank, workload)
     program = Program(Engine(policy_of(workload, gpu), weights), family, spec, teacher_spec, workload, num_layers,
                       rank)
+    program.engine.allocations = [] if record_allocations else None
     program.engine.set_phase("setup")
     for technique in workload.technique_configs:
         technique.analytic_model(program)
@@ -95,8 +97,8 @@ def _program(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weigh
 
 
 def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weights: dict[str, int] | None,
-              rank: int) -> Engine:
-    program = _program(workload, gpu, num_layers, weights, rank)
+              rank: int, record_allocations: bool) -> Engine:
+    program = _program(workload, gpu, num_layers, weights, rank, record_allocations)
     e, family, spec = program.engine, program.family, program.spec
     if e.policy.stream_blocks:
         e.stream_from_host()

@@ -1,0 +1,197 @@
+"""The simulated CUDA caching allocator against sequences worked out by hand from the rules of
+c10/cuda/CUDACachingAllocator.cpp (the function named in each test)."""
+from __future__ import annotations
+
+import pytest
+
+from memfit.core.units import MiB
+from memfit.estimators import estimate
+from memfit.estimators.analytic.simulate import simulate
+from memfit.estimators.caching_allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    replay,
+    simulate_reserved,
+)
+from memfit.specs.hardware import AllocatorSettings, get_gpu
+from memfit.specs.workload import Workload
+from memfit.techniques.resolve import resolve
+
+EXPANDABLE = AllocatorSettings(expandable_segments=True)
+
+
+def test_small_requests_round_to_512_bytes_and_share_a_2_mib_segment():
+    """round_size, get_allocation_size (kSmallBuffer), should_split (small pool: a remainder of >= 512 bytes)."""
+    allocator = CachingAllocator()
+    allocator.malloc(1)
+    allocator.malloc(1000)
+    assert (allocator.allocated, allocator.reserved) == (512 + 1024, 2 * MiB)
+    allocator.malloc(0)   # nothing allocated for an empty tensor
+    assert allocator.allocated == 512 + 1024
+
+
+def test_requests_under_10_mib_split_a_20_mib_segment_until_it_is_used_up():
+    """get_allocation_size (kLargeBuffer under kMinLargeAlloc); should_split (large pool: remainder > 1 MiB)."""
+    allocator = CachingAllocator()
+    for _ in range(4):
+        allocator.malloc(5 * MiB)
+    assert allocator.reserved == 20 * MiB   # the fourth takes the last 5 MiB whole
+    allocator.malloc(5 * MiB)
+    assert (allocator.reserved, allocator.allocated) == (40 * MiB, 25 * MiB)
+
+
+def test_a_large_request_gets_a_segment_rounded_to_2_mib():
+    allocator = CachingAllocator()
+    allocator.malloc(11 * MiB)
+    assert allocator.reserved == 12 * MiB
+
+
+def test_a_freed_block_too_small_for_the_next_request_stays_reserved():
+    """get_free_block finds nothing >= 14 MiB: a second segment; reserved - allocated is the fragmentation."""
+    result = replay([("a", 12 * MiB, 0), ("a", 0, 0), ("b", 14 * MiB, 0)])
+    assert (result.reserved_bytes, result.allocated_bytes, result.fragmentation_bytes) == (26 * MiB, 14 * MiB, 12 * MiB)
+
+
+def test_a_remainder_of_1_mib_or_less_stays_with_the_block_and_counts_as_allocated():
+    """should_split: large pool, remaining 0.5 MiB is not > kSmallSize, so the request gets the whole 12 MiB."""
+    result = replay([("a", 12 * MiB, 0), ("a", 0, 0), ("b", 11 * MiB + MiB // 2, 0)])
+    assert (result.reserved_bytes, result.allocated_bytes) == (12 * MiB, 12 * MiB)
+
+
+def test_best_fit_takes_the_smallest_free_block_that_is_large_enough():
+    allocator = CachingAllocator()
+    big, small = allocator.malloc(14 * MiB), allocator.malloc(12 * MiB)
+    allocator.free(big)
+    allocator.free(small)
+    block = allocator.malloc(11 * MiB)
+    assert block.size == 12 * MiB and allocator.reserved == 26 * MiB
+
+
+def test_freed_neighbours_merge_into_one_block():
+    """free_block / try_merge_blocks: A and B, adjacent in one 20 MiB segment, merge into 10 MiB that holds 9 MiB."""
+    allocator = CachingAllocator()
+    a, b, _ = (allocator.malloc(5 * MiB) for _ in range(3))
+    allocator.free(b)
+    allocator.free(a)
+    block = allocator.malloc(9 * MiB)
+    assert (block.size, allocator.reserved) == (10 * MiB, 20 * MiB)   # remainder 1 MiB: not split
+
+
+def test_a_full_device_releases_the_cache_and_retries():
+    """malloc: alloc_block fails, release_cached_blocks frees the whole free 12 MiB segment, the retry succeeds."""
+    events = [("a", 12 * MiB, 0), ("a", 0, 0), ("b", 14 * MiB, 0)]
+    result = simulate_reserved(events, AllocatorSettings(), capacity=20 * MiB)
+    assert (result.reserved_bytes, result.cache_flushes, result.out_of_memory) == (14 * MiB, 1, False)
+
+
+def test_out_of_memory_when_releasing_the_cache_frees_nothing():
+    allocator = CachingAllocator(capacity=20 * MiB)
+    allocator.malloc(12 * MiB)
+    with pytest.raises(OutOfMemory):
+        allocator.malloc(14 * MiB)
+    result = simulate_reserved([("a", 12 * MiB, 0), ("b", 14 * MiB, 0)], AllocatorSettings(), capacity=20 * MiB)
+    assert result.out_of_memory and result.reserved_bytes == 26 * MiB   # the unbounded figure, flagged
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another():
+    """get_free_block: the free block must be on the request's stream (BlockComparatorSize orders by stream)."""
+    result = replay([("a", 12 * MiB, "compute"), ("a", 0, "compute"), ("b", 12 * MiB, "all-gather")])
+    assert result.reserved_bytes == 24 * MiB
+
+
+def test_max_split_size_keeps_oversize_blocks_for_large_requests():
+    """get_free_block: under max_split_size a request cannot take an oversize block; at or over it, a block at most
+    kLargeBuffer larger; should_split: an oversize request is never split."""
+    limit = AllocatorSettings(max_split_size=40 * MiB)
+    assert replay([("a", 60 * MiB, 0), ("a", 0, 0), ("b", 30 * MiB, 0)], limit).reserved_bytes == 90 * MiB
+    result = replay([("a", 60 * MiB, 0), ("a", 0, 0), ("b", 50 * MiB, 0)], limit)
+    assert (result.reserved_bytes, result.allocated_bytes) == (60 * MiB, 60 * MiB)
+    assert replay([("a", 60 * MiB, 0), ("a", 0, 0), ("b", 30 * MiB, 0)]).reserved_bytes == 60 * MiB   # no limit
+
+
+def test_expandable_segments_map_20_mib_pages_and_grow_in_place():
+    """try_allocate_expandable_block / map_block: 12 MiB maps one 20 MiB page; the freed page then holds 14 MiB,
+    where fixed segments needed a second one (26 MiB)."""
+    result = replay([("a", 12 * MiB, 0), ("a", 0, 0), ("b", 14 * MiB, 0)], EXPANDABLE)
+    assert (result.reserved_bytes, result.allocated_bytes) == (20 * MiB, 14 * MiB)
+
+
+def test_an_expandable_segment_extends_its_free_tail_with_new_pages():
+    """find_expandable_block starts in the free 8 MiB before the unmapped range; map_block maps one more page."""
+    allocator = CachingAllocator(EXPANDABLE)
+    first = allocator.malloc(12 * MiB)
+    block = allocator.malloc(14 * MiB)
+    assert block.address == first.address + 12 * MiB   # right after the first, across the page boundary
+    assert allocator.reserved == 40 * MiB
+
+
+def test_releasing_an_expandable_segment_unmaps_its_free_pages():
+    """unmap_block: only whole pages inside free blocks are unmapped."""
+    allocator = CachingAllocator(EXPANDABLE)
+    kept, freed = allocator.malloc(12 * MiB), allocator.malloc(30 * MiB)
+    assert allocator.reserved == 60 * MiB   # pages 0-2: 12 + 30 MiB need 42 MiB
+    allocator.free(freed)
+    allocator.empty_cache()
+    assert allocator.reserved == 20 * MiB   # page 0 holds the kept block
+    allocator.free(kept)
+    allocator.empty_cache()
+    assert allocator.reserved == 0
+
+
+def test_a_resized_storage_frees_its_block_and_takes_a_new_one():
+    """replay: FSDP2 resizes a storage to 0 and back; each new size is a new request."""
+    result = replay([("p", 12 * MiB, 0), ("p", 0, 0), ("p", 12 * MiB, 0)])
+    assert (result.reserved_bytes, result.allocated_bytes) == (12 * MiB, 12 * MiB)
+
+
+# ---- the estimators replay their step through it ------------------------------------------------------------
+
+def _tiny_training(techniques=()):
+    return Workload(model="tiny-llama", task="train", batch_size=4, seq_len=256, precision="bf16-mixed",
+                    techniques=techniques)
+
+
+@pytest.mark.parametrize("techniques", [(), ("expandable-segments",)])
+def test_an_analytic_gpu_estimate_reserves_what_its_step_replayed_through_the_allocator_reserves(techniques):
+    workload = resolve(_tiny_training(techniques))
+    gpu = get_gpu("a100-80gb")
+    result = estimate(workload, method="analytic", gpu=gpu)
+    engine = simulate(workload, gpu, workload.source.num_layers, record_allocations=True)
+    settings = AllocatorSettings(expandable_segments=bool(techniques))
+    replayed = replay([(uid, nbytes, 0) for uid, nbytes in engine.allocations], settings)
+    assert replayed.allocated_bytes == result.peak_bytes
+    assert result.reserved_bytes == replayed.reserved_bytes > result.peak_bytes
+    assert result.sources["reserved_bytes"] == result.sources["allocator_reserve"] == "simulated"
+    assert result.overhead_detail["allocator_reserve"] == result.reserved_bytes - result.peak_bytes
+    assert result.allocator["expandable_segments"] is bool(techniques)
+
+
+def test_traced_and_analytic_replays_of_the_same_step_reserve_alike():
+    gpu = get_gpu("a100-80gb")
+    traced, analytic = (estimate(_tiny_training(), method=m, gpu=gpu) for m in ("traced", "analytic"))
+    assert traced.reserved_bytes == pytest.approx(analytic.reserved_bytes, rel=0.03)
+
+
+def test_a_step_deeper_than_its_trace_scales_the_sampled_reserve_and_says_so():
+    result = estimate(Workload(model="gpt2-large", task="train", batch_size=1, seq_len=128), method="traced",
+                      gpu=get_gpu("a100-80gb"))
+    note = next(n for n in result.notes if n.startswith("allocator reserve simulated on the step at"))
+    share = float(note.split("(")[1].split("%")[0]) / 100
+    assert result.reserved_bytes - result.peak_bytes == pytest.approx(share * result.peak_bytes, rel=0.01, abs=1024)
+
+
+def test_tensors_larger_than_the_device_skip_the_replay_and_do_not_fit():
+    result = estimate(Workload(model="llama-3.1-70b", task="train", batch_size=1, seq_len=512), method="analytic",
+                      gpu=get_gpu("rtx-4090"))
+    assert result.fits is False and result.allocator["out_of_memory"]
+    assert "the tensors alone exceed the device" in " ".join(result.notes)
+
+
+def test_a_plan_fits_on_the_simulated_reserved_bytes():
+    from memfit.planner.planning import PlanRequest, plan
+
+    result = plan(PlanRequest(model="tiny-llama", gpu=get_gpu("t4"), seq_len=256, global_batch=8))
+    best = result.plans[0]
+    estimate_json = best.estimate.to_json()
+    assert best.device_bytes == (estimate_json["reserved_bytes"] + estimate_json["overhead_detail"]["cuda_context"]
+                                 + estimate_json["overhead_detail"]["cublas_workspace"])
