@@ -37,6 +37,8 @@ class MemoryEstimate:
     model_state_bytes: dict[str, int]
     overhead_bytes: int = 0
     host_bytes: int = 0                        # host RAM that offloaded tensors need at their peak
+    paged_bytes: int = 0                       # GPU target: CUDA unified memory (paged optimizer states), outside
+    #                                            the allocator: on the device beside the rest, the excess paged out
     fits: bool | None = None
     headroom_bytes: int | None = None
     elapsed_s: float = 0.0
@@ -77,6 +79,8 @@ class MemoryEstimate:
             "elapsed_s": round(self.elapsed_s, 4), "device_memory_bytes": self.device_memory_bytes,
             "sources": self.sources, "overhead_detail": self.overhead_detail, "notes": self.notes,
         }
+        if self.paged_bytes:
+            data["paged_bytes"] = self.paged_bytes
         if self.reserved_bytes is not None:
             data["reserved_bytes"] = self.reserved_bytes
             data["allocator"] = self.allocator

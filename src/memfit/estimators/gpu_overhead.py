@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from memfit.core.units import MiB
+from memfit.core.units import MiB, format_bytes
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.caching_allocator import Event, predict_reserve
 from memfit.specs.hardware import GPU, AllocatorSettings
@@ -54,3 +54,11 @@ def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations:
     if note:
         estimate.notes.append(note)
     estimate.apply_device(gpu.memory_bytes)
+    if estimate.paged_bytes:
+        spilled = max(0, estimate.paged_bytes - max(0, estimate.headroom_bytes))
+        estimate.host_bytes += spilled
+        estimate.sources["paged_bytes"] = estimate.method
+        estimate.notes.append(
+            f"paged optimizer states: {format_bytes(estimate.paged_bytes)} in CUDA unified memory, outside the "
+            "allocator" + (f"; {format_bytes(spilled)} of it does not fit beside the rest and pages to host RAM "
+                           "(PCIe traffic every step)" if spilled else ", on the device beside the rest"))

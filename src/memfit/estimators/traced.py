@@ -143,6 +143,8 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     started = time.perf_counter()
     source = workload.source
     weights, divisor, notes = state_weights(workload, traced=True)
+    if gpu:   # a paged optimizer's states live in unified memory there, outside the allocator (estimate.paged_bytes)
+        weights = {**weights, "paged": 0}
     # a step not linear in depth (pipeline stages split the blocks by rank) is traced at full depth
     whole = timeline or full_trace or not all(t.depth_linear for t in workload.technique_configs)
     depths = None if whole else extrapolation_depths(source.num_layers, source.layer_period)
@@ -153,6 +155,8 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         try:
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
             host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, source.num_layers)
+            paged_bytes = extrapolate_host({n: {"paged": r.trace.paged_bytes()} for n, r in runs.items()},
+                                           source.num_layers)
             regions = extrapolate(samples, source.num_layers)
             sampled_depth = depths[-1]
             notes.append(f"traced {', '.join(map(str, depths))} of {source.num_layers} layers and "
@@ -169,6 +173,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         if len(runs) > 1:
             notes.append(f"traced each of {len(runs)} ranks; rank {highest} has the highest peak")
         host_bytes = max(run.trace.host_peaks().values())
+        paged_bytes = run.trace.paged_bytes()
     if run.probed:
         notes.append("CPU kernel scratch probed on real tensors of the same shapes: " + ", ".join(sorted(run.probed)))
     if run.skipped:
@@ -185,6 +190,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         sources={name: "traced" for name in CATEGORIES}, notes=notes,
     )
     if gpu:
+        estimate.paged_bytes = paged_bytes
         add_gpu_overheads(estimate, gpu, workload, run.trace.allocations(weights, divisor), sampled_depth)
     if modules:
         estimate.modules = module_rows(run.trace, run.model, run.stacks, source.num_layers)

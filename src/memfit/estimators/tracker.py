@@ -48,6 +48,7 @@ class _Storage:
     shape: tuple = ()
     dtype: str = ""
     host: bool = False            # kept in host RAM by an offload technique (not device memory)
+    paged: bool = False           # CUDA unified memory on a GPU (a paged optimizer's state), outside the allocator
 
 
 @dataclass
@@ -95,9 +96,14 @@ class Trace:
     def _storage_weights(self, category: list[str], weights: dict[str, int] | None, include_host: bool) -> list[int]:
         weights = weights or {name: 1 for name in CATEGORIES}
         step_weight = weights.get("optimizer_temporaries", weights["temporaries"])
-        return [0 if s.host and not include_host
+        paged = weights.get("paged", 1)   # 0: a GPU target, where paged storages live outside the allocator
+        return [0 if (s.host and not include_host) or (s.paged and not paged)
                 else step_weight if c == "temporaries" and s.phase == "optimizer" else weights[c]
                 for c, s in zip(category, self.storages)]
+
+    def paged_bytes(self) -> int:
+        """Bytes of the storages in unified memory (a paged optimizer's states, alive from the first step on)."""
+        return sum(s.nbytes for s in self.storages if s.paged)
 
     def allocations(self, weights: dict[str, int] | None = None, divisor: int = 1) -> list[tuple[int, int, int]]:
         """The device's allocations in order, for the caching allocator (caching_allocator.replay): (storage,
@@ -204,6 +210,10 @@ class MemoryTracker(TorchDispatchMode):
     def _noted(self, tensors: list[torch.Tensor], kind: str) -> None:
         if kind == "host":
             self.mark_host(tensors)
+        elif kind == "paged":
+            for tensor in tensors:
+                for plain in plain_tensors(tensor):
+                    self.storages[self._register(plain)].paged = True
         else:
             self.mark(kind, tensors)
 

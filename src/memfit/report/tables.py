@@ -46,8 +46,11 @@ def estimate_table(estimate: MemoryEstimate) -> Table:
     if estimate.overhead_bytes:
         total = _fmt(estimate.peak_bytes + estimate.overhead_bytes)
         table.add_row("[bold]total on device[/bold]", f"[bold]{total}[/bold]", "", "")
-    if estimate.host_bytes:
+    if estimate.host_bytes or estimate.paged_bytes:
         table.add_section()
+    if estimate.paged_bytes:
+        table.add_row("paged states (unified memory)", _fmt(estimate.paged_bytes), "", "outside the allocator")
+    if estimate.host_bytes:
         table.add_row("host RAM (offloaded)", _fmt(estimate.host_bytes), "", "at its own peak")
     return table
 

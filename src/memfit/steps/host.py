@@ -38,6 +38,12 @@ def note_host(tensors: Iterable[torch.Tensor]) -> None:
     _notify(tensors, "host")
 
 
+def note_paged(tensors: Iterable[torch.Tensor]) -> None:
+    """These tensors live in CUDA unified memory on a GPU (bitsandbytes' paged optimizer states), outside PyTorch's
+    allocator; on a CPU they are ordinary tensors."""
+    _notify(tensors, "paged")
+
+
 def note_category(tensors: Iterable[torch.Tensor], category: str) -> None:
     """These device tensors belong to `category` (weights streamed in are "parameters", DDP's buckets
     "gradients"): for code that runs inside a step, where memfit's step hooks cannot reach."""
@@ -52,7 +58,7 @@ def _notify(tensors: Iterable[torch.Tensor], kind: str) -> None:
 
 @contextmanager
 def listening(listener: Callable[[list[torch.Tensor], str], None]):
-    """`listener(tensors, kind)` hears every note; kind is "host" or a category."""
+    """`listener(tensors, kind)` hears every note; kind is "host", "paged" or a category."""
     _listeners.append(listener)
     try:
         yield

@@ -148,6 +148,10 @@ class Technique:
         them: "float32", "uint8", ...)."""
         raise NotImplementedError(f"{self.name} is not an optimizer")
 
+    def analytic_paged_states(self, params) -> list[tuple[int, str]]:
+        """The part of `analytic_states` a paged optimizer keeps in CUDA unified memory on a GPU."""
+        return []
+
     def analytic_step_temporaries(self, params, impl: str) -> list[tuple[int, str]]:
         """An optimizer step's temporaries alive at once over `params` (each rank's shards), run by `impl`
         (foreach, fused or for-loop: the workload's --optimizer-impl, else the device's default)."""

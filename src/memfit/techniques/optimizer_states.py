@@ -9,6 +9,11 @@ Mechanism and memory per parameter (fp32 AdamW keeps m and v: 8 bytes):
     Li et al., "Memory Efficient Optimizers with 4-bit States", 2023.
   adafactor (torch.optim.Adafactor): factored second moment (a row and a column vector per
     matrix), no first moment. Shazeer & Stern, 2018.
+  paged-adamw8bit (bitsandbytes PagedAdamW8bit): adamw8bit's layout; the m and v codes of tensors of 1e5
+    elements or more live in CUDA unified memory (cudaMallocManaged),
+    outside PyTorch's allocator: not in max_memory_allocated or reserved, on the device while it has room and
+    paged to host RAM when it has not. A GPU estimate reports them as `paged_bytes`; a CPU has no unified
+    memory, so there (and in memfit's CPU measurements) they are ordinary tensors.
 These set the workload's optimizer (`--optimizer` and `-t` are the same setting); each builds its optimizer
 for the step (`build`) and declares its states and step temporaries to the analytic estimator: on CUDA each
 runs one kernel per tensor (no temporaries); on the CPU bitsandbytes' 8-bit step dequantizes m and v and
@@ -22,18 +27,21 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.steps.host import note_paged
 from memfit.steps.optim import torch_optimizer, trainable
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
 KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
 BNB_MIN_8BIT_SIZE, BNB_BLOCK, BNB_QMAP = 4096, 256, 256   # bitsandbytes' 8-bit state layout
+PAGED_MIN_NUMEL = 100_000   # bitsandbytes pages the states of tensors this large (Optimizer8bit.get_state_buffer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,15 +113,65 @@ class AdamW8bit(_Optimizer):
         return OomFix(self.name, int(states * (1 - KEEP_8BIT_STATE)), SNAPSHOT_RATIO, f"-t {self.name}")
 
     def build(self, params, *, lr=None, impl=None, shard=False):
-        # Imported and built outside any tracking or fake mode: the import creates constant tables and the
-        # constructor computes its quantization maps from real values; neither is the step's memory.
-        from torch.utils._python_dispatch import _disable_current_modes
+        return _build_bnb(self, "AdamW8bit", params, lr, shard)
 
-        self._refuse_shard(shard)
-        params = trainable(params)
-        with _disable_current_modes():
-            bnb = _import("bitsandbytes", self.name)
-            return bnb.optim.AdamW8bit(params, lr=self.default_lr if lr is None else lr)
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PagedAdamW8bit(AdamW8bit):
+    name = "paged-adamw8bit"
+    summary = ("AdamW8bit with its large states in CUDA unified memory (bitsandbytes PagedAdamW8bit): outside the "
+               "allocator, paged to host RAM when the device is full")
+    oom_fixes = ("paged-adamw8bit",)
+
+    def analytic_paged_states(self, params) -> list[tuple[int, str]]:
+        """m and v codes of every tensor of 1e5 elements or more (bitsandbytes `get_state_buffer`)."""
+        return [(p.numel, "uint8") for p in params if p.numel >= PAGED_MIN_NUMEL for _ in range(2)]
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        states = snapshot.by_category.get("optimizer_states") if snapshot is not None else None
+        if not states:
+            return None
+        return OomFix(self.name, int(states), SNAPSHOT_RATIO + "; the states move outside the allocator",
+                      f"-t {self.name}")
+
+    def build(self, params, *, lr=None, impl=None, shard=False):
+        return _noting_paged_states(_build_bnb(self, "PagedAdamW8bit", params, lr, shard))
+
+    def cost_overhead(self, step) -> None:
+        """The paged states that do not fit on the device cross PCIe twice a step (in for the update, out again)."""
+        estimate = step.estimate
+        spilled = max(0, estimate.paged_bytes - max(0, estimate.headroom_bytes or 0))
+        step.add("offload", 2 * spilled / step.pcie_bytes_per_s)
+
+
+def _build_bnb(technique: _Optimizer, kind: str, params, lr, shard: bool) -> torch.optim.Optimizer:
+    # Imported and built outside any tracking or fake mode: the import creates constant tables and the
+    # constructor computes its quantization maps from real values; neither is the step's memory.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    technique._refuse_shard(shard)
+    params = trainable(params)
+    with _disable_current_modes():
+        bnb = _import("bitsandbytes", technique.name)
+        return getattr(bnb.optim, kind)(params, lr=technique.default_lr if lr is None else lr)
+
+
+def _noting_paged_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """After each step, say which states bitsandbytes pages on a GPU (`get_state_buffer`: m and v of tensors of
+    1e5 elements or more); a CPU run keeps them as ordinary tensors, a GPU estimate counts them apart."""
+    step = optimizer.step
+
+    def stepped(*args, **kwargs):
+        with warnings.catch_warnings():   # its CPU fallback: memfit says itself where the states live
+            warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+            out = step(*args, **kwargs)
+        note_paged([state[name] for p, state in optimizer.state.items() if p.numel() >= PAGED_MIN_NUMEL
+                    for name in ("state1", "state2") if isinstance(state.get(name), torch.Tensor)])
+        return out
+
+    optimizer.step = stepped
+    return optimizer
 
 
 @register

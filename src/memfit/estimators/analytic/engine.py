@@ -86,6 +86,7 @@ class Engine:
         self.offloading: dict[int, Offloaded] | None = None   # in an offloaded block: its host copies by uid
         self.host_live = 0
         self.host_peak = 0
+        self.paged_bytes = 0          # CUDA unified memory: a paged optimizer's states (optimizer.create_states)
         self._bucket: Sym | None = None
         # called with a parameter once its gradient is complete (an optimizer step in backward: optimizer.py)
         self.gradient_ready: Callable[[Param], None] | None = None

@@ -90,6 +90,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
             try:
                 regions = extrapolate(samples, layers)
                 saved = extrapolate_host({n: {"step": e.host_peak} for n, e in engines.items()}, layers)
+                paged = extrapolate_host({n: {"paged": e.paged_bytes} for n, e in engines.items()}, layers)
                 break
             except NotLinear as exc:
                 failure, depths = exc, None
@@ -101,10 +102,11 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         by_rank = {}
         for rank in ranks:
             engine = simulate(workload, gpu, layers, weights, rank, record_allocations=gpu is not None)
-            by_rank[rank] = (regions_of(engine, layers, layers), engine.host_peak, engine.allocations)
+            by_rank[rank] = (regions_of(engine, layers, layers), engine.host_peak, engine.allocations,
+                             engine.paged_bytes)
             del engine
         highest = max(ranks, key=lambda r: peak_of(by_rank[r][0])[0].total)
-        regions, saved, allocations = by_rank[highest]
+        regions, saved, allocations, paged = by_rank[highest]
         if why:
             notes.append(f"simulated ranks {' and '.join(map(str, ranks))} ({why}); rank {highest} has the highest "
                          "peak")
@@ -132,6 +134,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         if depths and estimate.peak_bytes <= allocator_capacity(gpu):   # the whole step: milliseconds, no tensors
             allocations = simulate(workload, gpu, layers, weights, record_allocations=True).allocations
         events = [(uid, -(-nbytes // divisor), 0) for uid, nbytes in allocations or ()]
+        estimate.paged_bytes = paged
         add_gpu_overheads(estimate, gpu, workload, events)
     estimate.elapsed_s = time.perf_counter() - started
     return estimate

@@ -13,8 +13,10 @@ An optimizer that is a technique (8-bit and 4-bit AdamW, Adafactor) declares its
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.symbols import Param, Sym
+from memfit.estimators.analytic.symbols import DTYPE_BYTES, Param, Sym
 from memfit.techniques import REGISTRY
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -28,12 +30,25 @@ def create_states(e: Engine, workload: ResolvedWorkload) -> list[Sym]:
     params = _trainable(e)
     optimizer = workload.optimizer
     if optimizer in REGISTRY:
-        layout = REGISTRY[optimizer]().analytic_states(params)
+        technique = REGISTRY[optimizer]()
+        layout = technique.analytic_states(params)
+        if e.policy.backend == "cuda":   # unified memory, outside the allocator; a CPU has none (ordinary tensors)
+            paged = Counter(technique.analytic_paged_states(params))
+            e.paged_bytes += sum(numel * DTYPE_BYTES[dtype] * count for (numel, dtype), count in paged.items())
+            layout = [state for state in layout if not _take(paged, state)]
     elif optimizer in ("adam", "adamw"):
         layout = [(n, dt) for p in params for n, dt in ((p.numel, p.dtype), (p.numel, p.dtype), (1, "float32"))]
     else:   # sgd: the momentum buffer
         layout = [(p.numel, p.dtype) for p in params]
     return [e.new(numel, dtype, category="optimizer_states") for numel, dtype in layout]
+
+
+def _take(counts: Counter, item) -> bool:
+    """Take one `item` from `counts` if any is left."""
+    if counts[item]:
+        counts[item] -= 1
+        return True
+    return False
 
 
 class Shard:
