@@ -67,6 +67,19 @@ def test_predicted_peak_and_saving_match_a_real_run(techniques, baseline, measur
         assert abs(predicted_saving - saving) <= tolerance * base.peak_bytes, (method, predicted_saving, saving)
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "eager", "tiny-qwen2"])
+def test_torchtitans_op_policy_keeps_less_than_selective_and_is_predicted(model, eager_llama, measured):
+    """checkpointing:mode=selective-op saves SDPA's output and every other aten.mm, recomputing bmm (eager
+    attention) and addmm (Qwen2's biased projections): between full recompute and `selective`, and both
+    estimators within 2 % of the real run."""
+    model = eager_llama if model == "eager" else model
+    op, selective, full = (measured((f"checkpointing:mode={mode}",), model) for mode in ("selective-op", "selective",
+                                                                                             "full"))
+    assert full.peak_bytes < op.peak_bytes < selective.peak_bytes
+    assert rel(predicted(op, "traced"), op.peak_bytes) < 0.02
+    assert rel(predicted(op, "analytic"), op.peak_bytes) < 0.02
+
+
 @pytest.mark.parametrize("model,task,techniques", [
     ("eager", "train", ("sdpa",)), ("eager", "inference", ("sdpa",)),
     ("tiny-qwen2", "train", ("sliding-window:window=64",)), ("tiny-qwen2", "inference", ("sliding-window:window=64",)),
@@ -471,7 +484,7 @@ def test_bad_input_is_one_error_and_changes_nothing():
     for bad, fragment in ((["checkpointing", "nosuch"], "unknown technique"),
                           (["checkpointing", "checkpointing:every=2"], "given twice"),
                           (["adamw8bit", "adafactor"], "both set the optimizer"),
-                          (["checkpointing:mode=fast"], "full, selective, offload"),
+                          (["checkpointing:mode=fast"], "full, selective, selective-op, offload"),
                           (["cpu-offload", "adamw8bit"], "float32 states"),
                           (["checkpointing", "cpu-offload"], "pass your optimizer"),
                           (["truncate:max_len=x"], "not a valid int")):

@@ -4,9 +4,14 @@ or selective per op; or, instead of recomputing, the blocks' saved tensors offlo
 
 Mechanism: a checkpointed block keeps only its inputs during the forward; backward re-runs the
 block's forward (once, when it first needs a saved tensor) and then its backward. `every=n`
-checkpoints blocks 0, n, 2n, ... . `mode=selective` keeps the outputs of matmuls and attention
-kernels (the expensive ops) and recomputes the cheap ones (norms, activations, rotary, casts),
-via torch.utils.checkpoint.create_selective_checkpoint_contexts.
+checkpoints blocks 0, n, 2n, ... . `mode=selective` keeps the outputs of every matmul (mm, addmm, bmm)
+and attention kernel (the expensive ops) and recomputes the cheap ones (norms, activations, rotary,
+casts), via torch.utils.checkpoint.create_selective_checkpoint_contexts. `mode=selective-op` is
+torchtitan's op policy exactly (torchtitan/models/llama3/infra/parallelize.py, `_save_list`): it keeps
+the outputs of aten.mm except every second one (counted per block, in the forward and again in the
+re-run), of the flash and memory-efficient SDPA kernels (and the CPU flash kernel, so that CPU runs
+match), of reduce-scatter and of max, and recomputes everything else: addmm (a linear with a bias), bmm
+(eager attention's matmuls) and half the projections are re-run, so it keeps less than `selective`.
 Memory: saved activations of a checkpointed block drop to its inputs (Korthikanti et al., 2022:
 `2sbh` per layer for full recompute), and backward holds one block's activations at a time again.
 Time: one extra forward of the checkpointed blocks (about a third of a training step; ~20 % in the
@@ -27,8 +32,9 @@ from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
 
-MODES = ("full", "selective", "offload")
+MODES = ("full", "selective", "selective-op", "offload")
 SELECTIVE_RECOMPUTE = 0.1    # of one forward: the cheap ops selective checkpointing re-runs (assumed)
+SELECTIVE_OP_RECOMPUTE = 0.5   # of one forward: every second projection and the cheap ops (assumed)
 KEEP_CHECKPOINTED = 2 / 34   # of a layer's activation bytes: full recompute keeps 2sbh of 34sbh (Korthikanti et al.)
 
 
@@ -47,6 +53,33 @@ def selective_context():
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _torchtitan_save_list() -> set:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_flash_attention.default, aten.max.default}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        ops.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    if hasattr(torch.ops, "_c10d_functional"):
+        ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return ops
+
+
+def selective_op_context():
+    """torchtitan's op policy: a fresh mm count per checkpointed call, in the forward and in the re-run."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save, counts = _torchtitan_save_list(), {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            counts[mode] += 1
+        keep = op in save and not (op == torch.ops.aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
@@ -75,14 +108,15 @@ class Checkpointing(Technique):
 
     def step_time_factor(self) -> float:
         # offload: device <-> host copies of the saved tensors instead of a re-run (overlapped on a GPU)
-        return {"full": self.time_factor, "selective": 1.1, "offload": 1.1}[self.mode]
+        return {"full": self.time_factor, "selective": 1.1, "selective-op": 1.17, "offload": 1.1}[self.mode]
 
     @classmethod
     def search_values(cls, request, workload):
         return list(cls.oom_fixes) if request.task == "train" else []
 
     def analytic_policy(self, workload) -> dict:
-        return {"checkpoint_every": self.every, "checkpoint_selective": self.mode == "selective",
+        return {"checkpoint_every": self.every,
+                "checkpoint_selective": self.mode if self.mode.startswith("selective") else None,
                 "checkpoint_offload": self.mode == "offload"}
 
     def cost_compute(self, compute) -> None:
@@ -92,6 +126,8 @@ class Checkpointing(Technique):
             compute.recompute += compute.forward / self.every
         elif self.mode == "selective":
             compute.recompute += SELECTIVE_RECOMPUTE * compute.forward
+        elif self.mode == "selective-op":
+            compute.recompute += SELECTIVE_OP_RECOMPUTE * compute.forward
 
     def cost_overhead(self, step) -> None:
         if self.mode == "offload":   # the saved tensors go to the host and back, overlapped with the compute
@@ -120,12 +156,12 @@ class Checkpointing(Technique):
             for block in chosen:
                 offload_saved_tensors_(block, keep)
             return
-        checkpoint = step_checkpoint(setup, selective=self.mode == "selective")
+        checkpoint = step_checkpoint(setup, selective=self.mode if self.mode.startswith("selective") else None)
         for block in chosen:
             checkpoint_block_(block, checkpoint)
 
 
-def step_checkpoint(setup: StepSetup, *, selective: bool = False):
+def step_checkpoint(setup: StepSetup, *, selective: str | None = None):
     """torch.utils.checkpoint (non-reentrant) for this step. The re-run happens inside backward, where
     checkpoint restores torch.autocast but not Python torch-function modes; memfit's traces use such
     modes (CUDA kernel and autocast emulation), so the re-run re-enters them and a fresh autocast region."""
@@ -133,7 +169,8 @@ def step_checkpoint(setup: StepSetup, *, selective: bool = False):
     from torch.utils.checkpoint import checkpoint
 
     def context_fn():
-        forward, recompute = selective_context() if selective else (nullcontext(), nullcontext())
+        contexts = {"selective": selective_context, "selective-op": selective_op_context}
+        forward, recompute = contexts[selective]() if selective else (nullcontext(), nullcontext())
         modes = [m for m in _get_current_function_mode_stack() if not getattr(m, "autocast_region", False)]
         again = modes + ([setup.autocast()] if setup.autocast_fn is not None else [])
         return (forward, _entered(recompute, *again)) if again else (forward, recompute)

@@ -28,7 +28,8 @@ class Policy:
     train: bool
     round_to: int = 1           # allocator granularity (CUDA caching allocator: 512 bytes)
     checkpoint_every: int = 0   # activation checkpointing of blocks 0, n, 2n, ... (0: none)
-    checkpoint_selective: bool = False   # keep matmul/attention outputs, recompute the rest
+    checkpoint_selective: str | None = None   # "selective": keep every matmul and attention output; "selective-op":
+    #                                           torchtitan's op policy (recompute.Region.keeps)
     loss_chunks: int = 0        # chunked cross-entropy: LM head + loss over this many sequence slices
     fsdp: bool = False          # FSDP2: each block's parameters all-gathered while it runs (blocks.py)
     fsdp_reshard: bool = True   # FSDP2 frees a block's gathered parameters after its forward (else after backward)
@@ -188,10 +189,11 @@ class Engine:
                     raise RecomputeDone
         return output
 
-    def op_output(self, numel: int, dtype: str) -> Sym:
-        """The output of a matmul or attention kernel: what selective checkpointing keeps."""
+    def op_output(self, numel: int, dtype: str, kind: str) -> Sym:
+        """The output of a matmul or attention kernel (`kind`: mm, addmm, bmm, attention, or quantized for a
+        quantized linear's kernel): what selective checkpointing may keep."""
         region = self.region
-        if region is not None and region.selective:
+        if region is not None and region.keeps(kind):
             if region.reuse is not None:
                 return region.reuse.pop(0)
             out = self.new(numel, dtype)

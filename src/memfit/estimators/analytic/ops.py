@@ -71,7 +71,7 @@ def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = 
     x_in = autocast_input(e, x, "linear")
     w_in = weight(e, w)
     tokens = x.numel // (w.numel // out_features)
-    out = e.op_output(tokens * out_features, x_in.dtype)
+    out = e.op_output(tokens * out_features, x_in.dtype, "mm" if bias is None else "addmm")
     inputs = [x_in, w_in] + ([weight(e, bias)] if bias is not None else [])
     out = e.record(out, inputs, _saves(x_in, w_in))
     del x_in, w_in
@@ -103,7 +103,7 @@ def qat_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | Non
     """torchao's FakeQuantizedLinear (qat): the input and the weight each fake-quantized, then x @ w."""
     x_q, w_q = fake_quantize(e, x), fake_quantize(e, w)
     tokens = x.numel // w.shape[1]
-    out = e.record(e.op_output(tokens * out_features, x.dtype), [x_q, w_q], _saves(x_q, w_q))
+    out = e.record(e.op_output(tokens * out_features, x.dtype, "quantized"), [x_q, w_q], _saves(x_q, w_q))
     return out if bias is None else add(e, out, bias)
 
 
@@ -167,7 +167,7 @@ def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     if scales is not None:
         scales = e.new(blocks, "float32")    # + offset, out of place; the dequantized codes are freed
     weight_now = e.new(numel, compute)
-    out = e.op_output(tokens * out_features, compute)
+    out = e.op_output(tokens * out_features, compute, "quantized")
     del scales, weight_now
     backward = [(numel, original)] + ([(numel, compute)] if compute != original else [])
     out = e.record(out, [x_in] + ([bias] if bias is not None else []), [], scratch=backward)
@@ -176,7 +176,7 @@ def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
 
 def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:
     a, b = autocast_input(e, a, "matmul"), autocast_input(e, b, "matmul")
-    return e.record(e.op_output(out_numel, promote(a.dtype, b.dtype)), [a, b], _saves(a, b))
+    return e.record(e.op_output(out_numel, promote(a.dtype, b.dtype), "bmm"), [a, b], _saves(a, b))
 
 
 def add(e: Engine, a: Sym, b: Sym) -> Sym:
@@ -287,8 +287,8 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     rows = batch * heads * q_len
     fused = e.policy.backend == "cuda" or (dropout_p == 0 or not e.policy.train)
     if fused and head_dim <= 256:
-        out = e.op_output(rows * head_dim, q.dtype)
-        lse = e.op_output(rows, "float32")
+        out = e.op_output(rows * head_dim, q.dtype, "attention")
+        lse = e.op_output(rows, "float32", "attention")
         scratch = [(q.numel, "float32"), (rows, "float32")] if e.policy.backend == "cuda" else []
         saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
         inputs = [q, k, v] + ([mask] if mask is not None and mask.grad else [])   # a learned bias gets a gradient

@@ -19,13 +19,26 @@ class Region:
     nothing: the block's inputs stay alive through `fn`, as checkpoint holds its arguments. The
     first backward node that needs a saved tensor re-runs `fn`; the re-run's saved tensors go to the
     original nodes, in recording order, and the re-run stops after the last of them. Selective
-    (SAC): the outputs of matmuls and attention are kept from the forward and reused, not recomputed."""
+    (SAC): the outputs of the ops the policy names are kept from the forward and reused, not recomputed."""
 
-    def __init__(self, fn, x: Sym, selective: bool) -> None:
+    def __init__(self, fn, x: Sym, selective: str | None) -> None:
         self.fn, self.x, self.selective = fn, x, selective
         self.kept: list[Sym] = []         # selective: op outputs stored in the forward, in order
         self.reuse: list[Sym] | None = None   # during the re-run: kept outputs still to hand out
         self.done = False
+        self.mm_count = 0                 # selective-op: aten.mm calls so far in this pass
+
+    def keeps(self, kind: str) -> bool:
+        """Whether the policy saves this op's output: `selective` every matmul and attention kernel;
+        `selective-op` (torchtitan) attention and every odd-numbered mm of the pass."""
+        if self.selective == "selective":
+            return True
+        if self.selective != "selective-op":
+            return False
+        if kind == "mm":
+            self.mm_count += 1
+            return self.mm_count % 2 == 1
+        return kind == "attention"
 
 
 def offloaded(e: Engine, fn, x: Sym) -> Sym:
@@ -39,7 +52,7 @@ def offloaded(e: Engine, fn, x: Sym) -> Sym:
         e.offloading = None
 
 
-def checkpointed(e: Engine, fn, x: Sym, *, selective: bool = False):
+def checkpointed(e: Engine, fn, x: Sym, *, selective: str | None = None):
     """`fn(x)` under torch.utils.checkpoint (non-reentrant: it applies when only the block's parameters
     need gradients too, as under LoRA, whose first block's input needs none)."""
     if not e.policy.train:
@@ -61,7 +74,7 @@ def recompute(e: Engine, region: Region, nodes: list[Node]) -> None:
     saving = [node for node in nodes if node.saved]
     outer_tape, e.tape = e.tape, []
     e.region, region.reuse = region, list(region.kept)
-    region.kept = []
+    region.kept, region.mm_count = [], 0
     e.rerun_left = len(saving)
     autocast = e.autocast_on
     e.autocast_on = e.policy.autocast_dtype is not None   # checkpoint re-enters the autocast state

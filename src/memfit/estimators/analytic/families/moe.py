@@ -39,12 +39,12 @@ def _grouped_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int
     counts, offsets = e.new(d.experts, "float32"), e.new(d.experts, "int32")
     w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
     # each operand saved when the other needs a gradient (frozen experts under LoRA keep no inputs)
-    proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype), [gathered, w_gate_up],
+    proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype, "mm"), [gathered, w_gate_up],
                     ops._saves(gathered, w_gate_up))
     act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
     proj = ops.mul(e, act, View(proj, proj.numel // 2))
     del act
-    proj = e.record(e.op_output(tokens * k * h, w_down.dtype), [proj, w_down], ops._saves(proj, w_down))
+    proj = e.record(e.op_output(tokens * k * h, w_down.dtype, "mm"), [proj, w_down], ops._saves(proj, w_down))
     weighted = ops.mul(e, proj, sample_w)
     inv_perm = e.new(tokens * k, "int64")
     positions = e.new(tokens * k, "int64")                                      # inv_perm[perm] = arange(...)
