@@ -8,6 +8,7 @@ from memfit.core.units import MiB
 from memfit.estimators import estimate
 from memfit.estimators.analytic.simulate import simulate
 from memfit.estimators.caching_allocator import (
+    PHASE_START,
     CachingAllocator,
     OutOfMemory,
     replay,
@@ -138,6 +139,15 @@ def test_releasing_an_expandable_segment_unmaps_its_free_pages():
     assert allocator.reserved == 0
 
 
+def test_emptying_the_cache_as_each_phase_starts_returns_the_free_segments():
+    """release-cache: torch.cuda.empty_cache() at a phase start frees the whole free 12 MiB segment, so the next
+    phase's 14 MiB request is the only segment left (release_cached_blocks)."""
+    events = [("a", 12 * MiB, 0), ("a", 0, 0), (PHASE_START, 0, 0), ("b", 14 * MiB, 0)]
+    assert replay(events).reserved_bytes == 26 * MiB
+    released = replay(events, AllocatorSettings(empty_cache_between_phases=True))
+    assert (released.reserved_bytes, released.cache_flushes) == (14 * MiB, 0)   # not an out-of-memory retry
+
+
 def test_a_resized_storage_frees_its_block_and_takes_a_new_one():
     """replay: FSDP2 resizes a storage to 0 and back; each new size is a new request."""
     result = replay([("p", 12 * MiB, 0), ("p", 0, 0), ("p", 12 * MiB, 0)])
@@ -151,19 +161,23 @@ def _tiny_training(techniques=()):
                     techniques=techniques)
 
 
-@pytest.mark.parametrize("techniques", [(), ("expandable-segments",)])
-def test_an_analytic_gpu_estimate_reserves_what_its_step_replayed_through_the_allocator_reserves(techniques):
+@pytest.mark.parametrize("techniques,settings", [
+    ((), AllocatorSettings()),
+    (("expandable-segments",), AllocatorSettings(expandable_segments=True)),
+    (("release-cache",), AllocatorSettings(empty_cache_between_phases=True)),
+])
+def test_an_analytic_gpu_estimate_reserves_what_its_step_replayed_through_the_allocator_reserves(techniques,
+                                                                                                settings):
     workload = resolve(_tiny_training(techniques))
     gpu = get_gpu("a100-80gb")
     result = estimate(workload, method="analytic", gpu=gpu)
     engine = simulate(workload, gpu, workload.source.num_layers, record_allocations=True)
-    settings = AllocatorSettings(expandable_segments=bool(techniques))
     replayed = replay([(uid, nbytes, 0) for uid, nbytes in engine.allocations], settings)
     assert replayed.allocated_bytes == result.peak_bytes
     assert result.reserved_bytes == replayed.reserved_bytes > result.peak_bytes
     assert result.sources["reserved_bytes"] == result.sources["allocator_reserve"] == "simulated"
     assert result.overhead_detail["allocator_reserve"] == result.reserved_bytes - result.peak_bytes
-    assert result.allocator["expandable_segments"] is bool(techniques)
+    assert result.allocator["expandable_segments"] is settings.expandable_segments
 
 
 def test_traced_and_analytic_replays_of_the_same_step_reserve_alike():

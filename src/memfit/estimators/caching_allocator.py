@@ -133,7 +133,6 @@ class CachingAllocator:
 
     def empty_cache(self) -> bool:
         """release_cached_blocks: whole free segments go back to the driver; expandable ones unmap free pages."""
-        self.cache_flushes += 1
         for pool in list(self._pools.values()):
             for key in list(pool.free):
                 block = self._blocks.get(key[2])
@@ -226,6 +225,8 @@ class CachingAllocator:
         return True
 
     def _release_cache(self) -> bool:
+        """malloc's last resort before out of memory (counted: each one synchronizes the device)."""
+        self.cache_flushes += 1
         return self.empty_cache()
 
     # ---- expandable segments -----------------------------------------------------------------------
@@ -365,15 +366,20 @@ class Replay:
 
 
 Event = tuple[Hashable, int, Hashable]   # (tensor, the bytes it holds from now on (0: freed), stream)
+PHASE_START = "<phase start>"            # an event's tensor: a phase of the step (forward, backward, ...) starts
 
 
 def replay(events: Iterable[Event], settings: AllocatorSettings | None = None, capacity: int | None = None) -> Replay:
     """Run the events through a fresh allocator. A tensor whose size changes (a storage resized in place, as
-    FSDP2 does) frees its block and takes a new one."""
+    FSDP2 does) frees its block and takes a new one; a phase start empties the cache when the settings say so."""
     allocator = CachingAllocator(settings, capacity)
     blocks: dict[Hashable, _Block | None] = {}
     try:
         for key, nbytes, stream in events:
+            if key == PHASE_START:
+                if allocator.settings.empty_cache_between_phases:
+                    allocator.empty_cache()
+                continue
             allocator.free(blocks.pop(key, None))
             if nbytes > 0:
                 blocks[key] = allocator.malloc(nbytes, stream)

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.categories import CATEGORIES, zero_categories
+from memfit.estimators.caching_allocator import PHASE_START, Event
 from memfit.steps.hooks import plain_tensors
 from memfit.steps.host import in_host_region, listening
 
@@ -105,14 +106,18 @@ class Trace:
         """Bytes of the storages in unified memory (a paged optimizer's states, alive from the first step on)."""
         return sum(s.nbytes for s in self.storages if s.paged)
 
-    def allocations(self, weights: dict[str, int] | None = None, divisor: int = 1) -> list[tuple[int, int, int]]:
+    def allocations(self, weights: dict[str, int] | None = None, divisor: int = 1) -> list[Event]:
         """The device's allocations in order, for the caching allocator (caching_allocator.replay): (storage,
         bytes it holds from now on, stream 0) for the storages alive before tracking began, then every event of
-        the warm-up and measured steps; sharded bytes per rank with `weights` and `divisor` (sharding.py)."""
+        the warm-up and measured steps with the phases' starts; sharded bytes per rank with `weights` and
+        `divisor` (sharding.py)."""
         weight = self._storage_weights([self.category_of(s) for s in self.storages], weights, False)
         size = {i: s.nbytes for i, s in enumerate(self.storages) if s.born == -1}
         out = [(i, -(-nbytes * weight[i] // divisor), 0) for i, nbytes in size.items() if weight[i]]
-        for sid, delta in self.events:
+        phase_starts = {index for index, _ in self.phase_marks}
+        for index, (sid, delta) in enumerate(self.events):
+            if index in phase_starts:
+                out.append((PHASE_START, 0, 0))
             if weight[sid]:
                 size[sid] = size.get(sid, 0) + delta
                 out.append((sid, -(-size[sid] * weight[sid] // divisor), 0))

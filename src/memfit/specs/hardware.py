@@ -42,6 +42,7 @@ class AllocatorSettings:
 
     expandable_segments: bool = False
     max_split_size: int | None = None   # bytes (max_split_size_mb); None: no limit
+    empty_cache_between_phases: bool = False   # torch.cuda.empty_cache() as each phase starts (release-cache)
 
 
 @lru_cache(maxsize=1)

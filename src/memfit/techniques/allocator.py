@@ -11,8 +11,7 @@ tensors' peak (what `max_memory_allocated` reports); they change what the alloca
                        optimizer step): cached, unused blocks go back to the driver, for another process
                        or a later phase of a different shape. The step's own peak is unchanged, so the
                        estimate is too; the cost is re-allocating through cudaMalloc every phase. The
-                       simulated allocator does not release between phases yet: its reserved figure is
-                       the one without this technique (an upper bound).
+                       simulated allocator empties its cache as each phase starts, as the run does.
 
 On the CPU both are no-ops (CPU runs have no caching allocator), so their figures come from a GPU or the
 simulated allocator.
@@ -72,6 +71,9 @@ class ReleaseCache(Technique):
     stage = "memory"
     summary = "return cached CUDA blocks to the driver between phases (torch.cuda.empty_cache; CUDA only)"
     time_factor = 1.02
+
+    def allocator_settings(self, settings: AllocatorSettings) -> AllocatorSettings:
+        return replace(settings, empty_cache_between_phases=True)
 
     def apply_(self, setup: StepSetup) -> None:
         if setup.device_type == "cuda" and torch.cuda.is_available():

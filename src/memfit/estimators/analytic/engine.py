@@ -16,6 +16,7 @@ from memfit.estimators.analytic import recompute
 from memfit.estimators.analytic.blocks import Gathers, block_numel, block_of
 from memfit.estimators.analytic.recompute import RecomputeDone, Region
 from memfit.estimators.analytic.symbols import Alias, Offloaded, Param, Sym, is_parameter
+from memfit.estimators.caching_allocator import PHASE_START
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ class Engine:
                     cmax[name] = value
 
     def set_phase(self, phase: str, segment: object = "pre") -> None:
+        if self.allocations is not None and phase != self.phase:
+            self.allocations.append((PHASE_START, 0))
         self.phase, self.segment = phase, segment
         if self.gathers and phase == "forward":
             self.gathers.begin_forward()
