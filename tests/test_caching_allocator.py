@@ -209,3 +209,4 @@ def test_a_plan_fits_on_the_simulated_reserved_bytes():
     estimate_json = best.estimate.to_json()
     assert best.device_bytes == (estimate_json["reserved_bytes"] + estimate_json["overhead_detail"]["cuda_context"]
                                  + estimate_json["overhead_detail"]["cublas_workspace"])
+    assert result.plan_json(0)["reserved_bytes"] == estimate_json["reserved_bytes"]

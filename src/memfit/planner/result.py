@@ -47,6 +47,10 @@ class PlanResult:
             "ppl_increase": chosen.ppl_increase, "sources": {"memory": "analytic", "time": self.request.cost.source},
             "workload": chosen.workload(self.request).to_json(),
         }
+        if estimate.reserved_bytes is not None:   # a GPU target: what the plan's fit was judged on
+            data["reserved_bytes"] = estimate.reserved_bytes
+        if estimate.paged_bytes:
+            data["paged_bytes"] = estimate.paged_bytes
         if "traced_peak_bytes" in estimate.extra:
             data["traced_peak_bytes"] = estimate.extra["traced_peak_bytes"]
         if index < len(self.savings):
