@@ -187,7 +187,7 @@ def test_traced_and_analytic_replays_of_the_same_step_reserve_alike():
 
 
 def test_a_step_deeper_than_its_trace_scales_the_sampled_reserve_and_says_so():
-    result = estimate(Workload(model="gpt2-large", task="train", batch_size=1, seq_len=128), method="traced",
+    result = estimate(Workload(model="gpt2", task="train", batch_size=1, seq_len=128), method="traced",
                       gpu=get_gpu("a100-80gb"))
     note = next(n for n in result.notes if n.startswith("allocator reserve simulated on the step at"))
     share = float(note.split("(")[1].split("%")[0]) / 100

@@ -72,10 +72,10 @@ def test_torchtitans_op_policy_keeps_less_than_selective_and_is_predicted(model,
     """checkpointing:mode=selective-op saves SDPA's output and every other aten.mm, recomputing bmm (eager
     attention) and addmm (Qwen2's biased projections): between full recompute and `selective`, and both
     estimators within 2 % of the real run."""
-    model = eager_llama if model == "eager" else model
-    op, selective, full = (measured((f"checkpointing:mode={mode}",), model) for mode in ("selective-op", "selective",
-                                                                                             "full"))
-    assert full.peak_bytes < op.peak_bytes < selective.peak_bytes
+    op = measured(("checkpointing:mode=selective-op",), eager_llama if model == "eager" else model)
+    if model == "tiny-llama":   # the other modes' runs are MODES' (measured once per session)
+        full, selective = measured(("checkpointing",)), measured(("checkpointing:mode=selective",))
+        assert full.peak_bytes < op.peak_bytes < selective.peak_bytes
     assert rel(predicted(op, "traced"), op.peak_bytes) < 0.02
     assert rel(predicted(op, "analytic"), op.peak_bytes) < 0.02
 
