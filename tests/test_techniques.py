@@ -258,8 +258,12 @@ def test_data_parallel_on_two_real_ranks(techniques, zero, measured, on_ranks):
     single = measured(techniques[1:] if sharded or techniques[:1] == ("ddp",) else techniques)
     assert len(run.extra["rank_peak_bytes"]) == 2
     traced = predicted(run, "traced")
-    late_free = FSDP2_ROOT_GROUP_BYTES if techniques[:1] and techniques[0].startswith("fsdp2") else 0   # limits.md
-    assert min(rel(traced, run.peak_bytes), rel(traced + late_free, run.peak_bytes)) < 0.03
+    # the outcomes a real run can take (limits.md): FSDP2 may free its root all-gather late; DDP's second step
+    # may let go of the old bucket set (held by gloo's work) before it peaks
+    late_free = FSDP2_ROOT_GROUP_BYTES if techniques[:1] and techniques[0].startswith("fsdp2") else 0
+    ddp = techniques[:1] == ("ddp",) or zero
+    old_buckets = run.extra["estimates"]["traced"]["model_state_bytes"]["parameters"] if ddp else 0
+    assert (traced - old_buckets) * 0.97 <= run.peak_bytes <= (traced + late_free) * 1.03, (traced, run.peak_bytes)
     assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     if sharded:
         assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
