@@ -56,6 +56,11 @@ class MemoryEstimate:
         assert set(self.at_peak) == set(CATEGORIES), self.at_peak
         assert sum(self.at_peak.values()) == self.peak_bytes, (self.at_peak, self.peak_bytes)
 
+    @property
+    def paged_out_bytes(self) -> int:
+        """The paged states that do not fit on the device beside the rest: they live in host RAM."""
+        return max(0, self.paged_bytes - max(0, self.headroom_bytes or 0))
+
     def apply_device(self, device_memory_bytes: int | None) -> None:
         """Decide fits/headroom for a device of this many bytes (None: no target)."""
         self.device_memory_bytes = device_memory_bytes

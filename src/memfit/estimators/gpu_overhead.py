@@ -35,14 +35,15 @@ def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations:
     """Add the device's overheads to a tensor-peak estimate and decide whether it fits: the allocator's reserve,
     simulated on the step's `allocations` (at `sampled_depth` layers when the step was sampled shallower than the
     model: caching_allocator.predict_reserve), and the assumed context and workspace."""
-    allocator, note = predict_reserve(allocations, allocator_settings(workload), allocator_capacity(gpu),
-                                      estimate.peak_bytes, sampled_depth)
+    settings = allocator_settings(workload)
+    allocator, note = predict_reserve(allocations, settings, allocator_capacity(gpu), estimate.peak_bytes,
+                                      sampled_depth)
     # what the allocator reserves beyond its own allocated peak, added to the estimate's peak (they differ only
     # where the estimator adds tensors the replay does not see: DeepSpeed's states)
     reserved = estimate.peak_bytes + max(0, allocator.reserved_bytes - allocator.allocated_bytes)
     estimate.reserved_bytes = reserved
     estimate.allocator = {**allocator.to_json(), "reserved_bytes": reserved,
-                          "expandable_segments": allocator_settings(workload).expandable_segments}
+                          "expandable_segments": settings.expandable_segments}
     estimate.overhead_detail = {
         "cuda_context": gpu.context_bytes,
         "cublas_workspace": CUBLAS_WORKSPACE_BYTES_ASSUMED,
@@ -55,7 +56,7 @@ def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations:
         estimate.notes.append(note)
     estimate.apply_device(gpu.memory_bytes)
     if estimate.paged_bytes:
-        spilled = max(0, estimate.paged_bytes - max(0, estimate.headroom_bytes))
+        spilled = estimate.paged_out_bytes
         estimate.host_bytes += spilled
         estimate.sources["paged_bytes"] = estimate.method
         estimate.notes.append(

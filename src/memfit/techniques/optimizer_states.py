@@ -140,9 +140,7 @@ class PagedAdamW8bit(AdamW8bit):
 
     def cost_overhead(self, step) -> None:
         """The paged states that do not fit on the device cross PCIe twice a step (in for the update, out again)."""
-        estimate = step.estimate
-        spilled = max(0, estimate.paged_bytes - max(0, estimate.headroom_bytes or 0))
-        step.add("offload", 2 * spilled / step.pcie_bytes_per_s)
+        step.add("offload", 2 * step.estimate.paged_out_bytes / step.pcie_bytes_per_s)
 
 
 def _build_bnb(technique: _Optimizer, kind: str, params, lr, shard: bool) -> torch.optim.Optimizer:
