@@ -40,6 +40,12 @@ TT3B = dict(model=LLAMA_3B, task="train", batch_size=2, seq_len=4096, precision=
 TT3B_LORA = dict(TT3B, optimizer_impl="fused")
 TT3B_LORA_TECHNIQUES = ("chunked-ce:chunks=8", "checkpointing:mode=offload")
 VIT_H_RUN = dict(model=VIT_H, task="train", batch_size=8, seq_len=224, precision="bf16-mixed")
+# torchtitan's Llama-3.1-8B pre-training: FSDP2 over 8 GPUs with MixedPrecisionPolicy (bf16 params, fp32 reduce),
+# torchtitan's op-level selective checkpointing, fp32 AdamW states
+TITAN8B = dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=8192, precision="bf16-mixed", world_size=8,
+               techniques=("fsdp2", "checkpointing:mode=selective-op"))
+TITAN_NOTE = ("torchtitan's own Llama predicted as Hugging Face's (same shapes); one CUDA stream simulated (FSDP2's "
+              "all-gather and reduce-scatter streams keep pools of their own, not modelled)")
 GEN = dict(model="llama-3.1-8b", task="inference", batch_size=1, seq_len=6, new_tokens=100, precision="bf16")
 
 
@@ -81,13 +87,10 @@ ROWS = [
         dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=2048, precision="bf16", optimizer_impl="fused",
              techniques=(f"qlora:rank=8,alpha=16,targets={ALL_LINEARS}", "checkpointing", "chunked-ce:chunks=8")),
         notes=[COMPILE]),
-    row("titan8b-fsdp8", 82.4, GiB, "reserved", "h100-sxm-80gb",
-        miss="FSDP2's MixedPrecisionPolicy (bf16 all-gathers, no autocast) and torchtitan's selective-op "
-             "checkpointing are not modelled yet; nor is the 96 GB H100"),
-    row("titan8b-fsdp8-compile", 77.0, GiB, "reserved", "h100-sxm-80gb",
-        miss="as titan8b-fsdp8, and torch.compile"),
-    row("ao8b-fsdp8", 47.65, GiB, "reserved", "h100-sxm-80gb",
-        miss="FSDP2's MixedPrecisionPolicy, per-op selective checkpointing and torch.compile are not modelled yet"),
+    row("titan8b-fsdp8", 82.4, GiB, "reserved", "h100-96gb", TITAN8B, notes=[TITAN_NOTE]),
+    row("titan8b-fsdp8-compile", 77.0, GiB, "reserved", "h100-96gb", TITAN8B, notes=[COMPILE, TITAN_NOTE]),
+    row("ao8b-fsdp8", 47.65, GiB, "reserved", "h100-sxm-80gb", dict(TITAN8B, batch_size=1),
+        notes=[COMPILE, TITAN_NOTE]),
     row("ao-vith-fused", 12.23, GB, "alloc", "rtx-4090", dict(VIT_H_RUN, optimizer_impl="fused"),
         notes=[COMPILE, "RTX 4070 Ti SUPER predicted as an RTX 4090 (same kernels; the metric is the tensor peak)"]),
     row("ao-vith-8bit", 8.32, GB, "alloc", "rtx-4090", dict(VIT_H_RUN, techniques=("adamw8bit",)),

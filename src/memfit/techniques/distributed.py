@@ -16,7 +16,12 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
           (FSDP's SHARD_GRAD_OP, ZeRO-2-like) keeps each block's gathered parameters from its forward until
           its backward is done: no second all-gather, but every block's parameters whole at the start of
           backward. With -t cpu-offload (offload.py) the shards, their gradients and the optimizer step
-          live in host RAM (CPUOffloadPolicy). Rajbhandari et al., 2020 (ZeRO-3); Zhao et al., 2023 (PyTorch FSDP).
+          live in host RAM (CPUOffloadPolicy). With bf16-mixed or fp16-mixed, `mp=policy` (the default, as
+          torchtitan and torchtune run it) is MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32):
+          float32 shards and optimizer states, parameters gathered in the half type, every activation half, the
+          unsharded gradients half and reduced in float32, no autocast; `mp=autocast` gathers float32
+          parameters and runs the forward under torch.autocast. Rajbhandari et al., 2020 (ZeRO-3); Zhao et al.,
+          2023 (PyTorch FSDP).
   ddp     torch.nn.parallel.DistributedDataParallel: a whole model per rank; gradients are all-reduced in
           buckets of ~25 MB as backward produces them. The buckets are one flat copy of every gradient,
           allocated when DDP is built and kept (gradient_as_bucket_view=False, PyTorch's default); with
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import Precision, get_precision
 from memfit.steps.host import note_category, note_host
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
@@ -167,6 +173,12 @@ class _KeepBuckets:
         return getattr(self._reducer, name)
 
 
+# fsdp2's mp= values: with a mixed precision, "policy" is torchtitan's and torchtune's FSDP2 MixedPrecisionPolicy
+# (parameters gathered in the half type, every activation half, gradients reduced in float32, no autocast);
+# "autocast" gathers float32 parameters and runs the forward under torch.autocast
+MP_MODES = ("policy", "autocast")
+
+
 @register
 @dataclass(frozen=True, kw_only=True)
 class Fsdp2(LayoutTechnique):
@@ -177,13 +189,27 @@ class Fsdp2(LayoutTechnique):
     summary = ("fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks; "
                "reshard=false keeps each block gathered from its forward to its backward (ZeRO-2-like)")
     reshard: bool = True
+    mp: str = "policy"
+
+    def __post_init__(self) -> None:
+        if self.mp not in MP_MODES:
+            raise MemfitError(f"-t fsdp2: mp={self.mp!r}; choose one of {', '.join(MP_MODES)}.")
 
     @classmethod
     def search_values(cls, request, workload):
         return [cls.name, f"{cls.name}:reshard=false"] if request.task == "train" and request.num_gpus > 1 else []
 
+    def mixed_dtype(self, precision: Precision) -> torch.dtype | None:
+        """The dtype FSDP2 gathers parameters in (MixedPrecisionPolicy's param_dtype), or None: no policy."""
+        return precision.autocast_dtype if self.mp == "policy" else None
+
     def analytic_policy(self, workload) -> dict:
-        return {"fsdp": True, "fsdp_reshard": self.reshard}
+        policy = {"fsdp": True, "fsdp_reshard": self.reshard}
+        gathered = self.mixed_dtype(get_precision(workload.precision))
+        if gathered is not None:   # the program computes in the gathered dtype, with no autocast
+            policy.update(param_dtype=str(gathered).removeprefix("torch."), autocast_dtype=None,
+                          state_dtype="float32")
+        return policy
 
     def cost_overhead(self, step) -> None:
         # an all-gather before forward and again before backward (once, without resharding), a reduce-scatter
@@ -198,12 +224,16 @@ class Fsdp2(LayoutTechnique):
         import torch.distributed as dist
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         require_process_group(self.name)
         with unset_fake_temporarily():   # the mesh reads real values
             mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
         options = {"mesh": mesh, "reshard_after_forward": self.reshard}
+        gathered = self.mixed_dtype(setup.precision)
+        if gathered is not None:   # bf16 all-gathers and compute, float32 gradient reduction: no autocast left
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
+            setup.precision = dataclasses.replace(setup.precision, autocast_dtype=None)
         if setup.host_optimizer is not None:   # offload asked for: shards, gradients and states in host RAM
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=setup.device_type == "cuda")
             setup.host_optimizer, setup.states_on_host = None, True

@@ -4,7 +4,8 @@ A block is a segment `(stack, layer)` of the program; its parameters are named `
 FSDP2 (Policy.fsdp) each block's parameters are all-gathered while it runs and freed after (or kept until its
 backward without resharding); the root's (embeddings, final norm, head) stay gathered through forward and
 backward; leaving a block in backward copies its unsharded gradients into one flat buffer, reduce-scattered
-into this rank's shard.
+into this rank's shard. Under FSDP2's MixedPrecisionPolicy (Policy.state_dtype) the gathered parameters and
+their unsharded gradients are in the compute dtype, the flat buffer and the shards in the state dtype.
 """
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ class Gathers:
         e = self.e
         if not self.unsharded_grads:
             return
-        flat = e.new(sum(p.numel for p, _ in self.unsharded_grads), self.unsharded_grads[0][1].dtype)
+        reduce_dtype = e.policy.state_dtype or self.unsharded_grads[0][1].dtype
+        flat = e.new(sum(p.numel for p, _ in self.unsharded_grads), reduce_dtype)
         for param, _ in self.unsharded_grads:
             if param.grad_sym is None:
-                param.grad_sym = e.new(param.numel, param.dtype, category="gradients")
+                param.grad_sym = e.new(param.numel, param.state_dtype, category="gradients")
         self.unsharded_grads = []
         del flat
 

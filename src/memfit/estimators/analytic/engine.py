@@ -34,6 +34,9 @@ class Policy:
     loss_chunks: int = 0        # chunked cross-entropy: LM head + loss over this many sequence slices
     fsdp: bool = False          # FSDP2: each block's parameters all-gathered while it runs (blocks.py)
     fsdp_reshard: bool = True   # FSDP2 frees a block's gathered parameters after its forward (else after backward)
+    state_dtype: str | None = None   # FSDP2's MixedPrecisionPolicy: parameter shards, gradients and optimizer states
+    #                                  in this dtype, gathered (and computed with) in param_dtype; gradients are
+    #                                  reduced in it
     grads_leave: bool = False   # each gradient is freed once accumulated: copied to the host (cpu-offload) or
     #                             into DDP's buckets (ddp:bucket_view=true)
     checkpoint_offload: bool = False   # checkpointing:mode=offload: the blocks' saved tensors go to the host
@@ -154,7 +157,8 @@ class Engine:
             numel = 1
             for size in shape:
                 numel *= size
-            param = Param(self, name, numel, self.policy.param_dtype, trainable and self.policy.train)
+            param = Param(self, name, numel, self.policy.param_dtype, trainable and self.policy.train,
+                          self.policy.state_dtype)
             param.shape = tuple(shape)
             self.params[name] = param
         return self.params[name]

@@ -27,7 +27,7 @@ def _trainable(e: Engine) -> list[Param]:
 
 def create_states(e: Engine, workload: ResolvedWorkload) -> list[Sym]:
     """The optimizer's states for the trainable parameters, kept through the step."""
-    params = _trainable(e)
+    params = [Shard(p, 1) for p in _trainable(e)]
     optimizer = workload.optimizer
     if optimizer in REGISTRY:
         technique = REGISTRY[optimizer]()
@@ -52,10 +52,10 @@ def _take(counts: Counter, item) -> bool:
 
 
 class Shard:
-    """A parameter's share on one rank: what a sharded optimizer step sees of it."""
+    """A parameter's share on one rank, in its stored dtype: what a (sharded) optimizer sees of it."""
 
     def __init__(self, p: Param, shards: int) -> None:
-        self.numel, self.dtype, self.shape = -(-p.numel // shards), p.dtype, p.shape
+        self.numel, self.dtype, self.shape = -(-p.numel // shards), p.state_dtype, p.shape
         self.nbytes = p.nbytes // shards
 
 

@@ -15,6 +15,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4
 _serial = itertools.count()
 
 
+def _allocated(eng: Engine, size: int) -> int:
+    """`size` bytes as the engine's allocator rounds them."""
+    step = eng.policy.round_to
+    return -(-size // step) * step if step > 1 else size
+
+
 class Sym:
     __slots__ = ("eng", "numel", "dtype", "grad", "category", "counted", "uid", "__weakref__")
 
@@ -27,9 +33,7 @@ class Sym:
 
     @property
     def nbytes(self) -> int:
-        size = self.numel * DTYPE_BYTES[self.dtype]
-        step = self.eng.policy.round_to
-        return -(-size // step) * step if step > 1 else size
+        return _allocated(self.eng, self.numel * DTYPE_BYTES[self.dtype])
 
     def __del__(self):
         if self.counted:
@@ -40,9 +44,13 @@ class Sym:
 class Param(Sym):
     """A parameter: lives for the whole run, its gradient is accumulated into `.grad`."""
 
-    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "quant")
+    __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "quant", "state_dtype")
 
-    def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True):
+    def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True,
+                 state_dtype: str | None = None):
+        # `dtype`: what the program computes with; `state_dtype`: what is stored (the parameter, its gradient and
+        # optimizer states), which differs under FSDP2's MixedPrecisionPolicy (float32 shards gathered in bf16)
+        self.state_dtype = state_dtype or dtype
         super().__init__(eng, numel, dtype, trainable, "parameters")
         self.name = name
         self.grad_sym: Sym | None = None
@@ -51,6 +59,10 @@ class Param(Sym):
         # how its linears run (analytic/weights.py): (the kernel: weights.KERNELS or "fake_quant", the weight's dtype
         # before, the quantization state's parameters, double quantization)
         self.quant: tuple[str, str, list[Param], bool] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _allocated(self.eng, self.numel * DTYPE_BYTES[self.state_dtype])
 
 
 class View(Sym):
