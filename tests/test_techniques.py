@@ -197,8 +197,8 @@ def test_offload_reports_the_host_ram_it_needs(techniques, measured):
 
 
 DATA_PARALLEL = [
-    (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0), (("fsdp2:mp=autocast", "checkpointing", "bf16-mixed"), 0),
-    (("fsdp2:reshard=false",), 0),
+    (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0),
+    (("fsdp2:mp=autocast", "checkpointing", "bf16-mixed"), 0), (("fsdp2:reshard=false",), 0),
     (("fsdp2", "cpu-offload"), 0), (("ddp",), 0), (("ddp", "checkpointing", "bf16-mixed"), 0), ((), 1),
     (("tensor-parallel",), 0), (("tensor-parallel", "checkpointing", "bf16-mixed"), 0),
     (("pipeline-parallel",), 0),

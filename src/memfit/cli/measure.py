@@ -25,7 +25,8 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.snapshot, (".pickle", ".pkl"), "--snapshot")
     workload = workload_from(args)
-    methods = () if args.no_estimates else ("traced",) if not workload.source.is_hf else (
+    traced_only = not workload.source.is_hf or workload.with_trait("traced-only")
+    methods = () if args.no_estimates else ("traced",) if traced_only else (
         ("analytic",) if workload.engine == "deepspeed" else ("traced", "analytic"))
     with Console(stderr=True).status(f"estimating, then running {workload.model} for real ..."):
         result = measure(workload, device=args.device, snapshot_path=args.snapshot, estimates=methods,

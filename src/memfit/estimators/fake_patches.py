@@ -33,7 +33,16 @@ def real_data_decisions():
             setattr(owner, name, value)
 
 
-class FakeKernelFixes(TorchDispatchMode):
+class TraceMode(TorchDispatchMode):
+    """A dispatch mode of memfit's traces. torch.compile compiles with it off and runs the compiled graphs' ops
+    under it (-t compile), as under the eager step's."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class FakeKernelFixes(TraceMode):
     """A dispatch mode for fake runs only: shape rules that PyTorch's meta kernels get wrong on CPU.
 
     `aten._grouped_mm` (MoE experts): the meta kernel insists on bf16, as CUDA does, but the CPU

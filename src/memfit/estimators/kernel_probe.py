@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from memfit.estimators.fake_patches import TraceMode
 from memfit.steps.profiler import allocator_events, start_profiler, stop_profiler
 
 PROBE_LIMIT_BYTES = 1 << 30
@@ -103,7 +104,7 @@ def python_cpu_kernels() -> dict:
             bnb_cpu._optimizer_update_8bit_blockwise_cpu}
 
 
-class KernelScratchProbe(TorchDispatchMode):
+class KernelScratchProbe(TraceMode):
     """Inside a fake CPU trace: after each probed op, allocate and free its measured scratch."""
 
     def __init__(self) -> None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils._python_dispatch import (
-    TorchDispatchMode,
     is_traceable_wrapper_subclass,
     is_traceable_wrapper_subclass_type,
 )
@@ -31,6 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.categories import CATEGORIES, zero_categories
 from memfit.estimators.caching_allocator import PHASE_START, Event
+from memfit.estimators.fake_patches import TraceMode
+from memfit.steps.fusion import in_fused_region
 from memfit.steps.hooks import plain_tensors
 from memfit.steps.host import in_host_region, listening
 
@@ -175,7 +176,7 @@ class Trace:
         return [s for s in self.storages if s.born <= event and (s.died is None or s.died > event)]
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(TraceMode):
     """Use as a context manager around a step; `hooks` methods let the step mark phases and tensors."""
 
     def __init__(self, *, round_to: int = 1, module_names: dict[int, str] | None = None) -> None:
@@ -311,6 +312,8 @@ class MemoryTracker(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented   # the subclass (DTensor) runs it, and its inner ops come back here
         out = func(*args, **(kwargs or {}))
+        if in_fused_region():   # a compiled kernel's intermediate (steps/fusion.py): never in memory
+            return out
         for tensor in tree_leaves(out):
             # a wrapper subclass (DTensor) owns no memory: its inner tensors are registered by their own ops
             if isinstance(tensor, torch.Tensor) and not is_traceable_wrapper_subclass(tensor):
@@ -321,11 +324,13 @@ class MemoryTracker(TorchDispatchMode):
     def __enter__(self):
         from torch.nn.modules import module as module_mod
 
+        # inside a compiled graph (-t compile) the hooks are traced, not run: they would only add guards
         def pre(mod, args):
-            self._module_stack.append(self._module_names.get(id(mod)))
+            if not torch.compiler.is_compiling():
+                self._module_stack.append(self._module_names.get(id(mod)))
 
         def post(mod, args, out):
-            if self._module_stack:
+            if not torch.compiler.is_compiling() and self._module_stack:
                 self._module_stack.pop()
 
         self._hook_handles = [module_mod.register_module_forward_pre_hook(pre),

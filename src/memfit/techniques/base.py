@@ -46,6 +46,7 @@ TRAITS = {
     "quantized-linears": "quantizes (or fake-quantizes) the linear layers' weights",
     "adapters": "freezes the base and trains low-rank adapters beside it",
     "replaces-loss": "computes the step's loss itself",
+    "traced-only": "has no analytic model: only a trace (or a run) predicts it",
 }
 
 

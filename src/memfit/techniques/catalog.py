@@ -4,6 +4,7 @@ from memfit.techniques import (  # noqa: F401
     allocator,
     attention,
     checkpointing,
+    compile,
     distillation,
     distributed,
     mixed_precision,

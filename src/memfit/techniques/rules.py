@@ -27,6 +27,8 @@ ORDER: tuple[tuple[str, str], ...] = (
                  "base)"),
     ("adapters", "adapters go into the final layers before blocks are wrapped, so checkpointing recomputes "
                  "them with their block (torchtitan's order: quantize, LoRA, checkpoint, shard)"),
+    ("compile", "each block's own forward is compiled once the model is final, and an activation checkpoint then "
+                "wraps the compiled block (its recompute re-runs the compiled graph)"),
     ("activations", "what backward keeps of the activations is settled once the model is final: blocks are wrapped "
                     "for checkpointing before they are sharded (torchtitan's order)"),
     ("offload", "what lives in host RAM is settled before sharding: FSDP2 takes its CPU offload policy when it "

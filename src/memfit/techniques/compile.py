@@ -1,0 +1,115 @@
+"""torch.compile of each repeated block, as torchtitan and torchtune compile their layers.
+
+  compile   every repeated block's forward compiled with torch.compile (Inductor). AOTAutograd partitions
+            each block's joint forward-backward graph with its min-cut rematerialisation: backward keeps the
+            cheapest set of tensors to recompute pointwise work from (matmul and attention outputs, not the
+            upcasts, norms and activations between them), and Inductor fuses chains of pointwise ops and
+            reductions into kernels whose intermediates never reach memory. The loss, the embeddings and the
+            head stay eager. Same results up to rounding (numerical).
+
+Measured: `memfit measure` runs Inductor for real (its C++ backend on a CPU). Traced (label: modelled): the same
+blocks are compiled under fake tensors with Inductor's decompositions, joint-graph passes and partitioner, so the
+tensors saved for backward are Inductor's; the graphs then run op by op, and what a fused kernel would keep in
+registers — the output of a pointwise op or reduction whose every consumer is one too — is not counted
+(steps/fusion.py). Inductor's buffer reuse inside a graph is not modelled. The analytic estimator has no model of
+the compiled graphs and refuses it.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from memfit.core.errors import MemfitError
+from memfit.steps.fusion import fused
+from memfit.steps.setup import StepSetup
+from memfit.techniques.base import Technique, register
+from memfit.techniques.blocks import repeated_blocks
+
+# ops Inductor lowers to loops it can fuse with their neighbours, besides those tagged pointwise or reduction
+_ALSO_FUSED = {"aten._to_copy.default", "aten.clone.default"}
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Compile(Technique):
+    name = "compile"
+    risk = "numerical"
+    stage = "compile"
+    summary = "torch.compile each block: min-cut rematerialisation and fused pointwise kernels save less"
+    traits = frozenset({"traced-only"})
+
+    def estimate_notes(self, workload) -> list[str]:
+        return ["torch.compile modelled: Inductor's partitioner run under fake tensors, fused pointwise intermediates "
+                "not counted, Inductor's buffer reuse not modelled"]
+
+    def check(self, workload) -> None:
+        if any(str(getattr(t, "mode", "")).startswith("selective") for t in workload.technique_configs):
+            raise MemfitError("-t compile: a block under a selective checkpoint policy runs inside the policy's "
+                              "dispatch mode, where torch.compile falls back to eager; use mode=full with it.")
+
+    def analytic_policy(self, workload) -> dict:
+        raise MemfitError("-t compile: the analytic model has no program for compiled graphs; use --method traced "
+                          "(it compiles the blocks under fake tensors).")
+
+    def apply_(self, setup: StepSetup) -> None:
+        from torch._subclasses.fake_tensor import is_fake
+
+        fake = any(is_fake(p) for p in setup.model.parameters())
+        backend = _traced_backend() if fake else "inductor"
+        compiled = {}   # one compiled forward per block class, the block an input: one graph for all the blocks
+        for _, block in repeated_blocks(setup.model):
+            kind = type(block)
+            if kind not in compiled:
+                compiled[kind] = torch.compile(kind.forward, backend=backend)
+            block.forward = functools.partial(compiled[kind], block)
+
+
+def _traced_backend():
+    """AOTAutograd with Inductor's decompositions and partitioner, its graphs run op by op (`_run_fused`)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    return aot_autograd(fw_compiler=_run_fused, bw_compiler=_run_fused, partition_fn=partition_fn,
+                        decompositions=select_decomp_table())
+
+
+def _run_fused(gm: torch.fx.GraphModule, example_inputs):
+    """The graph as a boxed function that runs its nodes in order, each fused node inside `fused()`."""
+    from functorch.compile import make_boxed_func
+
+    in_kernel = _fused_nodes(gm.graph)
+
+    class Runner(torch.fx.Interpreter):
+        def run_node(self, node):
+            if node in in_kernel:
+                with fused():
+                    return super().run_node(node)
+            return super().run_node(node)
+
+    return make_boxed_func(lambda *args: Runner(gm).run(*args))
+
+
+def _fusible(node: torch.fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return (torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags
+            or str(target) in _ALSO_FUSED)
+
+
+def _consumers(node: torch.fx.Node):
+    """The nodes that read `node`'s memory, through views of it."""
+    for user in node.users:
+        if isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+            yield from _consumers(user)
+        else:
+            yield user
+
+
+def _fused_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Pointwise ops and reductions whose every consumer is one too: Inductor keeps their results in a kernel."""
+    return {node for node in graph.nodes
+            if _fusible(node) and all(_fusible(user) for user in _consumers(node))}
