@@ -1,0 +1,54 @@
+"""Which kernel F.scaled_dot_product_attention runs on a GPU, and what that kernel keeps and takes beyond its output.
+
+PyTorch tries its CUDA backends in the order flash, memory-efficient, math and runs the first whose checks pass
+(aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: `priority_order`, `select_sdp_backend`). cuDNN comes after
+math in that order; only a build with cuDNN newer than 9.15 moves it first on sm90/sm100 (`check_prefer_cudnn_
+attention`), which memfit does not model. The checks modelled here:
+
+  flash      fp16 or bf16, head_dim <= 256, compute capability 8.0 or newer, no attn_mask, causal only with equal
+             query and key lengths; on sm86/sm89 a head_dim above 192 is refused when a gradient is needed
+             (`can_use_flash_attention`).
+  efficient  fp16 or fp32 (bf16 from 8.0), head_dim a multiple of 8 (half) or 4 (fp32); masks, dropout and causal
+             are all accepted (`can_use_mem_efficient_attention`).
+  math       anything else: the composite over the whole score matrix.
+
+What they keep (tools/autograd/derivatives.yaml): flash and efficient save q, k, v, the output and a float32
+logsumexp of [batch, heads, query length] (efficient pads the length to a multiple of 32, `kAlignLSE`);
+efficient keeps the mask too. Backward scratch: flash-attention's float32 dq accumulator [batch, round128(L),
+heads, head_dim rounded to 32 (<= 128) or 64] and softmax_d [batch, heads, round128(L)] (flash_api.cpp `mha_bwd`);
+efficient's float32 delta [batch, heads, L], computed as a full-size float32 grad_out * out product for float32
+inputs (attention_backward.cu `_efficient_attention_backward`).
+"""
+from __future__ import annotations
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+HALF = ("float16", "bfloat16")
+
+
+def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask: bool, causal_unequal: bool,
+                 needs_grad: bool) -> str:
+    """The backend SDPA runs on a GPU of `capability` for inputs of `dtype` (torch's name without the prefix)."""
+    flash_head = head_dim <= (192 if capability in ((8, 6), (8, 9)) and needs_grad else 256)
+    if dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal:
+        return FLASH
+    efficient_dtypes = ("float16", "float32") + (("bfloat16",) if capability >= (8, 0) else ())
+    if dtype in efficient_dtypes and head_dim % (8 if dtype in HALF else 4) == 0 and capability >= (5, 0):
+        return EFFICIENT
+    return MATH
+
+
+def logsumexp_length(backend: str, q_len: int) -> int:
+    return -(-q_len // 32) * 32 if backend == EFFICIENT else q_len
+
+
+def backward_scratch(backend: str, *, batch: int, heads: int, q_len: int, head_dim: int,
+                     dtype: str) -> list[tuple[int, str]]:
+    """(numel, dtype) of each buffer the kernel's backward allocates and frees besides the input gradients."""
+    if backend == FLASH:
+        rows = batch * heads * -(-q_len // 128) * 128
+        rounded = -(-head_dim // (32 if head_dim <= 128 else 64)) * (32 if head_dim <= 128 else 64)
+        return [(rows * rounded, "float32"), (rows, "float32")]
+    if backend == EFFICIENT:
+        delta = [(batch * heads * q_len, "float32")]
+        return delta + ([(batch * heads * q_len * head_dim, "float32")] if dtype == "float32" else [])
+    return []
