@@ -12,6 +12,7 @@ import pytest
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
 from memfit.estimators import estimate
+from memfit.estimators.sdpa_backend import cuda_backend
 from memfit.specs.hardware import get_gpu
 from memfit.specs.model_source import catalog
 from memfit.techniques.resolve import ResolvedWorkload
@@ -66,3 +67,31 @@ def test_the_gpu_validation_script_lists_its_rows_without_a_gpu():
             for attention in ("eager", "sdpa"):
                 assert any(f" {precision} {impl} {attention}" in line for line in lines), (precision, impl, attention)
     assert "expandable-segments" in lines[-2] and lines[-1].startswith(f"{len(lines) - 1} rows")
+
+
+@pytest.mark.parametrize("gpu,dtype,head_dim,mask,kernel", [
+    ("a100-80gb", "bfloat16", 128, False, "flash"),
+    ("a100-80gb", "bfloat16", 128, True, "efficient"),     # flash takes no attn_mask
+    ("a100-80gb", "float32", 64, False, "efficient"),      # flash is half only
+    ("a100-80gb", "bfloat16", 512, False, "efficient"),    # flash stops at 256; efficient has no cap
+    ("a100-80gb", "float32", 70, False, "math"),           # efficient needs head_dim % 4 in fp32
+    ("rtx-4090", "bfloat16", 224, False, "efficient"),     # sm89 refuses flash above 192 for training
+    ("t4", "float16", 64, False, "efficient"),             # no flash before sm80
+    ("t4", "bfloat16", 64, False, "math"),                 # no bf16 kernels before sm80
+])
+def test_sdpa_runs_the_kernel_pytorchs_rules_pick(gpu, dtype, head_dim, mask, kernel):
+    """sdp_utils.cpp's order (flash, efficient, math) and checks, for the GPU's compute capability."""
+    capability = get_gpu(gpu).compute_capability
+    assert cuda_backend(capability, dtype, head_dim, mask=mask, causal_unequal=False, needs_grad=True) == kernel
+
+
+@pytest.mark.parametrize("gpu", ["h100", "t4"])
+def test_op_level_checkpointing_keeps_the_attention_kernels_outputs_in_both_estimators(gpu):
+    """torchtitan's op policy saves the flash / memory-efficient op's outputs: the trace runs the real CUDA op on
+    fake tensors, so the policy sees it, as the analytic program's does."""
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=256,
+                                precision="fp16-mixed" if gpu == "t4" else "bf16-mixed",
+                                techniques=("checkpointing:mode=selective-op",))
+    traced = estimate(workload, method="traced", gpu=get_gpu(gpu), full_trace=True)
+    analytic = estimate(workload, method="analytic", gpu=get_gpu(gpu))
+    assert rel(analytic.peak_bytes, traced.peak_bytes) < 0.001, (traced.peak_bytes, analytic.peak_bytes)

@@ -111,7 +111,7 @@ def test_cuda_emulation_follows_cuda_kernels():
 
     from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 
-    with FakeTensorMode(), CudaKernels():
+    with FakeTensorMode(), CudaKernels(capability=(8, 0)):
         x = torch.randn(4, 8, requires_grad=True)
         w = torch.nn.Parameter(torch.randn(16, 8))
         y = torch.nn.functional.dropout(x, 0.1, True)

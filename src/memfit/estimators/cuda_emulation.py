@@ -4,10 +4,11 @@ A CPU trace runs CPU kernels and CPU autocast; a GPU runs different ones, with d
 
 - Dropout: CUDA's fused `native_dropout` keeps a 1-byte mask; the CPU path keeps a full-size
   float mask. Emulated with `native_dropout`.
-- Attention: CUDA's SDPA picks flash or memory-efficient kernels that save q, k, v, the output
-  and a float32 log-sum-exp, where CPU falls back to the math path (the full attention matrix)
-  whenever dropout is on. Emulated with an autograd function that allocates what those kernels
-  allocate, including flash-attention's float32 dq accumulator in backward.
+- Attention: CUDA's SDPA picks the flash, memory-efficient or math kernel by PyTorch's own rules
+  (sdpa_backend.py); the fused ones save q, k, v, the output and a float32 log-sum-exp, where CPU
+  falls back to the math path (the full attention matrix) whenever dropout is on. Emulated with an
+  autograd function around the real CUDA op (run on fake tensors, so checkpoint policies see it) whose
+  backward allocates the kernel's scratch, such as flash-attention's float32 dq accumulator.
 - Autocast: CUDA's op lists differ from CPU's (layer_norm, softmax, pow, exp, log_softmax run in
   float32 on CUDA). Emulated at the torch-function level, above autograd like real autocast, with
   its weight-cast cache. Regions nested inside the model (e.g. `autocast(enabled=False)` around
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from memfit.estimators.sdpa_backend import FLASH, MATH, backward_scratch, cuda_backend
 
 _LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
           torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm,
@@ -122,14 +125,19 @@ def _cross_entropy_fp32(input, target, weight=None, size_average=None, ignore_in
 
 
 class CudaKernels(TorchFunctionMode):
-    """Dropout and attention as CUDA's fused kernels allocate them (active for the whole GPU trace)."""
+    """Dropout and attention as CUDA's fused kernels on a GPU of `capability` allocate them (active for the whole
+    GPU trace)."""
+
+    def __init__(self, capability: tuple[int, int]) -> None:
+        super().__init__()
+        self.capability = capability
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.dropout:
             return _dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
-            return _sdpa(*args, **kwargs)
+            return _sdpa(self.capability, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -140,13 +148,18 @@ def _dropout(input, p=0.5, training=True, inplace=False):
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Flash / memory-efficient attention's memory: saves q, k, v, out and a float32 logsumexp."""
+    """A fused attention kernel's memory: the real op (flash or memory-efficient: what a checkpoint policy sees)
+    makes the output and the float32 logsumexp on fake tensors; backward allocates the kernel's scratch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask):
-        b, a, s, d = q.shape
-        out = torch.empty(b, s, a, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # kernels write (b, s, a, d)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    def forward(ctx, q, k, v, mask, kernel, dropout_p, is_causal, scale):
+        if kernel == FLASH:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                          scale=scale)[:2]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, dropout_p,
+                                                                              is_causal, scale=scale)[:2]
+        ctx.kernel = kernel
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         return out
 
@@ -154,20 +167,26 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors      # unpacked once: a checkpoint re-run allows only one unpack
         q, k, v = saved[:3]
-        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # flash-attention v2 backward
-        delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        b, heads, length, head_dim = q.shape
+        scratch = [torch.empty(numel, dtype=getattr(torch, dtype), device=q.device) for numel, dtype in
+                   backward_scratch(ctx.kernel, batch=b, heads=heads, q_len=length, head_dim=head_dim,
+                                    dtype=str(q.dtype).removeprefix("torch."))]
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        del dq_accum, delta
+        del scratch
         mask = saved[5] if len(saved) > 5 else None
         mask_grad = torch.empty_like(mask) if mask is not None and ctx.needs_input_grad[3] else None
-        return (*grads, mask_grad)
+        return (*grads, mask_grad, None, None, None, None)
 
 
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    flash_or_efficient = query.shape[-1] <= 256 and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    if not flash_or_efficient:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+def _sdpa(capability, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    kernel = cuda_backend(capability, str(query.dtype).removeprefix("torch."), query.shape[-1],
+                          mask=attn_mask is not None, causal_unequal=is_causal and query.shape[-2] != key.shape[-2],
+                          needs_grad=needs_grad)
+    if kernel == MATH:   # the composite, as CUDA runs it when no fused kernel takes the inputs
+        return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                 scale=scale, enable_gqa=enable_gqa)[0]
     if attn_mask is not None and attn_mask.dtype == torch.bool:   # SDPA converts boolean masks for every backend
         attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
-    return _FusedAttention.apply(query, key, value, attn_mask)
+    return _FusedAttention.apply(query, key, value, attn_mask, kernel, dropout_p, is_causal, scale)

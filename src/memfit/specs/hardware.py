@@ -24,6 +24,7 @@ class GPU:
     interconnect_gbps: float
     host_link_gbps: float
     context_bytes: int          # outside PyTorch's allocator; an assumed figure (see gpus.json notes)
+    compute_capability: tuple[int, int] = (8, 0)
     aliases: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
@@ -33,6 +34,7 @@ class GPU:
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps, "interconnect": self.interconnect,
             "interconnect_gbps": self.interconnect_gbps, "host_link_gbps": self.host_link_gbps,
             "context_bytes": self.context_bytes, "context_source": "assumed",
+            "compute_capability": list(self.compute_capability),
         }
 
 
@@ -55,7 +57,8 @@ def gpu_catalog() -> dict[str, GPU]:
             fp32_tflops=entry["fp32_tflops"], bf16_tflops=entry["bf16_tflops"], fp16_tflops=entry["fp16_tflops"],
             memory_bandwidth_gbps=entry["memory_bandwidth_gbps"], interconnect=entry["interconnect"],
             interconnect_gbps=entry["interconnect_gbps"], host_link_gbps=entry["host_link_gbps"],
-            context_bytes=entry["context_mib"] * MiB, aliases=tuple(entry.get("aliases", ())),
+            context_bytes=entry["context_mib"] * MiB, compute_capability=tuple(entry["compute_capability"]),
+            aliases=tuple(entry.get("aliases", ())),
         )
     return catalog
 

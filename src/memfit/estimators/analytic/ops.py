@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Alias, Param, Sym, View
+from memfit.estimators.sdpa_backend import FLASH, MATH, backward_scratch, cuda_backend, logsumexp_length
 from memfit.techniques.quantization import BLOCK
 
 HALF = ("bfloat16", "float16")
@@ -285,23 +286,29 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     if e.policy.backend == "cpu" and isinstance(v, View):
         extra.append(copy(e, v))   # the CPU kernel also keeps a contiguous copy of a strided value
     rows = batch * heads * q_len
-    fused = e.policy.backend == "cuda" or (dropout_p == 0 or not e.policy.train)
-    if fused and head_dim <= 256:
-        out = e.op_output(rows * head_dim, q.dtype, "attention")
-        lse = e.op_output(rows, "float32", "attention")
-        scratch = [(q.numel, "float32"), (rows, "float32")] if e.policy.backend == "cuda" else []
-        saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
-        inputs = [q, k, v] + ([mask] if mask is not None and mask.grad else [])   # a learned bias gets a gradient
-        return e.record(out, inputs, saved, scratch=scratch)
-    return _sdpa_math(e, q, k, v, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-                      dropout_p=dropout_p, mask=mask, causal=causal)
+    if e.policy.backend == "cuda":
+        kernel = cuda_backend(e.policy.capability, q.dtype, head_dim, mask=mask is not None,
+                              causal_unequal=causal and q_len != kv_len, needs_grad=e.policy.train)
+    else:   # the CPU's flash kernel, unless dropout is on in training
+        kernel = FLASH if (dropout_p == 0 or not e.policy.train) and head_dim <= 256 else MATH
+    if kernel == MATH:
+        return _sdpa_math(e, q, k, v, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                          dropout_p=dropout_p, mask=mask, causal=causal)
+    out = e.op_output(rows * head_dim, q.dtype, "attention")
+    lse = e.op_output(batch * heads * logsumexp_length(kernel, q_len), "float32", "attention")
+    scratch = backward_scratch(kernel, batch=batch, heads=heads, q_len=q_len, head_dim=head_dim,
+                               dtype=q.dtype) if e.policy.backend == "cuda" else []
+    saved = [q, k, v, out, lse] + ([mask] if mask is not None else []) + extra
+    inputs = [q, k, v] + ([mask] if mask is not None and mask.grad else [])   # a learned bias gets a gradient
+    return e.record(out, inputs, saved, scratch=scratch)
 
 
 def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, batch: int, q_len: int, kv_len: int, head_dim: int,
                dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
     """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout, then the
-    output made contiguous in (b, s, heads*d) layout. On CPU half inputs are computed in float32."""
-    acc = "float32" if (e.policy.backend == "cpu" and q.dtype in HALF) else q.dtype
+    output made contiguous in (b, s, heads*d) layout. Half inputs are computed in float32 (CUDA too, unless
+    allow_fp16_bf16_reduction_math_sdp is set)."""
+    acc = "float32" if q.dtype in HALF else q.dtype
     autocast, e.autocast_on = e.autocast_on, False   # the kernel runs below autocast
     try:
         return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len,
