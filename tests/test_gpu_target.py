@@ -95,3 +95,29 @@ def test_op_level_checkpointing_keeps_the_attention_kernels_outputs_in_both_esti
     traced = estimate(workload, method="traced", gpu=get_gpu(gpu), full_trace=True)
     analytic = estimate(workload, method="analytic", gpu=get_gpu(gpu))
     assert rel(analytic.peak_bytes, traced.peak_bytes) < 0.001, (traced.peak_bytes, analytic.peak_bytes)
+
+
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention"])
+def test_fused_attention_outside_sdpa_runs_as_the_flash_kernel(attention, tmp_path):
+    """A config asking for FlashAttention-2 or flex attention: on an A100 in bf16 both estimators give SDPA's flash
+    kernel (the same saved tensors); where that kernel cannot run (float32, a T4) memfit says so in one line; on
+    the CPU the model runs (and is measured) with the CPU's flash kernel."""
+    from memfit.measurement import measure
+
+    base = catalog()["tiny-llama"]["hf_config"]
+    configs = {}
+    for name in (attention, "sdpa"):
+        configs[name] = tmp_path / name / "config.json"
+        configs[name].parent.mkdir()
+        configs[name].write_text(json.dumps({**base, "attn_implementation": name}))
+    shape = dict(task="train", batch_size=2, seq_len=128, precision="bf16-mixed")
+    asked, sdpa = (ResolvedWorkload(model=str(configs[n]), **shape) for n in (attention, "sdpa"))
+    for method in ("traced", "analytic"):
+        assert estimate(asked, method=method, gpu=get_gpu("a100")).peak_bytes == \
+            estimate(sdpa, method=method, gpu=get_gpu("a100")).peak_bytes
+    for gpu, precision in (("a100", "fp32"), ("t4", "fp16-mixed")):
+        workload = ResolvedWorkload(model=str(configs[attention]), **{**shape, "precision": precision})
+        with pytest.raises(MemfitError, match=r"compute capability 8\.0"):
+            estimate(workload, method="analytic", gpu=get_gpu(gpu))
+    run = measure(asked, estimates=("traced",))
+    assert rel(run.extra["estimates"]["traced"]["peak_bytes"], run.peak_bytes) < 0.02

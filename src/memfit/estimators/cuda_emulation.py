@@ -128,16 +128,16 @@ class CudaKernels(TorchFunctionMode):
     """Dropout and attention as CUDA's fused kernels on a GPU of `capability` allocate them (active for the whole
     GPU trace)."""
 
-    def __init__(self, capability: tuple[int, int]) -> None:
+    def __init__(self, capability: tuple[int, int], kernel: str | None = None) -> None:
         super().__init__()
-        self.capability = capability
+        self.capability, self.kernel = capability, kernel   # kernel: one the model's attention always runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.dropout:
             return _dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
-            return _sdpa(self.capability, *args, **kwargs)
+            return _sdpa(self.capability, self.kernel, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -178,12 +178,12 @@ class _FusedAttention(torch.autograd.Function):
         return (*grads, mask_grad, None, None, None, None)
 
 
-def _sdpa(capability, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def _sdpa(capability, forced, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     kernel = cuda_backend(capability, str(query.dtype).removeprefix("torch."), query.shape[-1],
                           mask=attn_mask is not None, causal_unequal=is_causal and query.shape[-2] != key.shape[-2],
-                          needs_grad=needs_grad)
+                          needs_grad=needs_grad, forced=forced)
     if kernel == MATH:   # the composite, as CUDA runs it when no fused kernel takes the inputs
         return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]

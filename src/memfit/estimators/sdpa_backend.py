@@ -21,13 +21,23 @@ inputs (attention_backward.cu `_efficient_attention_backward`).
 """
 from __future__ import annotations
 
+from memfit.core.errors import MemfitError
+
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 HALF = ("float16", "bfloat16")
 
 
 def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask: bool, causal_unequal: bool,
-                 needs_grad: bool) -> str:
-    """The backend SDPA runs on a GPU of `capability` for inputs of `dtype` (torch's name without the prefix)."""
+                 needs_grad: bool, forced: str | None = None) -> str:
+    """The backend SDPA runs on a GPU of `capability` for inputs of `dtype` (torch's name without the prefix).
+    `forced`: "flash" for FlashAttention-2 or flex attention (ModelSource.attention_kernel), which run that kernel or
+    fail."""
+    if forced == FLASH:
+        if dtype not in HALF or capability < (8, 0) or head_dim > 256:
+            raise MemfitError(f"FlashAttention-2 and flex attention run fp16/bf16 with head_dim <= 256 on compute "
+                              f"capability 8.0 or newer; this step has {dtype}, head_dim {head_dim} on "
+                              f"{capability[0]}.{capability[1]} (use a half precision, or attn_implementation sdpa).")
+        return FLASH
     flash_head = head_dim <= (192 if capability in ((8, 6), (8, 9)) and needs_grad else 256)
     if dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal:
         return FLASH

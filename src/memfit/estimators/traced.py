@@ -120,7 +120,8 @@ def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | N
         split = workload.with_trait("splits-blocks") is not None
         stacks = [] if split else repeated_stacks(model, num_layers or source.num_layers)
         tracker.watch_stacks(stacks)
-        device_kernels = CudaKernels(gpu.compute_capability) if gpu else KernelScratchProbe()
+        device_kernels = (CudaKernels(gpu.compute_capability, workload.source.attention_kernel) if gpu
+                          else KernelScratchProbe())
         with FakeKernelFixes(), tracker, real_data_decisions(), device_kernels:
             setup = prepare_step(model, workload, device_type="cpu", default_impl=device_default_impl(bool(gpu)),
                                  autocast=CudaAutocast if gpu else None)

@@ -50,7 +50,13 @@ def _head_of(class_name: str, config: Any) -> str:
 
 # transformers' attn_implementation values memfit models beyond eager -> the class attribute that says a model
 # class has it
-ATTENTION_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa"}
+ATTENTION_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                           "flex_attention": "_supports_flex_attn"}
+# Fused kernels outside SDPA, modelled as SDPA's flash kernel: FlashAttention-2 and flex attention keep the same
+# tensors for backward (q, k, v, the output and a float32 logsumexp). memfit builds such a model with SDPA and, on a
+# GPU target, runs it as flash (a CPU runs its own flash kernel, `_scaled_dot_product_flash_attention_for_cpu`,
+# which keeps the same tensors).
+FUSED_OUTSIDE_SDPA = ("flash_attention_2", "flex_attention")
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -80,6 +86,8 @@ class ModelSource:
 
         fields = {k: v for k, v in self.hf_config.items() if k not in ("model_type", "architectures")}
         fields.update(self.overrides)
+        if fields.get("attn_implementation") in FUSED_OUTSIDE_SDPA:
+            fields["attn_implementation"] = "sdpa"
         if num_layers is not None:
             fields[_layer_key(self.hf_config)] = num_layers
             if "num_decoder_layers" in fields:
@@ -91,6 +99,15 @@ class ModelSource:
             raise MemfitError(f"model config {self.name!r} is not a valid {self.model_type!r} config: {exc}") from None
         config.use_cache = False
         return config
+
+    @property
+    def attention_kernel(self) -> str | None:
+        """"flash" when the config asks for FlashAttention-2 or flex attention (run as SDPA's flash kernel on a GPU),
+        else None: SDPA's kernel is PyTorch's own choice."""
+        if not self.is_hf:
+            return None
+        wanted = {**self.hf_config, **self.overrides}.get("attn_implementation")
+        return "flash" if wanted in FUSED_OUTSIDE_SDPA else None
 
     def check_attention(self) -> None:
         """The config's `attn_implementation` is one memfit models and its transformers class has."""

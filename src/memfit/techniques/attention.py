@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError, require_positive_int
+from memfit.specs.model_source import FUSED_OUTSIDE_SDPA
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
 
@@ -38,7 +39,7 @@ class Sdpa(Technique):
 
     @classmethod
     def search_values(cls, request, workload):
-        eager = workload.source.is_hf and workload.source.hf_config.get("attn_implementation", "sdpa") != "sdpa"
+        eager = workload.source.is_hf and workload.source.hf_config.get("attn_implementation") == "eager"
         return [cls.name] if eager else []
 
     def cost_compute(self, compute) -> None:   # fused attention: the same FLOPs, which is what the roofline counts
@@ -54,8 +55,8 @@ class Sdpa(Technique):
                               "(call torch.nn.functional.scaled_dot_product_attention in it).")
         if source.model_type == "gemma2":
             raise MemfitError("-t sdpa: Gemma-2's attention logit soft-capping needs eager attention.")
-        if source.hf_config.get("attn_implementation", "sdpa") == "sdpa":
-            raise MemfitError(f"{source.name} already uses SDPA attention; drop -t sdpa (set "
+        if source.hf_config.get("attn_implementation", "sdpa") in ("sdpa", *FUSED_OUTSIDE_SDPA):
+            raise MemfitError(f"{source.name} already uses fused attention; drop -t sdpa (set "
                               "\"attn_implementation\": \"eager\" in its config.json to compare).")
 
     def apply_(self, setup: StepSetup) -> None:

@@ -28,6 +28,7 @@ class Policy:
     backend: str                # "cpu" | "cuda"
     train: bool
     capability: tuple[int, int] = (8, 0)   # the GPU's compute capability: which attention kernels exist
+    attention_kernel: str | None = None    # the SDPA kernel the model's attention is run as (None: PyTorch's choice)
     round_to: int = 1           # allocator granularity (CUDA caching allocator: 512 bytes)
     checkpoint_every: int = 0   # activation checkpointing of blocks 0, n, 2n, ... (0: none)
     checkpoint_selective: str | None = None   # "selective": keep every matmul and attention output; "selective-op":

@@ -288,7 +288,8 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     rows = batch * heads * q_len
     if e.policy.backend == "cuda":
         kernel = cuda_backend(e.policy.capability, q.dtype, head_dim, mask=mask is not None,
-                              causal_unequal=causal and q_len != kv_len, needs_grad=e.policy.train)
+                              causal_unequal=causal and q_len != kv_len, needs_grad=e.policy.train,
+                              forced=e.policy.attention_kernel)
     else:   # the CPU's flash kernel, unless dropout is on in training
         kernel = FLASH if (dropout_p == 0 or not e.policy.train) and head_dim <= 256 else MATH
     if kernel == MATH:

@@ -42,7 +42,7 @@ def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
         param_dtype=autocast if deepspeed else engine_dtype(precision.param_dtype),
         autocast_dtype=None if deepspeed else autocast,
         backend="cuda" if gpu else "cpu", train=workload.task == "train",
-        capability=gpu.compute_capability if gpu else (8, 0),
+        capability=gpu.compute_capability if gpu else (8, 0), attention_kernel=workload.source.attention_kernel,
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
         grads_leave=deepspeed,   # DeepSpeed copies each gradient into its reduction bucket and frees it
         grad_bucket=workload.reduce_bucket if deepspeed and workload.zero_stage < 3 else 0,
