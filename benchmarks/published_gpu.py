@@ -44,8 +44,7 @@ VIT_H_RUN = dict(model=VIT_H, task="train", batch_size=8, seq_len=224, precision
 # torchtitan's op-level selective checkpointing, fp32 AdamW states
 TITAN8B = dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=8192, precision="bf16-mixed", world_size=8,
                techniques=("fsdp2", "checkpointing:mode=selective-op"))
-TITAN_NOTE = ("torchtitan's own Llama predicted as Hugging Face's (same shapes); one CUDA stream simulated (FSDP2's "
-              "all-gather and reduce-scatter streams keep pools of their own, not modelled)")
+TITAN_NOTE = "torchtitan's own Llama predicted as Hugging Face's (same shapes)"
 GEN = dict(model="llama-3.1-8b", task="inference", batch_size=1, seq_len=6, new_tokens=100, precision="bf16")
 
 

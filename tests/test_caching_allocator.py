@@ -6,6 +6,7 @@ import pytest
 
 from memfit.core.units import MiB
 from memfit.estimators import estimate
+from memfit.estimators.analytic.blocks import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM
 from memfit.estimators.analytic.simulate import simulate
 from memfit.estimators.caching_allocator import (
     PHASE_START,
@@ -172,12 +173,25 @@ def test_an_analytic_gpu_estimate_reserves_what_its_step_replayed_through_the_al
     gpu = get_gpu("a100-80gb")
     result = estimate(workload, method="analytic", gpu=gpu)
     engine = simulate(workload, gpu, workload.source.num_layers, record_allocations=True)
-    replayed = replay([(uid, nbytes, 0) for uid, nbytes in engine.allocations], settings)
+    replayed = replay(engine.allocations, settings)
     assert replayed.allocated_bytes == result.peak_bytes
     assert result.reserved_bytes == replayed.reserved_bytes > result.peak_bytes
     assert result.sources["reserved_bytes"] == result.sources["allocator_reserve"] == "simulated"
     assert result.overhead_detail["allocator_reserve"] == result.reserved_bytes - result.peak_bytes
     assert result.allocator["expandable_segments"] is settings.expandable_segments
+
+
+def test_fsdp2_allocates_its_collectives_buffers_on_their_own_streams():
+    """The analytic FSDP2 step puts each all-gather's flat output on the copy-in stream and the reduced gradient
+    shards on the reduce-scatter stream, as FSDP2 does: the same tensors, but pools the default stream cannot
+    reuse, so more is reserved than one stream would."""
+    workload = resolve(Workload(model="tiny-llama", task="train", batch_size=4, seq_len=256, precision="bf16-mixed",
+                                world_size=2, techniques=("fsdp2",)))
+    engine = simulate(workload, get_gpu("a100-80gb"), workload.source.num_layers, record_allocations=True)
+    assert {stream for _, nbytes, stream in engine.allocations if nbytes} == \
+        {0, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM}
+    own, one = replay(engine.allocations), replay([(uid, nbytes, 0) for uid, nbytes, _ in engine.allocations])
+    assert own.allocated_bytes == one.allocated_bytes and own.reserved_bytes > one.reserved_bytes
 
 
 def test_traced_and_analytic_replays_of_the_same_step_reserve_alike():

@@ -35,8 +35,14 @@ def root_numel(params: dict[str, Param]) -> int:
     return sum(p.numel for name, p in params.items() if block_of(name) is None)
 
 
+# FSDP2's side streams (torch.distributed.fsdp._fully_shard._fsdp_param_group: FSDPCommContext). The caching
+# allocator keeps a pool per stream, so what is allocated there is never reused by the default stream's tensors.
+ALL_GATHER_STREAM = "all-gather copy-in"
+REDUCE_SCATTER_STREAM = "reduce-scatter"
+
+
 class Gathers:
-    """One engine's FSDP2 all-gathers."""
+    """One engine's FSDP2 all-gathers and reduce-scatters, on the streams FSDP2 runs them on."""
 
     def __init__(self, engine: Engine) -> None:
         self.e = engine
@@ -44,25 +50,51 @@ class Gathers:
         self.root: Sym | None = None
         self.kept: dict[object, Sym] = {}                  # without resharding: gathered until backward
         self.unsharded_grads: list[tuple[Param, Sym]] = []
+        self.forward_buffer: Sym | None = None   # forward: the last all-gather's output, kept to overlap the next
+        self.reduce_input: Sym | None = None     # the last reduce-scatter's input, kept until the next one starts
+
+    def _unshard(self, numel: int) -> Sym:
+        """A group's parameters all-gathered: a flat buffer on the copy-in stream, then copied out into the
+        unsharded parameters on the default stream (wait_for_unshard). In forward the buffer lives until the next
+        group's copy-out (AllGatherState); in backward it goes at once."""
+        e = self.e
+        with e.on_stream(ALL_GATHER_STREAM):
+            buffer = e.new(numel, e.policy.param_dtype)
+        self.forward_buffer = None
+        unsharded = e.new(numel, e.policy.param_dtype)
+        if e.phase == "forward":
+            self.forward_buffer = buffer
+        del buffer
+        return unsharded
 
     def begin_forward(self) -> None:
         """The root module (parameters outside the blocks) is unsharded for forward and backward."""
         if self.root is None:
-            self.root = self.e.new(root_numel(self.e.params), self.e.policy.param_dtype)
+            self.root = self._unshard(root_numel(self.e.params))
+
+    def end_forward(self) -> None:
+        """The root's post-forward frees the last all-gather's output."""
+        self.forward_buffer = None
 
     def reduce_scatter(self) -> None:
-        """FSDP2's post-backward: the unsharded gradients are copied into one flat buffer, reduce-scattered
-        into this rank's shard (kept as .grad), and the unsharded ones freed."""
+        """FSDP2's post-backward (foreach_reduce): the previous reduce-scatter's input is let go, the unsharded
+        gradients are copied into one flat input (default stream) and freed, and the reduced shard (on the
+        reduce-scatter stream) becomes every parameter's .grad; the input stays until the next post-backward."""
         e = self.e
         if not self.unsharded_grads:
             return
+        self.reduce_input = None
         reduce_dtype = e.policy.state_dtype or self.unsharded_grads[0][1].dtype
-        flat = e.new(sum(p.numel for p, _ in self.unsharded_grads), reduce_dtype)
-        for param, _ in self.unsharded_grads:
-            if param.grad_sym is None:
-                param.grad_sym = e.new(param.numel, param.state_dtype, category="gradients")
+        numel = sum(p.numel for p, _ in self.unsharded_grads)
+        self.reduce_input = e.new(numel, reduce_dtype)
+        params = [param for param, _ in self.unsharded_grads]
         self.unsharded_grads = []
-        del flat
+        fresh = [param for param in params if param.grad_sym is None]
+        if fresh:
+            with e.on_stream(REDUCE_SCATTER_STREAM):
+                shard = e.new(sum(p.numel for p in fresh), fresh[0].state_dtype, category="gradients")
+            for param in fresh:
+                param.grad_sym = shard
 
     def gather(self, segment) -> None:
         """Hold `segment`'s unsharded parameters (none for a segment outside the blocks), freeing the last.
@@ -77,7 +109,7 @@ class Gathers:
         if isinstance(segment, tuple):
             gathered = self.kept.get(segment)
             if gathered is None:
-                gathered = e.new(block_numel(e.params, segment), e.policy.param_dtype)
+                gathered = self._unshard(block_numel(e.params, segment))
                 if not e.policy.fsdp_reshard:
                     self.kept[segment] = gathered
             self.gathered = (segment, gathered)
@@ -86,3 +118,4 @@ class Gathers:
         self.gather(None)
         self.reduce_scatter()          # the root's own gradients
         self.root = None
+        self.reduce_input = None       # the root's final callback waits for the last reduce-scatter

@@ -8,6 +8,7 @@ a tensor; a 405B model costs the same microseconds as a tiny one.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,7 +86,8 @@ class Engine:
         self.autocast_on = policy.autocast_dtype is not None
         self.keep: list = []          # tensors the program holds across calls (inputs, caches)
         # set to [] to record the device's allocations in order: (tensor uid, weighted bytes it holds from now on)
-        self.allocations: list[tuple[int, int]] | None = None
+        self.allocations: list[tuple[int, int, object]] | None = None
+        self.stream: object = 0       # the CUDA stream new tensors are allocated on (FSDP2's own streams: blocks.py)
         self.inputs_are_views = False
         self.region: Region | None = None         # the checkpointed block being run, if any
         self.gathers = Gathers(self) if policy.fsdp else None   # FSDP2's all-gathers (blocks.py)
@@ -104,7 +106,7 @@ class Engine:
         self.live[sym.category] += sign * nbytes
         self.total += sign * nbytes
         if self.allocations is not None:
-            self.allocations.append((sym.uid, nbytes if sign > 0 else 0))
+            self.allocations.append((sym.uid, nbytes if sign > 0 else 0, self.stream))
         if sign > 0:
             self._observe(sym.category)
 
@@ -137,12 +139,23 @@ class Engine:
                     cmax[name] = value
 
     def set_phase(self, phase: str, segment: object = "pre") -> None:
+        if self.gathers and self.phase == "forward" and phase != "forward":
+            self.gathers.end_forward()
         if self.allocations is not None and phase != self.phase:
-            self.allocations.append((PHASE_START, 0))
+            self.allocations.append((PHASE_START, 0, 0))
         self.phase, self.segment = phase, segment
         if self.gathers and phase == "forward":
             self.gathers.begin_forward()
         self._observe()
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: object):
+        """Allocate on `stream` inside (the caching allocator keeps a pool per stream)."""
+        previous, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = previous
 
     # ---- streamed blocks --------------------------------------------------------------------
     def stream_from_host(self) -> None:

@@ -133,7 +133,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     if gpu:
         if depths and estimate.peak_bytes <= allocator_capacity(gpu):   # the whole step: milliseconds, no tensors
             allocations = simulate(workload, gpu, layers, weights, record_allocations=True).allocations
-        events = [(uid, -(-nbytes // divisor), 0) for uid, nbytes in allocations or ()]
+        events = [(uid, -(-nbytes // divisor), stream) for uid, nbytes, stream in allocations or ()]
         estimate.paged_bytes = paged
         add_gpu_overheads(estimate, gpu, workload, events)
     estimate.elapsed_s = time.perf_counter() - started
