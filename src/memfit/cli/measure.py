@@ -6,6 +6,7 @@ import argparse
 from rich.console import Console
 
 from memfit.cli.common import add_workload_arguments, check_output_path, output_console, print_json, workload_from
+from memfit.estimators import methods_for
 from memfit.measurement import measure
 from memfit.report.tables import measure_table
 
@@ -25,9 +26,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.snapshot, (".pickle", ".pkl"), "--snapshot")
     workload = workload_from(args)
-    traced_only = not workload.source.is_hf or workload.with_trait("traced-only")
-    methods = () if args.no_estimates else ("traced",) if traced_only else (
-        ("analytic",) if workload.engine == "deepspeed" else ("traced", "analytic"))
+    methods = () if args.no_estimates else methods_for(workload)
     with Console(stderr=True).status(f"estimating, then running {workload.model} for real ..."):
         result = measure(workload, device=args.device, snapshot_path=args.snapshot, estimates=methods,
                          profiler_categories=args.profiler_categories)

@@ -12,6 +12,17 @@ from memfit.techniques.resolve import resolve
 METHODS = ("auto", "traced", "analytic")
 
 
+def methods_for(workload: Workload) -> tuple[str, ...]:
+    """The estimators that model `workload`: the trace where it runs (PyTorch's engine), the analytic model for
+    transformer configs unless a technique has no analytic model."""
+    workload = resolve(workload)
+    if workload.engine == "deepspeed":
+        return ("analytic",)
+    if not workload.source.is_hf or workload.with_trait("traced-only"):
+        return ("traced",)
+    return ("traced", "analytic")
+
+
 def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None, **options) -> MemoryEstimate:
     """`auto`: traced where it can run (PyTorch engine), analytic otherwise."""
     if method not in METHODS:

@@ -16,6 +16,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.core.units import format_bytes
 from memfit.estimators import estimate as run_estimate
+from memfit.estimators import methods_for
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.tracker import MemoryTracker
@@ -154,20 +155,22 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
 
 
 def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
-            estimates: tuple[str, ...] = ("traced", "analytic"), profiler_categories: bool = False) -> MemoryEstimate:
-    """Measure the workload for real and put memfit's estimates of the same run beside it (`measure_run`)."""
+            estimates: tuple[str, ...] | None = None, profiler_categories: bool = False) -> MemoryEstimate:
+    """Measure the workload for real and put memfit's estimates of the same run beside it (`measure_run`);
+    `estimates`: the methods to run (default: every estimator that models the workload, `methods_for`)."""
     return measure_many([workload], device=device, snapshot_path=snapshot_path, estimates=estimates,
                         profiler_categories=profiler_categories)[0]
 
 
 def measure_many(workloads: list[Workload], *, device: str | None = None, snapshot_path: str | None = None,
-                 estimates: tuple[str, ...] = ("traced", "analytic"),
+                 estimates: tuple[str, ...] | None = None,
                  profiler_categories: bool = False) -> list[MemoryEstimate]:
     """`measure` for each workload; those that run on ranks share torchrun launches (ranks.measure_ranks_many)."""
     workloads = [resolve(w) for w in workloads]
     device = device or best_device()
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
-    predicted = [{method: run_estimate(w, method=method, gpu=gpu) for method in estimates} for w in workloads]
+    predicted = [{method: run_estimate(w, method=method, gpu=gpu) for method in
+                  (methods_for(w) if estimates is None else estimates)} for w in workloads]
     expected = [max((e.peak_bytes for e in p.values()), default=0) for p in predicted]
     on_ranks = [i for i, w in enumerate(workloads) if w.runs_on_ranks]
     if on_ranks and device.startswith("cuda"):
