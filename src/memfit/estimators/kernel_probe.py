@@ -96,12 +96,13 @@ def _rnn_backward_args(args: list) -> list:
 @functools.cache
 def python_cpu_kernels() -> dict:
     """Custom ops whose CPU kernel is PyTorch code: the trace runs that code (instead of the op's fake,
-    which allocates nothing), so its temporaries are seen. bitsandbytes' 8-bit optimizer step on CPU
-    dequantizes both states to float32 and computes in float32, one parameter at a time."""
+    which allocates nothing), so its temporaries are seen. bitsandbytes' optimizer steps on CPU (8-bit:
+    both states dequantized to float32; 32-bit) compute in float32, one parameter at a time."""
     from bitsandbytes.backends.cpu import ops as bnb_cpu
 
     return {torch.ops.bitsandbytes.optimizer_update_8bit_blockwise.default:
-            bnb_cpu._optimizer_update_8bit_blockwise_cpu}
+            bnb_cpu._optimizer_update_8bit_blockwise_cpu,
+            torch.ops.bitsandbytes.optimizer_update_32bit.default: bnb_cpu._optimizer_update_32bit_cpu}
 
 
 class KernelScratchProbe(TraceMode):

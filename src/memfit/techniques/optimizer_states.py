@@ -14,6 +14,7 @@ Mechanism and memory per parameter (fp32 AdamW keeps m and v: 8 bytes):
     outside PyTorch's allocator: not in max_memory_allocated or reserved, on the device while it has room and
     paged to host RAM when it has not. A GPU estimate reports them as `paged_bytes`; a CPU has no unified
     memory, so there (and in memfit's CPU measurements) they are ordinary tensors.
+  paged-adamw (bitsandbytes PagedAdamW): float32 m and v (8 bytes), paged like paged-adamw8bit.
 These set the workload's optimizer (`--optimizer` and `-t` are the same setting); each builds its optimizer
 for the step (`build`) and declares its states and step temporaries to the analytic estimator: on CUDA each
 runs one kernel per tensor (no temporaries); on the CPU bitsandbytes' 8-bit step dequantizes m and v and
@@ -116,17 +117,16 @@ class AdamW8bit(_Optimizer):
         return _build_bnb(self, "AdamW8bit", params, lr, shard)
 
 
-@register
-@dataclass(frozen=True, kw_only=True)
-class PagedAdamW8bit(AdamW8bit):
-    name = "paged-adamw8bit"
-    summary = ("AdamW8bit with its large states in CUDA unified memory (bitsandbytes PagedAdamW8bit): outside the "
-               "allocator, paged to host RAM when the device is full")
-    oom_fixes = ("paged-adamw8bit",)
+class _Paged:
+    """What bitsandbytes' paged optimizers share: m and v of every tensor of 1e5 elements or more in CUDA unified
+    memory (`get_state_buffer`), outside the allocator; what does not fit beside the rest pages to host RAM."""
+
+    name: ClassVar[str]
+    bnb_class: ClassVar[str]
+    state_dtype: ClassVar[str]
 
     def analytic_paged_states(self, params) -> list[tuple[int, str]]:
-        """m and v codes of every tensor of 1e5 elements or more (bitsandbytes `get_state_buffer`)."""
-        return [(p.numel, "uint8") for p in params if p.numel >= PAGED_MIN_NUMEL for _ in range(2)]
+        return [(p.numel, self.state_dtype) for p in params if p.numel >= PAGED_MIN_NUMEL for _ in range(2)]
 
     def oom_fix(self, message, snapshot) -> OomFix | None:
         states = snapshot.by_category.get("optimizer_states") if snapshot is not None else None
@@ -136,11 +136,50 @@ class PagedAdamW8bit(AdamW8bit):
                       f"-t {self.name}")
 
     def build(self, params, *, lr=None, impl=None, shard=False):
-        return _noting_paged_states(_build_bnb(self, "PagedAdamW8bit", params, lr, shard))
+        return _noting_paged_states(_build_bnb(self, self.bnb_class, params, lr, shard))
 
     def cost_overhead(self, step) -> None:
         """The paged states that do not fit on the device cross PCIe twice a step (in for the update, out again)."""
         step.add("offload", 2 * step.estimate.paged_out_bytes / step.pcie_bytes_per_s)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PagedAdamW8bit(_Paged, AdamW8bit):
+    name = "paged-adamw8bit"
+    summary = ("AdamW8bit with its large states in CUDA unified memory (bitsandbytes PagedAdamW8bit): outside the "
+               "allocator, paged to host RAM when the device is full")
+    oom_fixes = ("paged-adamw8bit",)
+    bnb_class = "PagedAdamW8bit"
+    state_dtype = "uint8"
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PagedAdamW(_Paged, _Optimizer):
+    name = "paged-adamw"
+    summary = ("AdamW with float32 m and v in CUDA unified memory (bitsandbytes PagedAdamW): outside the allocator, "
+               "paged to host RAM when the device is full")
+    oom_fixes = ("paged-adamw",)
+    conflicts_with = AdamW8bit.conflicts_with
+    bnb_class = "PagedAdamW"
+    state_dtype = "float32"
+
+    def check(self, workload) -> None:
+        _refuse_zero(self.name, workload, "bitsandbytes keeps its states per whole tensor")
+
+    def analytic_states(self, params) -> list[tuple[int, str]]:
+        """float32 m and v for every tensor, whatever the parameter's dtype (Optimizer2State.init_state)."""
+        return [(p.numel, "float32") for p in params for _ in range(2)]
+
+    def analytic_step_temporaries(self, params, impl: str) -> list[tuple[int, str]]:
+        """CUDA: one fused kernel per tensor. CPU (bitsandbytes/backends/cpu/ops.py `_optimizer_update_32bit_cpu`),
+        one tensor at a time: the scaled float32 gradient, sqrt(v) and sqrt(v) + eps together, then the update
+        beside them, plus a float32 copy of a half parameter."""
+        if impl == "foreach" or not params:   # CUDA's default marks a CUDA target
+            return []
+        largest = max(params, key=lambda p: p.numel)
+        return [(largest.numel, "float32")] * (3 + (largest.dtype != "float32"))
 
 
 def _build_bnb(technique: _Optimizer, kind: str, params, lr, shard: bool) -> torch.optim.Optimizer:
