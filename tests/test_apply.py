@@ -90,3 +90,13 @@ def test_optimizer_in_backward_in_a_users_own_loop_gives_the_same_weights():
     assert all(torch.equal(a, b) for a, b in zip(*finals))
     with pytest.raises(MemfitError, match="pass your optimizer"):
         memfit.apply_(llama_with_groups(0)[0], None, ["optimizer-in-backward"])
+
+
+def test_a_plain_tensor_batch_is_the_models_one_argument():
+    """setup.step(x) with x a tensor calls model(x) (a tuple or list is unpacked, a dict passed by keyword)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    setup = memfit.apply_(model, torch.optim.SGD(model.parameters(), lr=0.1), ["bf16-mixed"])
+    before = model[0].weight.detach().clone()
+    loss = setup.step(torch.randn(8, 16))
+    assert loss.dim() == 0 and not torch.equal(model[0].weight, before) and model[0].weight.grad is None

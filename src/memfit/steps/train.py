@@ -54,8 +54,11 @@ def autocast_region(precision: Precision, device_type: str,
     return autocast(precision.autocast_dtype)
 
 
-def call_model(model: nn.Module, batch: dict | tuple) -> Any:
-    return model(**batch) if isinstance(batch, dict) else model(*batch)
+def call_model(model: nn.Module, batch: dict | tuple | torch.Tensor) -> Any:
+    """The model on one batch: a dict as keyword arguments, a tuple or list as positional ones, a tensor whole."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
 
 
 def enter_phase(setup: StepSetup, hooks: StepHooks, name: str) -> None:
