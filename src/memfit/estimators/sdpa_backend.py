@@ -34,9 +34,10 @@ def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask
     fail."""
     if forced == FLASH:
         if dtype not in HALF or capability < (8, 0) or head_dim > 256:
+            fix = "use a half precision" if dtype not in HALF and capability >= (8, 0) else "use SDPA attention"
             raise MemfitError(f"FlashAttention-2 and flex attention run float16 or bfloat16 with head_dim <= 256 on "
                               f"compute capability 8.0 or newer; this step has {dtype}, head_dim {head_dim} on "
-                              f"{capability[0]}.{capability[1]} (use a half precision, or SDPA attention).")
+                              f"{capability[0]}.{capability[1]} ({fix}).")
         return FLASH
     flash_head = head_dim <= (192 if capability in ((8, 6), (8, 9)) and needs_grad else 256)
     if dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal:
