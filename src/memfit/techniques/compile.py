@@ -49,10 +49,6 @@ class Compile(Technique):
             raise MemfitError("-t compile: a block under a selective checkpoint policy runs inside the policy's "
                               "dispatch mode, where torch.compile falls back to eager; use mode=full with it.")
 
-    def analytic_policy(self, workload) -> dict:
-        raise MemfitError("-t compile: the analytic model has no program for compiled graphs; use --method traced "
-                          "(it compiles the blocks under fake tensors).")
-
     def apply_(self, setup: StepSetup) -> None:
         from torch._subclasses.fake_tensor import is_fake
 

@@ -73,6 +73,9 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     if not source.is_hf:
         raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
                           "module: use --method traced.")
+    traced_only = workload.with_trait("traced-only")
+    if traced_only:
+        raise MemfitError(f"-t {traced_only.name}: the analytic model has no program for it; use --method traced.")
     _, spec = registry.family_of(source)
     period = spec.period
     layers = source.num_layers
