@@ -53,3 +53,10 @@ def test_gpu_catalog():
     assert get_gpu("t4").bf16_tflops is None
     with pytest.raises(MemfitError, match="h100"):
         get_gpu("h1000")
+
+
+def test_a_bundled_model_is_found_by_its_hub_id():
+    assert resolve_source("meta-llama/Llama-3.1-8B").name == "llama-3.1-8b"
+    assert resolve_source("META-LLAMA/llama-3.1-8b").name == "llama-3.1-8b"
+    with pytest.raises(MemfitError, match=r"looks like a Hugging Face hub id .*Did you mean: Qwen/Qwen2\.5"):
+        resolve_source("Qwen/Qwen9-77B")

@@ -22,6 +22,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "(instead of a model and flags)")
     parser.add_argument("--plan-index", type=int, default=0, metavar="K", help="which plan of the file (default 0, "
                                                                                "the best)")
+    parser.add_argument("--step", metavar="MODULE:FUNCTION",
+                        help="your own step: package.module:function or path/file.py:function, called as "
+                             "fn(model, batch, optimizer) (optimizer None for --task inference); traced and measured "
+                             "as it runs")
     parser.add_argument("--inputs", help="package.module:function(batch_size, seq_len) returning the batch "
                                          "(needed for a custom module)")
     parser.add_argument("--task", default="train", help=f"one of {', '.join(TASKS)} (default train)")
@@ -54,9 +58,9 @@ def workload_from(args: argparse.Namespace) -> ResolvedWorkload:
         return resolve(load_plan(args.plan, args.plan_index)[0])
     if not args.model:
         raise MemfitError("name a model (memfit models lists them) or pass --plan PLAN.json.")
-    return resolve(Workload(model=args.model, inputs=args.inputs, task=args.task, batch_size=args.batch_size,
-                            seq_len=args.seq_len, new_tokens=args.new_tokens, precision=args.precision,
-                            optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
+    return resolve(Workload(model=args.model, inputs=args.inputs, step=args.step, task=args.task,
+                            batch_size=args.batch_size, seq_len=args.seq_len, new_tokens=args.new_tokens,
+                            precision=args.precision, optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
                             world_size=args.world_size, zero_stage=args.zero_stage,
                             engine=args.engine, reduce_bucket=args.reduce_bucket,
                             allow_long_seq=args.allow_long_seq, techniques=tuple(args.techniques)))
@@ -76,7 +80,8 @@ def command_line(workload: ResolvedWorkload) -> str:
     defaults = Workload.__dataclass_fields__
     parts = [workload.model, "--task", workload.task, "--batch-size", str(workload.batch_size),
              "--seq-len", str(workload.effective_seq_len)]
-    for field, flag in (("new_tokens", "--new-tokens"), ("precision", "--precision"), ("optimizer", "--optimizer"),
+    for field, flag in (("inputs", "--inputs"), ("step", "--step"), ("new_tokens", "--new-tokens"),
+                        ("precision", "--precision"), ("optimizer", "--optimizer"),
                         ("optimizer_impl", "--optimizer-impl"), ("world_size", "--world-size"),
                         ("zero_stage", "--zero"), ("engine", "--engine")):
         value = getattr(workload, field)

@@ -14,11 +14,11 @@ METHODS = ("auto", "traced", "analytic")
 
 def methods_for(workload: Workload) -> tuple[str, ...]:
     """The estimators that model `workload`: the trace where it runs (PyTorch's engine), the analytic model for
-    transformer configs unless a technique has no analytic model."""
+    transformer configs unless a technique (or the user's own --step) has no analytic model."""
     workload = resolve(workload)
     if workload.engine == "deepspeed":
         return ("analytic",)
-    if not workload.source.is_hf or workload.with_trait("traced-only"):
+    if not workload.source.is_hf or workload.with_trait("traced-only") or workload.step is not None:
         return ("traced",)
     return ("traced", "analytic")
 

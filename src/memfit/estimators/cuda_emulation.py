@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from memfit.estimators.sdpa_backend import FLASH, MATH, backward_scratch, cuda_backend
+from memfit.estimators.sdpa_backend import FLASH, MATH, backward_scratch, cuda_backend, enabled_backends
 
 _LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
           torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm,
@@ -183,10 +183,11 @@ def _sdpa(capability, forced, query, key, value, attn_mask=None, dropout_p=0.0, 
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     kernel = cuda_backend(capability, str(query.dtype).removeprefix("torch."), query.shape[-1],
                           mask=attn_mask is not None, causal_unequal=is_causal and query.shape[-2] != key.shape[-2],
-                          needs_grad=needs_grad, forced=forced)
+                          needs_grad=needs_grad, forced=forced, enabled=enabled_backends())
+    if attn_mask is not None and attn_mask.dtype == torch.bool:   # SDPA converts boolean masks for every backend
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"),
+                                torch.zeros((), dtype=query.dtype, device=query.device))   # convert_boolean_attn_mask
     if kernel == MATH:   # the composite, as CUDA runs it when no fused kernel takes the inputs
         return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
-    if attn_mask is not None and attn_mask.dtype == torch.bool:   # SDPA converts boolean masks for every backend
-        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
     return _FusedAttention.apply(query, key, value, attn_mask, kernel, dropout_p, is_causal, scale)

@@ -1,12 +1,17 @@
 """CPU kernels that allocate scratch no tensor accounts for, probed on real tensors of the same shape.
 
-oneDNN's convolution and LSTM kernels reorder their operands into blocked layouts inside the kernel
-(a few times the size of the activations). A fake tensor never runs a kernel (and the fake LSTM returns
-an empty workspace where the real one keeps megabytes for backward), so for a CPU target the trace
-asks the real kernel: the op is run once on random tensors shaped like its arguments,
-under the profiler, and the scratch (its allocator peak minus what it returns) is added to the trace
-as a transient allocation after the op. Probes are cached per shape, so repeated layers cost one
-probe; an op whose operands would exceed PROBE_LIMIT_BYTES is not probed (and the note says so).
+oneDNN's convolution and LSTM kernels reorder their operands into blocked layouts inside the kernel (a few times
+the size of the activations). A fake tensor never runs a kernel (and the fake LSTM returns an empty workspace where
+the real one keeps megabytes for backward), so for a CPU target the trace asks the real kernel: the op is run once
+on random tensors shaped like its arguments, under the profiler, and the scratch (its allocator peak minus what it
+returns) is added to the trace as a transient allocation after the op. Probes are cached per shape, so repeated
+layers cost one probe; an op whose operands would exceed PROBE_LIMIT_BYTES is not probed (and the note says so).
+Not probed: oneDNN's reorders inside a bfloat16 matrix product (0.1 to 1.5 MB for the shapes of the test zoo), as
+probing every matmul would run the model's largest products for real.
+
+One CPU scratch is modelled instead of probed, as it is exactly a copy: a mean of a bfloat16 or float16 tensor, and a
+sum asked for another dtype, first convert the whole input (ATen's CPU mean sums in float32 over `self.to(float)`).
+Probed once: a mean of bf16 [64, 1000] allocates 256,012 bytes beyond its result, the copy plus 12.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ PROBED_OPS = {
     torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default,
     torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten.mkldnn_rnn_layer_backward.default,
 }
+HALF = (torch.bfloat16, torch.float16)
+MEANS = (torch.ops.aten.mean.default, torch.ops.aten.mean.dim)
+SUMS = (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList)
 _cache: dict[tuple, tuple[int, list[int]] | None] = {}
 
 
@@ -105,6 +113,16 @@ def python_cpu_kernels() -> dict:
             torch.ops.bitsandbytes.optimizer_update_32bit.default: bnb_cpu._optimizer_update_32bit_cpu}
 
 
+def reduction_copy_bytes(func, args, kwargs) -> int:
+    """Bytes of the converted copy a CPU mean or sum makes of its input before reducing it (0 when none)."""
+    if func in MEANS and args[0].dtype in HALF:
+        return args[0].numel() * 4
+    dtype = kwargs.get("dtype")
+    if func in SUMS and dtype is not None and dtype != args[0].dtype:
+        return args[0].numel() * dtype.itemsize
+    return 0
+
+
 class KernelScratchProbe(TraceMode):
     """Inside a fake CPU trace: after each probed op, allocate and free its measured scratch."""
 
@@ -119,6 +137,10 @@ class KernelScratchProbe(TraceMode):
             return python_cpu_kernels()[func](*args, **kwargs)
         grad_enabled = torch.is_grad_enabled()
         out = func(*args, **kwargs)
+        converted = reduction_copy_bytes(func, args, kwargs)
+        if converted:
+            copy = torch.empty(converted, dtype=torch.uint8, device="cpu")
+            del copy
         if func not in PROBED_OPS:
             return out
         probed = probe_scratch(func, args, kwargs, grad_enabled)

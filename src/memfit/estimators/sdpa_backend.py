@@ -25,13 +25,23 @@ from memfit.core.errors import MemfitError
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 HALF = ("float16", "bfloat16")
+ALL_BACKENDS = frozenset({FLASH, EFFICIENT, MATH})
+
+
+def enabled_backends() -> frozenset[str]:
+    """The backends torch.nn.attention.sdpa_kernel (or torch.backends.cuda.enable_*_sdp) leaves enabled now."""
+    import torch
+
+    flags = {FLASH: torch.backends.cuda.flash_sdp_enabled(), EFFICIENT: torch.backends.cuda.mem_efficient_sdp_enabled(),
+             MATH: torch.backends.cuda.math_sdp_enabled()}
+    return frozenset(name for name, on in flags.items() if on)
 
 
 def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask: bool, causal_unequal: bool,
-                 needs_grad: bool, forced: str | None = None) -> str:
+                 needs_grad: bool, forced: str | None = None, enabled: frozenset[str] = ALL_BACKENDS) -> str:
     """The backend SDPA runs on a GPU of `capability` for inputs of `dtype` (torch's name without the prefix).
     `forced`: "flash" for FlashAttention-2 or flex attention (ModelSource.attention_kernel), which run that kernel or
-    fail."""
+    fail. `enabled`: the backends the step allows (a `torch.nn.attention.sdpa_kernel` context narrows them)."""
     if forced == FLASH:
         if dtype not in HALF or capability < (8, 0) or head_dim > 256:
             fix = "use a half precision" if dtype not in HALF and capability >= (8, 0) else "use SDPA attention"
@@ -40,11 +50,16 @@ def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask
                               f"{capability[0]}.{capability[1]} ({fix}).")
         return FLASH
     flash_head = head_dim <= (192 if capability in ((8, 6), (8, 9)) and needs_grad else 256)
-    if dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal:
+    if FLASH in enabled and dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal:
         return FLASH
     efficient_dtypes = ("float16", "float32") + (("bfloat16",) if capability >= (8, 0) else ())
-    if dtype in efficient_dtypes and head_dim % (8 if dtype in HALF else 4) == 0 and capability >= (5, 0):
+    if (EFFICIENT in enabled and dtype in efficient_dtypes and head_dim % (8 if dtype in HALF else 4) == 0
+            and capability >= (5, 0)):
         return EFFICIENT
+    if MATH not in enabled:
+        raise MemfitError(f"scaled_dot_product_attention: no enabled backend ({', '.join(sorted(enabled)) or 'none'}) "
+                          f"takes {dtype} inputs with head_dim {head_dim}{' and a mask' if mask else ''} on compute "
+                          f"capability {capability[0]}.{capability[1]}; PyTorch fails the same way.")
     return MATH
 
 

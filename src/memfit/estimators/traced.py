@@ -75,11 +75,27 @@ def build_fake(workload: ResolvedWorkload, num_layers: int | None, fake_mode: Fa
     source = workload.source
     precision = get_precision(workload.precision)
     model = source.build(device="meta", dtype=precision.param_dtype, num_layers=num_layers)
+    shared = shared_parameters(model)
     with fake_mode:
         model = model.to_empty(device="cpu")
+    for group in shared:   # to_empty gives each module its own copy: tie them again, as they were
+        first_module, first_name = group[0]
+        for module, name in group[1:]:
+            module._parameters[name] = first_module._parameters[first_name]
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+def shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) slots that hold one parameter object, for each parameter held in more than one (tied
+    weights such as `out.weight = emb.weight`)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, name))
+    return [group for group in slots.values() if len(group) > 1]
 
 
 def _trace_once(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None, rank: int = 0) -> _Run:

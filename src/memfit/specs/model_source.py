@@ -6,10 +6,9 @@ Three sources: a bundled catalog name, a Hugging Face `config.json` (or a folder
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import os
-from collections.abc import Callable
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, closest
+from memfit.specs.user_code import call_user, import_callable, is_file_spec
 
 # The head a Hugging Face class carries decides the inputs and the loss.
 HEADS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "base")
@@ -189,23 +189,23 @@ class ModelSource:
             with torch.device(device):
                 model = cls._from_config(config, dtype=dtype)
             return model
-        fn = _import_callable(self.factory, "model factory")
+        fn = import_callable(self.factory, "model factory")
         with torch.device(device):
-            model = _call_user(fn, self.factory, "model factory")
+            model = call_user(fn, self.factory, "model factory")
         if not isinstance(model, nn.Module):
             raise MemfitError(f"model factory {self.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
         return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
 
     # ---- inputs -------------------------------------------------------------------------
     def make_batch(self, *, batch_size: int, seq_len: int, task: str, dtype: torch.dtype,
-                   device: str | torch.device = "cpu") -> dict[str, Any] | tuple:
+                   device: str | torch.device = "cpu") -> dict[str, Any] | tuple | torch.Tensor:
         """Model inputs for one step: keyword tensors for HF models, the user's inputs otherwise."""
         if not self.is_hf:
-            fn = _import_callable(self.inputs_factory, "inputs factory")
+            fn = import_callable(self.inputs_factory, "inputs factory")
             with torch.device(device):
-                batch = _call_user(fn, self.inputs_factory, "inputs factory", batch_size, seq_len)
+                batch = call_user(fn, self.inputs_factory, "inputs factory", batch_size, seq_len)
             if isinstance(batch, torch.Tensor):
-                return (batch,)
+                return batch
             if isinstance(batch, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in batch):
                 return tuple(batch)
             if isinstance(batch, dict) and all(isinstance(k, str) for k in batch):
@@ -255,44 +255,32 @@ def _default_class_name(config) -> str:
     raise MemfitError(f"no transformers model class is known for model_type {config.model_type!r}.")
 
 
-def _call_user(fn: Callable, spec: str, what: str, *args):
-    try:
-        return fn(*args)
-    except MemfitError:
-        raise
-    except Exception as exc:  # the user's code failed: say where, in one line
-        raise MemfitError(f"{what} {spec!r} failed: {type(exc).__name__}: {exc}") from None
-
-
-def _import_callable(spec: str | None, what: str) -> Callable:
-    if not spec or ":" not in spec:
-        raise MemfitError(f"{what} {spec!r} must look like package.module:function.")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's module failing
-        raise MemfitError(f"cannot import {module_name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise MemfitError(f"{module_name!r} has no callable {attr!r} ({what} {spec!r}).")
-    return fn
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # owner/name
 
 
 def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line MemfitError."""
     spec = spec.strip()
     docs = catalog()
+    by_hub_id = {doc["reference"].lower(): name for name, doc in docs.items() if doc.get("reference")}
+    spec = by_hub_id.get(spec.lower(), spec)   # a bundled model named by its Hugging Face hub id
     if spec in docs:
         doc = docs[spec]
         return ModelSource(name=spec, kind="catalog", hf_config=copy.deepcopy(doc["hf_config"]),
                            reference=doc.get("reference"),
                            published_num_parameters=doc.get("published_num_parameters"))
-    if spec.endswith(".json") or os.path.isdir(spec) or os.sep in spec:
+    if (spec.endswith(".json") or os.path.isdir(spec) or os.sep in spec) and not is_file_spec(spec):
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
         try:
             with open(path) as fh:
                 hf_config = json.load(fh)
         except FileNotFoundError:
+            if HUB_ID.match(spec) and not os.path.exists(spec):
+                hub_ids = [doc["reference"] for doc in docs.values() if doc.get("reference")]
+                raise MemfitError(f"{spec!r} looks like a Hugging Face hub id that memfit does not bundle, and memfit "
+                                  "reads no hub at run time: download the model's config.json (its page's Files tab) "
+                                  "and give its path, or name a bundled model (`memfit models` lists them with their "
+                                  f"hub ids).{closest(spec, hub_ids)}") from None
             raise MemfitError(f"no model config at {path!r}; give a catalog name, a config.json path or "
                               "module:function.") from None
         except (OSError, json.JSONDecodeError) as exc:
@@ -308,9 +296,9 @@ def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
         if not inputs:
             raise MemfitError(
                 f"memfit cannot guess the inputs of custom module {spec!r}; pass --inputs package.module:function "
-                "returning the batch for (batch_size, seq_len)."
+                "(or path/file.py:function) returning the batch for (batch_size, seq_len)."
             )
-        _import_callable(spec, "model factory")
-        _import_callable(inputs, "inputs factory")
+        import_callable(spec, "model factory")
+        import_callable(inputs, "inputs factory")
         return ModelSource(name=spec, kind="factory", factory=spec, inputs_factory=inputs)
     raise MemfitError(f"unknown model {spec!r}; `memfit models` lists the catalog.{closest(spec, docs)}")

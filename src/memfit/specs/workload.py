@@ -24,6 +24,7 @@ DEFAULT_SEQ_LEN = 512
 class Workload:
     model: str                          # catalog name, config.json path or folder, or module:function
     inputs: str | None = None           # module:function(batch_size, seq_len) returning a custom model's batch
+    step: str | None = None             # module:function(model, batch, optimizer): the user's own step
     task: str = "train"
     batch_size: int = 1
     seq_len: int | None = None          # tokens; image side in pixels for vision models
@@ -46,6 +47,8 @@ class Workload:
             raise MemfitError(f"name a model (memfit models lists them), got {self.model!r}.")
         if self.task not in TASKS:
             raise MemfitError(f"unknown task {self.task!r}; choose train or inference.{closest(str(self.task), TASKS)}")
+        if self.step is not None and (not isinstance(self.step, str) or ":" not in self.step):
+            raise MemfitError(f"--step {self.step!r} must look like package.module:function or path/file.py:function.")
         require_positive_int(self.batch_size, "--batch-size")
         if self.seq_len is not None:
             require_positive_int(self.seq_len, "--seq-len")

@@ -14,6 +14,7 @@ from memfit.steps.hooks import StepHooks
 from memfit.steps.inference import run_inference
 from memfit.steps.setup import StepSetup
 from memfit.steps.train import TrainLoop
+from memfit.steps.user_step import run_user_step
 
 
 def train_loop(setup: StepSetup, workload: Workload, *, hooks: StepHooks | None = None, trace_safe: bool = False):
@@ -29,6 +30,9 @@ def run_workload(setup: StepSetup, batch, workload: Workload, *, head: str, hook
     """The workload's step on `setup` (its techniques applied: techniques.compose.prepare_step); `head` is the
     model's (what inference generates with)."""
     model = setup.model
+    if workload.step is not None:
+        run_user_step(setup, batch, workload, hooks=hooks, before_measured_step=before_measured_step)
+        return
     if workload.task == "train":
         model.train()
         loop = train_loop(setup, workload, hooks=hooks, trace_safe=trace_safe)

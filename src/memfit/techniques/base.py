@@ -46,6 +46,7 @@ TRAITS = {
     "quantized-linears": "quantizes (or fake-quantizes) the linear layers' weights",
     "adapters": "freezes the base and trains low-rank adapters beside it",
     "replaces-loss": "computes the step's loss itself",
+    "shapes-batch": "changes the batch memfit's step feeds the model (truncates it or splits it into windows)",
     "traced-only": "has no analytic model: only a trace (or a run) predicts it (the analytic estimator refuses it)",
 }
 

@@ -20,6 +20,7 @@ from memfit.core.precision import get_precision, precision_names
 from memfit.specs.model_source import ModelSource, resolve_source
 from memfit.specs.workload import DEFAULT_SEQ_LEN, Workload
 from memfit.steps.optim import TORCH_OPTIMIZER_IMPLS, TORCH_OPTIMIZERS
+from memfit.steps.user_step import check_user_step
 from memfit.techniques.base import REGISTRY, Technique, parse_technique
 from memfit.techniques.rules import check_rules, ordered, parse_all
 
@@ -44,6 +45,8 @@ class ResolvedWorkload(Workload):
         for technique in self.field_techniques + list(self.technique_configs):
             technique.check(self)
         check_rules(list(self.technique_configs), self)
+        if self.step is not None:
+            check_user_step(self)
 
     @property
     def field_techniques(self) -> list[Technique]:

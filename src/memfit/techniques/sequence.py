@@ -47,6 +47,7 @@ class Truncate(Technique):
     name = "truncate"
     risk = "lossy"
     stage = "sequence"
+    traits = frozenset({"shapes-batch"})
     summary = "cut every sequence to its first max_len tokens"
     max_len: int = 512
 
@@ -73,6 +74,7 @@ class SequenceChunks(Technique):
     name = "sequence-chunks"
     risk = "lossy"
     stage = "sequence"
+    traits = frozenset({"shapes-batch"})
     summary = "run a long sequence as windows of `window` tokens every `stride`, gradients accumulated"
     conflicts_with = {"own-backward": ("{other}'s schedule splits each batch into micro-batches itself",
                                        "drop sequence-chunks")}

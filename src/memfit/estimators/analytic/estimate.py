@@ -70,6 +70,9 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     started = time.perf_counter()
     workload = resolve(workload)
     source = workload.source
+    if workload.step is not None:
+        raise MemfitError(f"--step {workload.step}: the analytic model knows memfit's own step, not yours; use "
+                          "--method traced.")
     if not source.is_hf:
         raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
                           "module: use --method traced.")

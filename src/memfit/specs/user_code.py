@@ -1,0 +1,97 @@
+"""The user's own code, named as `package.module:function` or `path/to/file.py:function`.
+
+A module name is imported as Python would, then, failing that, from the current folder (as `uvicorn app:app`
+does). The folder goes at the end of the import path, so a local file never shadows an installed package such as
+torch. A file path is loaded as a module of its own, once per file.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+
+from memfit.core.errors import MemfitError
+
+
+def is_file_spec(spec: str) -> bool:
+    """`path/to/file.py:function` (a file), as opposed to `package.module:function`."""
+    return spec.partition(":")[0].endswith(".py")
+
+
+def import_callable(spec: str | None, what: str) -> Callable:
+    """The function `spec` names, or a one-line MemfitError saying what is wrong."""
+    if not isinstance(spec, str) or ":" not in spec or not all(spec.partition(":")[::2]):
+        raise MemfitError(f"{what} {spec!r} must look like package.module:function or path/file.py:function.")
+    location, _, attr = spec.partition(":")
+    module = _load_file(location, what, spec) if is_file_spec(spec) else _import_module(location, what, spec)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise MemfitError(f"{location!r} has no callable {attr!r} ({what} {spec!r}).")
+    return fn
+
+
+def call_user(fn: Callable, spec: str, what: str, *args):
+    """fn(*args); the user's exception becomes one line naming where in their code it was raised."""
+    try:
+        return fn(*args)
+    except MemfitError:
+        raise
+    except Exception as exc:  # the user's code failed: say where, in one line
+        raise MemfitError(f"{what} {spec!r} failed{user_line(exc, fn)}: {type(exc).__name__}: {exc}") from None
+
+
+def user_line(exc: BaseException, fn: Callable) -> str:
+    """' at file.py:LINE (code)' for the deepest frame of `exc` in the file that defines `fn`, or ''."""
+    code = getattr(fn, "__code__", None)
+    return _line_in(exc, code.co_filename) if code is not None else ""
+
+
+def _line_in(exc: BaseException, filename: str) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {os.path.basename(frame.filename)}:{frame.lineno} ({(frame.line or '').strip()})"
+
+
+def _import_module(name: str, what: str, spec: str) -> ModuleType:
+    for attempt in range(2):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or name.split(".")[0] != exc.name.split(".")[0]:   # the module's own import failed
+                raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
+            if attempt or os.getcwd() in sys.path:
+                raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: no module {exc.name!r} installed or "
+                                  f"in the current folder ({os.getcwd()}); a file can be named as "
+                                  "path/to/file.py:function.") from None
+            sys.path.append(os.getcwd())   # after the installed packages: a local file cannot shadow them
+            importlib.invalidate_caches()
+        except Exception as exc:  # any import failure is the user's module failing
+            raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def _load_file(path: str, what: str, spec: str) -> ModuleType:
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise MemfitError(f"no file {path!r} for {what} {spec!r} (relative paths start at the current folder, "
+                          f"{os.getcwd()}).")
+    name = "memfit_user_" + hashlib.sha1(full.encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module   # before running it: dataclasses and pickling look the module up
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise MemfitError(f"cannot load {path!r} for {what} {spec!r}{_line_in(exc, full)}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    return module

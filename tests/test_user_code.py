@@ -1,0 +1,223 @@
+"""The user's own code: model factories named as a file or a module in the current folder, and the user's own step
+(`--step`), traced and measured as it runs. Each test writes its code into a folder of its own, as a user would."""
+import textwrap
+
+import pytest
+
+from memfit.core.errors import MemfitError
+from memfit.estimators import estimate, methods_for
+from memfit.estimators.sdpa_backend import EFFICIENT, FLASH, MATH, cuda_backend
+from memfit.measurement import measure
+from memfit.specs.hardware import get_gpu
+from memfit.specs.model_source import resolve_source
+from memfit.techniques.resolve import ResolvedWorkload
+
+DECODER = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+class Decoder(nn.Module):
+    """Two layers of attention (a static KV cache when generating) and an MLP, an LM head."""
+
+    def __init__(self, vocab=512, dim=64, heads=4, layers=2):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+                                 for _ in range(layers))
+        self.out = nn.Linear(dim, vocab)
+        self.cache = None
+
+    def forward(self, ids, pos=None):
+        b, s = ids.shape
+        x = self.emb(ids)
+        for i, (qkv, mlp) in enumerate(zip(self.qkv, self.mlp)):
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
+            if self.cache is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                keys, values, mask = self.cache[i][0], self.cache[i][1], self.mask[None, None, pos]
+                keys[:, :, pos], values[:, :, pos] = k, v
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = x + y.transpose(1, 2).reshape(b, s, self.dim)
+            x = x + mlp(x)
+        return self.out(x)
+
+
+def build():
+    return Decoder()
+
+
+def tied():
+    """The LM head shares the embedding's weight."""
+    model = Decoder()
+    model.out.bias = None
+    model.out.weight = model.emb.weight
+    return model
+
+
+class SquaredReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.relu(x) ** 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * torch.relu(x)
+
+
+class Handmade(nn.Module):
+    """RMSNorm written out, eager attention through a boolean masked_fill, a custom autograd Function."""
+
+    def __init__(self, vocab=512, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.qkv, self.o = nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm = nn.Parameter(torch.ones(dim))
+        self.up, self.down, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, s, d = x.shape
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        x = x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d))
+        return self.out(x + self.down(SquaredReLU.apply(self.up(x))))
+
+
+def handmade_large_vocab():
+    return Handmade(vocab=4096)
+
+
+def tokens(batch_size, seq_len):
+    return torch.randint(0, 512, (batch_size, seq_len))
+
+
+def keep_logits(model, batch, optimizer):
+    """A hand-written step: its own loss, the logits alive through backward."""
+    logits = model(batch)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return logits
+
+
+@torch.no_grad()
+def generate(model, prompt, optimizer, backends=(SDPBackend.MATH,)):
+    """A static cache of 512 tokens, a dense boolean causal mask, decode steps on the math kernel."""
+    b, s = prompt.shape
+    dtype = model.out.weight.dtype
+    model.cache = [(torch.zeros(b, model.heads, 512, model.dim // model.heads, dtype=dtype),
+                    torch.zeros(b, model.heads, 512, model.dim // model.heads, dtype=dtype)) for _ in model.qkv]
+    model.mask = torch.tril(torch.ones(512, 512, dtype=torch.bool))
+    token = model(prompt, torch.arange(s))[:, -1:].argmax(-1)
+    for step in range(4):
+        with sdpa_kernel(list(backends)):
+            token = model(token, torch.tensor([s + step]))[:, -1:].argmax(-1)
+
+
+def generate_any_kernel(model, prompt, optimizer):
+    generate(model, prompt, optimizer, backends=(SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                  SDPBackend.MATH))
+
+
+def selected(model, batch, optimizer):
+    logits = model(batch)
+    keep = (batch > 100).nonzero()
+    logits[keep[:, 0], keep[:, 1]].mean().backward()
+'''
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    (tmp_path / "userdec.py").write_text(textwrap.dedent(DECODER))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _workload(step=None, **kw):
+    return ResolvedWorkload(model="./userdec.py:build", inputs="./userdec.py:tokens", step=step, **kw)
+
+
+def test_a_module_in_the_current_folder_or_a_file_path_names_a_model(user_folder):
+    assert resolve_source("userdec:build", "userdec:tokens").kind == "factory"
+    source = resolve_source("./userdec.py:build", "userdec.py:tokens")
+    assert type(source.build(device="meta", dtype=None)).__name__ == "Decoder"
+    with pytest.raises(MemfitError, match="no module 'nosuchmod' installed or in the current folder"):
+        resolve_source("nosuchmod:build", "nosuchmod:tokens")
+    with pytest.raises(MemfitError, match=r"no file '\./missing\.py'"):
+        resolve_source("./missing.py:build", "./missing.py:tokens")
+    with pytest.raises(MemfitError, match="has no callable 'nothing'"):
+        resolve_source("./userdec.py:nothing", "./userdec.py:tokens")
+
+
+def test_a_users_step_is_traced_as_it_runs(user_folder):
+    """The logits kept alive through backward cost what the measured run shows; memfit's own step drops them."""
+    own = _workload(step="./userdec.py:keep_logits", batch_size=8, seq_len=256)
+    assert methods_for(own) == ("traced",)
+    measured = measure(own, estimates=("traced",))
+    assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.02
+    builtin = measure(_workload(batch_size=8, seq_len=256), estimates=())
+    assert measured.peak_bytes > 1.1 * builtin.peak_bytes
+    with pytest.raises(MemfitError, match="analytic model knows memfit's own step"):
+        estimate(own, method="analytic")
+
+
+def test_a_users_generation_loop_on_a_gpu_target(user_folder):
+    """Static cache, dense mask, decode forced onto the math kernel: traced within 2 % of the CPU run, and on a GPU
+    target the decode steps take the math kernel the loop asks for."""
+    generate = _workload(step="./userdec.py:generate", task="inference", batch_size=2, seq_len=16)
+    measured = measure(generate, estimates=("traced",))
+    assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.02
+    assert measured.peak_bytes > 512 * 512   # the dense mask is there
+    a100 = get_gpu("a100-80gb")
+    forced, free = (estimate(_workload(step=f"./userdec.py:{fn}", task="inference", batch_size=2, seq_len=16,
+                                       precision="bf16"), method="traced", gpu=a100)
+                    for fn in ("generate", "generate_any_kernel"))
+    upcasts = 2 * 2 * 4 * 512 * 16 * 4   # at least float32 keys and scaled keys over the whole cache (bf16 inputs)
+    assert forced.peak_bytes - free.peak_bytes >= upcasts
+
+
+def test_a_tied_weight_is_one_parameter_in_a_trace(user_folder):
+    """Its gradient and Adam states are counted once, as the real run holds them."""
+    tied = ResolvedWorkload(model="./userdec.py:tied", inputs="./userdec.py:tokens", batch_size=2, seq_len=64)
+    measured = measure(tied, estimates=("traced",))
+    assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.001
+    untied = measure(_workload(batch_size=2, seq_len=64), estimates=())
+    assert untied.at_peak["parameters"] - measured.at_peak["parameters"] >= 512 * 64 * 4
+
+
+def test_a_handwritten_decoder_in_bf16_mixed_is_traced_as_it_runs(user_folder):
+    """The peak is memfit's loss for a custom module, the mean of the bf16 logits, which the CPU computes over a
+    float32 copy of them (estimators/kernel_probe.py)."""
+    handmade = ResolvedWorkload(model="./userdec.py:handmade_large_vocab", inputs="./userdec.py:tokens",
+                                batch_size=4, seq_len=256, precision="bf16-mixed")
+    measured = measure(handmade, estimates=("traced",))
+    assert measured.peak_phase == "forward"
+    assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.02
+
+
+def test_what_cannot_run_with_a_users_step_is_refused(user_folder):
+    with pytest.raises(MemfitError, match="chunked-ce cannot apply to your --step"):
+        ResolvedWorkload(model="tiny-llama", step="./userdec.py:keep_logits", techniques=("chunked-ce",))
+    with pytest.raises(MemfitError, match="--step 'userdec' must look like"):
+        ResolvedWorkload(model="tiny-llama", step="userdec")
+    with pytest.raises(MemfitError, match=r"userdec.py:\d+ \(keep = \(batch > 100\).nonzero\(\)\).*fake tensors"):
+        estimate(_workload(step="./userdec.py:selected", batch_size=2, seq_len=16), method="traced")
+
+
+def test_sdpa_kernel_narrows_the_backends_a_gpu_would_try():
+    args = dict(mask=False, causal_unequal=False, needs_grad=False)
+    assert cuda_backend((8, 0), "bfloat16", 128, **args) == FLASH
+    assert cuda_backend((8, 0), "bfloat16", 128, **args, enabled=frozenset({EFFICIENT, MATH})) == EFFICIENT
+    assert cuda_backend((8, 0), "bfloat16", 128, **args, enabled=frozenset({MATH})) == MATH
+    with pytest.raises(MemfitError, match="no enabled backend"):
+        cuda_backend((7, 5), "bfloat16", 128, **args, enabled=frozenset({FLASH}))
