@@ -3,13 +3,16 @@
 import textwrap
 
 import pytest
+import torch
 
+import memfit
 from memfit.core.errors import MemfitError
 from memfit.estimators import estimate, methods_for
 from memfit.estimators.sdpa_backend import EFFICIENT, FLASH, MATH, cuda_backend
 from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
 from memfit.specs.model_source import resolve_source
+from memfit.specs.user_code import import_callable
 from memfit.techniques.resolve import ResolvedWorkload
 
 DECODER = '''
@@ -221,3 +224,36 @@ def test_sdpa_kernel_narrows_the_backends_a_gpu_would_try():
     assert cuda_backend((8, 0), "bfloat16", 128, **args, enabled=frozenset({MATH})) == MATH
     with pytest.raises(MemfitError, match="no enabled backend"):
         cuda_backend((7, 5), "bfloat16", 128, **args, enabled=frozenset({FLASH}))
+
+
+def _user(name):
+    return import_callable(f"./userdec.py:{name}", "test")
+
+
+def test_a_live_model_is_estimated_on_a_meta_copy(user_folder):
+    """memfit.estimate(model, batch): the figures of the same model named by its factory, and the live model, its
+    gradients and the optimizer are left as they were."""
+    model, batch = _user("build")(), _user("tokens")(8, 256)
+    before = {name: (p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    live = memfit.estimate(model, batch, optimizer=optimizer, step=_user("keep_logits"), gpu="a100-80gb")
+    named = estimate(_workload(step="./userdec.py:keep_logits", batch_size=8, seq_len=256, optimizer_impl="fused"),
+                     method="traced", gpu=get_gpu("a100-80gb"))
+    assert live.peak_bytes == named.peak_bytes and live.reserved_bytes == named.reserved_bytes
+    assert live.workload["optimizer_impl"] == "fused" and live.workload["batch_size"] == 8
+    assert {name: (p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()} == before
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+    with torch.device("meta"):
+        on_meta = _user("build")()
+    assert memfit.estimate(on_meta, batch.to("meta"), step=_user("keep_logits"), optimizer=optimizer,
+                           gpu="a100-80gb").peak_bytes == live.peak_bytes
+
+
+def test_what_a_live_model_cannot_do_is_said(user_folder):
+    model, batch = _user("build")(), _user("tokens")(2, 16)
+    with pytest.raises(MemfitError, match="this SGD has no momentum"):
+        memfit.estimate(model, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(MemfitError, match="a live model is only estimated"):
+        measure(memfit.Workload(**memfit.estimate(model, batch).workload))
+    with pytest.raises(MemfitError, match="a Workload carries its batch shape"):
+        memfit.estimate(_workload(batch_size=2, seq_len=16), batch)

@@ -1,11 +1,14 @@
 """Estimators: traced (the real step on fake tensors) and analytic (closed forms)."""
 from __future__ import annotations
 
+from torch import nn
+
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.traced import traced_estimate
-from memfit.specs.hardware import GPU
+from memfit.specs.hardware import GPU, get_gpu
+from memfit.specs.live import live_workload
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve
 
@@ -23,8 +26,26 @@ def methods_for(workload: Workload) -> tuple[str, ...]:
     return ("traced", "analytic")
 
 
-def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None, **options) -> MemoryEstimate:
-    """`auto`: traced where it can run (PyTorch engine), analytic otherwise."""
+def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto", gpu: GPU | str | None = None,
+             optimizer=None, step=None, task: str = "train", precision: str | None = None, techniques=(),
+             **options) -> MemoryEstimate:
+    """`workload`'s memory. `auto`: traced where it can run (PyTorch engine), analytic otherwise.
+
+    Given a live `nn.Module` and its `batch` instead of a Workload (a notebook's objects), the model is traced on
+    a meta copy (specs/live.py): nothing model-sized is allocated and the model and `optimizer` (an instance or a
+    name) are left as they were; `step` is fn(model, batch, optimizer), the user's own step."""
+    live = isinstance(workload, nn.Module)
+    if not live and not isinstance(workload, Workload):
+        raise MemfitError(f"expected a memfit Workload (e.g. Workload(model='gpt2')) or a torch.nn.Module and its "
+                          f"batch, got {type(workload).__name__}.")
+    if live:
+        workload = live_workload(workload, batch, optimizer=optimizer, step=step, task=task, precision=precision,
+                                 techniques=techniques)
+    elif batch is not None or optimizer is not None or step is not None or precision is not None or techniques:
+        raise MemfitError("a Workload carries its batch shape, optimizer, step, precision and techniques; pass "
+                          "them to the Workload, or pass a live model and its batch.")
+    if isinstance(gpu, str):
+        gpu = get_gpu(gpu)
     if method not in METHODS:
         raise MemfitError(f"unknown --method {method!r}; choose auto, traced or analytic.")
     workload = resolve(workload)
@@ -36,4 +57,6 @@ def estimate(workload: Workload, *, method: str = "auto", gpu: GPU | None = None
         result = analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
     result.notes += [note for technique in workload.field_techniques + list(workload.technique_configs)
                      for note in technique.estimate_notes(workload)]
+    if live:
+        result.notes.append("traced on a meta copy of the live model: the model and optimizer were not touched")
     return result

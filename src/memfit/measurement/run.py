@@ -22,6 +22,7 @@ from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.tracker import MemoryTracker
 from memfit.measurement.ranks import measure_ranks_many
 from memfit.specs.hardware import gpu_of_device
+from memfit.specs.live import is_live
 from memfit.specs.workload import Workload
 from memfit.steps import profiler
 from memfit.steps.hooks import tensors_in
@@ -167,6 +168,11 @@ def measure_many(workloads: list[Workload], *, device: str | None = None, snapsh
                  profiler_categories: bool = False) -> list[MemoryEstimate]:
     """`measure` for each workload; those that run on ranks share torchrun launches (ranks.measure_ranks_many)."""
     workloads = [resolve(w) for w in workloads]
+    live = next((w for w in workloads if is_live(w.model)), None)
+    if live is not None:
+        raise MemfitError("measure builds and runs the model from its source; a live model is only estimated (on a "
+                          "meta copy, memfit.estimate(model, batch)): name it by package.module:function or "
+                          "path/file.py:function to measure it.")
     device = device or best_device()
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
     predicted = [{method: run_estimate(w, method=method, gpu=gpu) for method in

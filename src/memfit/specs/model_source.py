@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, closest
+from memfit.specs.live import batch_like, is_live, lookup, meta_copy
 from memfit.specs.user_code import call_user, import_callable, is_file_spec
 
 # The head a Hugging Face class carries decides the inputs and the loss.
@@ -63,7 +64,7 @@ class ModelSource:
     """A resolved model source. `hf_config` is a plain dict (model_type + fields) for HF sources."""
 
     name: str
-    kind: str                                   # "catalog" | "hf-config" | "factory"
+    kind: str                                   # "catalog" | "hf-config" | "factory" | "live"
     hf_config: dict | None = None
     factory: str | None = None
     inputs_factory: str | None = None
@@ -189,6 +190,9 @@ class ModelSource:
             with torch.device(device):
                 model = cls._from_config(config, dtype=dtype)
             return model
+        if self.kind == "live":   # a meta copy of the user's object: nothing model-sized, the object untouched
+            model = meta_copy(lookup(self.factory))
+            return model.to(dtype=dtype) if dtype != torch.float32 else model
         fn = import_callable(self.factory, "model factory")
         with torch.device(device):
             model = call_user(fn, self.factory, "model factory")
@@ -200,6 +204,9 @@ class ModelSource:
     def make_batch(self, *, batch_size: int, seq_len: int, task: str, dtype: torch.dtype,
                    device: str | torch.device = "cpu") -> dict[str, Any] | tuple | torch.Tensor:
         """Model inputs for one step: keyword tensors for HF models, the user's inputs otherwise."""
+        if self.kind == "live":
+            with torch.device(device):
+                return batch_like(lookup(self.inputs_factory))
         if not self.is_hf:
             fn = import_callable(self.inputs_factory, "inputs factory")
             with torch.device(device):
@@ -292,6 +299,9 @@ def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
         source.config()  # validate now, not mid-run
         source.check_attention()
         return source
+    if is_live(spec):
+        lookup(spec)
+        return ModelSource(name=spec, kind="live", factory=spec, inputs_factory=inputs)
     if ":" in spec:
         if not inputs:
             raise MemfitError(

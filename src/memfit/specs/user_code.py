@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from memfit.core.errors import MemfitError
+from memfit.specs.live import is_live, lookup
 
 
 def is_file_spec(spec: str) -> bool:
@@ -25,6 +26,8 @@ def is_file_spec(spec: str) -> bool:
 
 def import_callable(spec: str | None, what: str) -> Callable:
     """The function `spec` names, or a one-line MemfitError saying what is wrong."""
+    if is_live(spec):
+        return lookup(spec)
     if not isinstance(spec, str) or ":" not in spec or not all(spec.partition(":")[::2]):
         raise MemfitError(f"{what} {spec!r} must look like package.module:function or path/file.py:function.")
     location, _, attr = spec.partition(":")
