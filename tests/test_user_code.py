@@ -243,6 +243,7 @@ def test_a_live_model_is_estimated_on_a_meta_copy(user_folder):
     assert live.workload["optimizer_impl"] == "fused" and live.workload["batch_size"] == 8
     assert {name: (p.data_ptr(), p.requires_grad) for name, p in model.named_parameters()} == before
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+    assert memfit.estimate(_user("build")(), batch, optimizer="adamw").peak_bytes > 0   # a model made in the call
     with torch.device("meta"):
         on_meta = _user("build")()
     assert memfit.estimate(on_meta, batch.to("meta"), step=_user("keep_logits"), optimizer=optimizer,

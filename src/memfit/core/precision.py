@@ -47,3 +47,9 @@ def get_precision(name: str) -> Precision:
             f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}.{closest(name, PRECISIONS)}"
         ) from None
 
+
+
+def precision_of_model(model: torch.nn.Module) -> Precision:
+    """The precision of a model's weights as they are (the dtype of its first floating-point parameter)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return precision_of_dtype(dtype)

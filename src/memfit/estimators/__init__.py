@@ -34,11 +34,11 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
     Given a live `nn.Module` and its `batch` instead of a Workload (a notebook's objects), the model is traced on
     a meta copy (specs/live.py): nothing model-sized is allocated and the model and `optimizer` (an instance or a
     name) are left as they were; `step` is fn(model, batch, optimizer), the user's own step."""
-    live = isinstance(workload, nn.Module)
-    if not live and not isinstance(workload, Workload):
+    live = workload if isinstance(workload, nn.Module) else None   # held: the registry keeps a weak reference
+    if live is None and not isinstance(workload, Workload):
         raise MemfitError(f"expected a memfit Workload (e.g. Workload(model='gpt2')) or a torch.nn.Module and its "
                           f"batch, got {type(workload).__name__}.")
-    if live:
+    if live is not None:
         workload = live_workload(workload, batch, optimizer=optimizer, step=step, task=task, precision=precision,
                                  techniques=techniques)
     elif batch is not None or optimizer is not None or step is not None or precision is not None or techniques:
@@ -57,6 +57,6 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         result = analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
     result.notes += [note for technique in workload.field_techniques + list(workload.technique_configs)
                      for note in technique.estimate_notes(workload)]
-    if live:
+    if live is not None:
         result.notes.append("traced on a meta copy of the live model: the model and optimizer were not touched")
     return result

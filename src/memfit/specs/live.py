@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import precision_of_dtype
+from memfit.core.precision import precision_of_model
 from memfit.specs.workload import Workload
 
 PREFIX = "live:"
 _objects: dict[str, Any] = {}
 _count = itertools.count()
 
-# optimizer classes memfit models, by the name of their class -> (memfit's name, its module's name starts with)
+# (class name, start of its module's name) -> memfit's name, for the optimizer instances memfit models
 _OPTIMIZERS = {
     ("AdamW", "torch.optim"): "adamw", ("Adam", "torch.optim"): "adam", ("SGD", "torch.optim"): "sgd",
     ("AdamW8bit", "bitsandbytes"): "adamw8bit", ("PagedAdamW8bit", "bitsandbytes"): "paged-adamw8bit",
@@ -142,10 +142,5 @@ def live_workload(model: nn.Module, batch: Any, *, optimizer: Any = None, step: 
     batch_size, seq_len = batch_shape(description)
     return Workload(model=register(model, "model"), inputs=register(description, "batch"),
                     step=register(step, "step") if step is not None else None, task=task, batch_size=batch_size,
-                    seq_len=seq_len, precision=precision or default_precision(model), optimizer=name,
+                    seq_len=seq_len, precision=precision or precision_of_model(model).name, optimizer=name,
                     optimizer_impl=impl if task == "train" else None, techniques=tuple(techniques))
-
-
-def default_precision(model: nn.Module) -> str:
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return precision_of_dtype(dtype).name

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.core.precision import Precision, precision_of_dtype
+from memfit.core.precision import Precision
 from memfit.steps.optim import make_optimizer
 from memfit.steps.train import TrainLoop, autocast_region, call_model, loss_of
 
@@ -106,8 +106,3 @@ def over_host_copies(params: list, model: nn.Module, masters: list[torch.Tensor]
         return [{**group, "params": [copy_of[id(p)] for p in group["params"] if id(p) in copy_of]}
                 for group in params]
     return [copy_of[id(p)] for p in params if id(p) in copy_of]
-
-
-def precision_of_model(model: nn.Module) -> Precision:
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return precision_of_dtype(dtype)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import get_precision
-from memfit.steps.setup import StepSetup, over_host_copies, precision_of_model
+from memfit.core.precision import get_precision, precision_of_model
+from memfit.steps.setup import StepSetup, over_host_copies
 from memfit.techniques.base import Technique
 from memfit.techniques.resolve import ResolvedWorkload
 from memfit.techniques.rules import check_rules, ordered, parse_all
