@@ -1,3 +1,8 @@
+import http.server
+import json
+import threading
+
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -55,8 +60,56 @@ def test_gpu_catalog():
         get_gpu("h1000")
 
 
-def test_a_bundled_model_is_found_by_its_hub_id():
+def test_a_bundled_model_is_found_by_its_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_source("meta-llama/Llama-3.1-8B").name == "llama-3.1-8b"
     assert resolve_source("META-LLAMA/llama-3.1-8b").name == "llama-3.1-8b"
-    with pytest.raises(MemfitError, match=r"looks like a Hugging Face hub id .*Did you mean: Qwen/Qwen2\.5"):
-        resolve_source("Qwen/Qwen9-77B")
+    with pytest.raises(MemfitError, match=r"Did you mean: Qwen/Qwen2\.5"):
+        resolve_source("Qwen/Qwen9-77B")   # not bundled, and not cached
+
+
+class _StandInHub(http.server.BaseHTTPRequestHandler):
+    """The two requests huggingface_hub makes for a file: HEAD for its metadata, then GET."""
+    files: dict = {}
+
+    def _answer(self, body_too: bool):
+        body = self.files.get(self.path)
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        for key, value in (("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                           ("ETag", '"stand-in"'), ("X-Repo-Commit", "0" * 40)):
+            self.send_header(key, value)
+        self.end_headers()
+        if body_too:
+            self.wfile.write(body)
+
+    def do_HEAD(self):
+        self._answer(False)
+
+    def do_GET(self):
+        self._answer(True)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_hub_id_fetches_its_config_once_then_works_offline(tmp_path, monkeypatch):
+    config = catalog()["tiny-llama"]["hf_config"]
+    _StandInHub.files = {"/someone/tiny-thing/resolve/main/config.json": json.dumps(config).encode()}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandInHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)   # read when huggingface_hub loaded
+    try:
+        assert resolve_source("someone/tiny-thing").hf_config == config
+    finally:
+        server.shutdown()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_source("someone/tiny-thing").hf_config == config   # from the cache
+    with pytest.raises(MemfitError, match=r"offline .* not cached by an earlier run"):
+        resolve_source("someone/never-fetched")

@@ -130,14 +130,21 @@ def _lossy_alternative(request: PlanRequest) -> list[str]:
         if risk_of(workload) != "lossy":
             continue
         sized = search.evaluate(candidate, workload, per_replica)
-        if best is None or sized.device_bytes < best.device_bytes:
-            best = sized
+        if best is None or (sized.fits, -sized.device_bytes) > (best.fits, -best.device_bytes):
+            best = sized   # the smallest that fits, else the smallest
     if best is None:
         return []
-    fits = "fits" if best.fits else f"is still short by {format_bytes(best.device_bytes - request.budget_bytes)}"
+    if best.fits:
+        fits = "fits"
+    elif best.short == "host RAM":
+        fits = (f"fits the GPU but needs {format_bytes(best.host_ram_bytes)} of host RAM "
+                f"({format_bytes(request.host_ram_bytes)} given)")
+    else:
+        fits = f"is still short by {format_bytes(best.device_bytes - request.budget_bytes)}"
     ppl = ppl_increase(best.workload(request))
     cost = f", measured perplexity cost +{ppl:.1%} on memfit's test model" if ppl else ""
-    return [f"with --allow lossy the smallest plan, {' + '.join(best.techniques)}, needs "
+    which = "the smallest plan that fits" if best.fits else "the smallest plan"
+    return [f"with --allow lossy {which}, {' + '.join(best.techniques)}, needs "
             f"{format_bytes(best.device_bytes)} per GPU and {fits}{cost}"]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, closest
+from memfit.specs.hub import hub_config, looks_like_hub_id
 from memfit.specs.live import batch_like, is_live, lookup, meta_copy
 from memfit.specs.user_code import call_user, import_callable, is_file_spec
 
@@ -262,7 +262,13 @@ def _default_class_name(config) -> str:
     raise MemfitError(f"no transformers model class is known for model_type {config.model_type!r}.")
 
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # owner/name
+def _hf_source(name: str, hf_config, where: str) -> ModelSource:
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise MemfitError(f"{where} is not a Hugging Face config.json: it has no 'model_type'.")
+    source = ModelSource(name=name, kind="hf-config", hf_config=hf_config)
+    source.config()  # validate now, not mid-run
+    source.check_attention()
+    return source
 
 
 def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
@@ -276,29 +282,24 @@ def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
         return ModelSource(name=spec, kind="catalog", hf_config=copy.deepcopy(doc["hf_config"]),
                            reference=doc.get("reference"),
                            published_num_parameters=doc.get("published_num_parameters"))
+    if looks_like_hub_id(spec):
+        try:
+            hf_config = hub_config(spec)
+        except MemfitError as exc:
+            hub_ids = [doc["reference"] for doc in docs.values() if doc.get("reference")]
+            raise MemfitError(f"{exc}{closest(spec, hub_ids)}") from None
+        return _hf_source(spec, hf_config, f"{spec}'s config.json")
     if (spec.endswith(".json") or os.path.isdir(spec) or os.sep in spec) and not is_file_spec(spec):
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
         try:
             with open(path) as fh:
                 hf_config = json.load(fh)
         except FileNotFoundError:
-            if HUB_ID.match(spec) and not os.path.exists(spec):
-                hub_ids = [doc["reference"] for doc in docs.values() if doc.get("reference")]
-                raise MemfitError(f"{spec!r} looks like a Hugging Face hub id that memfit does not bundle, and memfit "
-                                  "reads no hub at run time: download the model's config.json (its page's Files tab) "
-                                  "and give its path, or name a bundled model (`memfit models` lists them with their "
-                                  f"hub ids).{closest(spec, hub_ids)}") from None
             raise MemfitError(f"no model config at {path!r}; give a catalog name, a config.json path or "
                               "module:function.") from None
         except (OSError, json.JSONDecodeError) as exc:
             raise MemfitError(f"cannot read model config {path!r}: {exc}") from None
-        if not isinstance(hf_config, dict) or "model_type" not in hf_config:
-            raise MemfitError(f"{path!r} is not a Hugging Face config.json: it has no 'model_type'.")
-        source = ModelSource(name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
-                             kind="hf-config", hf_config=hf_config)
-        source.config()  # validate now, not mid-run
-        source.check_attention()
-        return source
+        return _hf_source(os.path.basename(os.path.dirname(os.path.abspath(path))) or path, hf_config, repr(path))
     if is_live(spec):
         lookup(spec)
         return ModelSource(name=spec, kind="live", factory=spec, inputs_factory=inputs)
