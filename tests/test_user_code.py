@@ -113,6 +113,13 @@ def keep_logits(model, batch, optimizer):
     return logits
 
 
+def own_autocast(model, batch, optimizer):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(batch).float().mean()
+    loss.backward()
+    optimizer.step()
+
+
 @torch.no_grad()
 def generate(model, prompt, optimizer, backends=(SDPBackend.MATH,)):
     """A static cache of 512 tokens, a dense boolean causal mask, decode steps on the math kernel."""
@@ -187,6 +194,13 @@ def test_a_users_generation_loop_on_a_gpu_target(user_folder):
                     for fn in ("generate", "generate_any_kernel"))
     upcasts = 2 * 2 * 4 * 512 * 16 * 4   # at least float32 keys and scaled keys over the whole cache (bf16 inputs)
     assert forced.peak_bytes - free.peak_bytes >= upcasts
+
+
+def test_the_estimate_says_whether_memfit_wrapped_the_step_in_autocast(user_folder):
+    notes = {step: estimate(_workload(step=f"./userdec.py:{step}", batch_size=2, seq_len=32, precision="bf16-mixed"),
+                            method="traced").notes for step in ("own_autocast", "keep_logits")}
+    assert "your step enters autocast itself: memfit's bf16-mixed autocast does not wrap it" in notes["own_autocast"]
+    assert "your step runs inside memfit's bf16-mixed autocast" in notes["keep_logits"]
 
 
 def test_a_tied_weight_is_one_parameter_in_a_trace(user_folder):

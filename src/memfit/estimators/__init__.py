@@ -10,6 +10,7 @@ from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.live import live_workload
 from memfit.specs.workload import Workload
+from memfit.steps.user_step import step_notes
 from memfit.techniques.resolve import resolve
 
 METHODS = ("auto", "traced", "analytic")
@@ -57,6 +58,8 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         result = analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
     result.notes += [note for technique in workload.field_techniques + list(workload.technique_configs)
                      for note in technique.estimate_notes(workload)]
+    if workload.step is not None:
+        result.notes += step_notes(workload)
     if live is not None:
         result.notes.append("traced on a meta copy of the live model: the model and optimizer were not touched")
     return result

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import get_precision
 from memfit.specs.user_code import import_callable, user_line
 from memfit.steps.hooks import StepHooks
 from memfit.steps.optim import optimizer_state_tensors
@@ -42,6 +43,19 @@ def check_user_step(workload) -> None:
         for trait, why in REPLACES_THE_STEP.items():
             if trait in technique.traits:
                 raise MemfitError(f"-t {technique.name} cannot apply to your --step {workload.step}: {why}.")
+
+
+def step_notes(workload) -> list[str]:
+    """What memfit did around the user's step (a ResolvedWorkload with `step` set)."""
+    notes = [f"the step is yours ({workload.step}), traced as it runs"]
+    if get_precision(workload.precision).autocast_dtype is not None:
+        if sets_own_autocast(import_callable(workload.step, "step")):
+            notes.append(f"your step enters autocast itself: memfit's {workload.precision} autocast does not wrap it")
+        else:
+            notes.append(f"your step runs inside memfit's {workload.precision} autocast")
+    if get_precision(workload.precision).loss_scaling:
+        notes.append("loss scaling (GradScaler) is your step's to do: memfit adds none around it")
+    return notes
 
 
 def sets_own_autocast(fn: Callable) -> bool:
