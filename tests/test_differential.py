@@ -3,8 +3,10 @@
 Hypothesis draws a stack of layers (linear maps with activations, norms, residual adds done in place, views and
 reshapes, a custom autograd Function, frozen layers, buffers, an output tied to an input weight) and a batch; the
 traced estimate of the training step must be within 1 % of the measured peak. A failure prints the drawn model.
+The suite draws a fixed-seed sample; a longer search: MEMFIT_DIFFERENTIAL_EXAMPLES=500 pytest tests/test_differential.py
 """
 import json
+import os
 import textwrap
 
 import pytest
@@ -115,7 +117,9 @@ def factory_folder(tmp_path_factory):
     return folder
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("MEMFIT_DIFFERENTIAL_EXAMPLES", "12")), deadline=None,
+          derandomize="MEMFIT_DIFFERENTIAL_EXAMPLES" not in os.environ,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=specs)
 def test_random_modules_are_traced_as_they_run(spec, factory_folder, monkeypatch):
     monkeypatch.chdir(factory_folder)

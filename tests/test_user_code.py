@@ -1,5 +1,7 @@
 """The user's own code: model factories named as a file or a module in the current folder, and the user's own step
 (`--step`), traced and measured as it runs. Each test writes its code into a folder of its own, as a user would."""
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -113,6 +115,14 @@ def keep_logits(model, batch, optimizer):
     return logits
 
 
+def accumulate(model, batch, optimizer):
+    """Two micro-batches, gradients accumulated, then one optimizer step."""
+    for half in batch.chunk(2):
+        model(half).float().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def own_autocast(model, batch, optimizer):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(batch).float().mean()
@@ -194,6 +204,25 @@ def test_a_users_generation_loop_on_a_gpu_target(user_folder):
                     for fn in ("generate", "generate_any_kernel"))
     upcasts = 2 * 2 * 4 * 512 * 16 * 4   # at least float32 keys and scaled keys over the whole cache (bf16 inputs)
     assert forced.peak_bytes - free.peak_bytes >= upcasts
+
+
+def test_a_step_that_accumulates_gradients_inside(user_folder):
+    measured = measure(_workload(step="./userdec.py:accumulate", batch_size=8, seq_len=256), estimates=("traced",))
+    assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.02
+    whole = measure(_workload(batch_size=8, seq_len=256), estimates=())
+    assert measured.peak_bytes < whole.peak_bytes   # half the activations at a time
+
+
+def test_a_7b_model_on_the_meta_device_estimates_in_little_memory():
+    code = ("import re, torch, memfit, transformers; from memfit.specs.model_source import resolve_source;"
+            "cfg = resolve_source('llama-2-7b').config();"
+            "ctx = torch.device('meta');\nwith ctx: model = transformers.LlamaForCausalLM(cfg)\n"
+            "batch = {'input_ids': torch.zeros(1, 512, dtype=torch.long, device='meta')};"
+            "e = memfit.estimate(model, batch, optimizer='adamw', precision='bf16');"
+            "print(e.peak_bytes, re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 4 * 6.7e9          # bf16 weights, gradients and two AdamW states of 6.7B parameters ...
+    assert int(out[1]) * 1024 < 2 * 2**30   # ... estimated in under 2 GiB of resident memory
 
 
 def test_the_estimate_says_whether_memfit_wrapped_the_step_in_autocast(user_folder):
