@@ -15,6 +15,7 @@ from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
 from memfit.specs.model_source import resolve_source
 from memfit.specs.user_code import import_callable
+from memfit.techniques.adapters import all_linear_but_head
 from memfit.techniques.resolve import ResolvedWorkload
 
 DECODER = '''
@@ -249,6 +250,17 @@ def test_a_handwritten_decoder_in_bf16_mixed_is_traced_as_it_runs(user_folder):
     measured = measure(handmade, estimates=("traced",))
     assert measured.peak_phase == "forward"
     assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.02
+
+
+def test_lora_on_a_custom_model_adapts_every_linear_but_the_head(user_folder):
+    decoder, tied = _user("build")(), _user("tied")()
+    assert all_linear_but_head(decoder) == ["qkv.0", "qkv.1", "mlp.0.0", "mlp.0.2", "mlp.1.0", "mlp.1.2"]
+    assert all_linear_but_head(tied) == all_linear_but_head(decoder)   # the head tied to the embedding
+    measured = measure(_workload(batch_size=2, seq_len=64, techniques=("lora",)), estimates=("traced",))
+    assert abs(measured.extra["ratios"]["measured/traced"] - 1) < 0.02
+    adapters = 16 * sum(i + o for i, o in ((64, 192), (64, 192), (64, 256), (256, 64), (64, 256), (256, 64)))
+    states = measured.at_peak["optimizer_states"]   # AdamW's m and v of the adapters only, and a step count each
+    assert 2 * 4 * adapters <= states <= 2 * 4 * adapters + 12 * 8
 
 
 def test_what_cannot_run_with_a_users_step_is_refused(user_folder):

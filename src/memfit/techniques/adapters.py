@@ -2,7 +2,9 @@
 
   lora[:rank=16,alpha=32,targets=q_proj|v_proj]
           peft's LoRA (Hu et al., 2021) on the linear layers named by `targets` (the module names'
-          last part; default q_proj and v_proj, peft's own default for Llama-style models). Each target
+          last part; default q_proj and v_proj, peft's own default for Llama-style models; on a model
+          that is not a transformers one, every linear except the output head, peft's all-linear rule,
+          with the head the linear tied to an embedding, else the last one registered). Each target
           W x becomes W x + (alpha / rank) B A x with A (rank x in) and B (out x rank) trainable and W
           frozen, B starting at zero (the first step's outputs equal the base model's). Every other
           parameter freezes. Memory: no gradients or optimizer states for the frozen weights (often
@@ -53,7 +55,8 @@ class Lora(Technique):
     }
     rank: int = 16
     alpha: int | None = None        # default 2 x rank
-    targets: str | None = None      # module-name suffixes joined by "|"; default q_proj|v_proj
+    targets: str | None = None      # module-name suffixes joined by "|"; default q_proj|v_proj (transformers
+    #                                 models), every linear but the output head (other models: peft's all-linear)
 
     def __post_init__(self) -> None:
         require_positive_int(self.rank, "-t lora: rank")
@@ -89,13 +92,17 @@ class Lora(Technique):
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise MemfitError(f"-t {self.name} needs peft: pip install 'memfit[peft]'.") from None
-        names = {name.rsplit(".", 1)[-1] for name, _ in setup.model.named_modules()}
-        missing = [t for t in self.target_names if t not in names]
-        if missing:
-            raise MemfitError(f"-t {self.name}: the model has no module named {', '.join(missing)}; pass "
-                              "targets=NAME|NAME with the last part of linear layers' names.")
+        if self.targets is None and not _is_transformers_model(setup.model):
+            targets = all_linear_but_head(setup.model)
+        else:
+            names = {name.rsplit(".", 1)[-1] for name, _ in setup.model.named_modules()}
+            missing = [t for t in self.target_names if t not in names]
+            if missing:
+                raise MemfitError(f"-t {self.name}: the model has no module named {', '.join(missing)}; pass "
+                                  "targets=NAME|NAME with the last part of linear layers' names.")
+            targets = list(self.target_names)
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha or 2 * self.rank, lora_dropout=0.0,
-                            target_modules=list(self.target_names))
+                            target_modules=targets)
         with _traceable(setup.model):
             setup.model = get_peft_model(setup.model, config)
 
@@ -132,6 +139,26 @@ class Qlora(Lora):
     def apply_(self, setup: StepSetup) -> None:
         quantize_4bit_(setup, self.name, self.format, self.double_quant)
         super().apply_(setup)
+
+
+def _is_transformers_model(model) -> bool:
+    return hasattr(getattr(model, "config", None), "model_type")
+
+
+def all_linear_but_head(model) -> list[str]:
+    """peft's `all-linear` rule for a model peft does not know: the full names of every nn.Linear except the output
+    head, which is the linear whose weight is tied to an embedding's, else the last linear the model registers."""
+    from torch import nn
+
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied = [name for name, module in linears if id(module.weight) in embeddings]
+    head = tied[-1] if tied else linears[-1][0] if linears else None
+    targets = [name for name, _ in linears if name != head]
+    if not targets:
+        raise MemfitError("-t lora: the model has no linear layer besides its output head to adapt; pass "
+                          "targets=NAME|NAME.")
+    return targets
 
 
 @contextlib.contextmanager
