@@ -1,5 +1,6 @@
 """memfit plan: known recipes found (or refused with the reason), plans that are what they claim, JSON, CLI."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,6 +10,7 @@ from memfit.core.units import GiB, TiB
 from memfit.estimators.analytic import analytic_estimate, regions_of, simulate
 from memfit.estimators.extrapolate import peak_of
 from memfit.planner import PlanRequest, load_plan, plan
+from memfit.planner.export import hf_trainer_arguments
 from memfit.planner.search import device_bytes
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -209,3 +211,26 @@ def test_a_measured_cost_model_replaces_the_assumed_constants():
     timed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1, cost=measured)
     assert timed.parts["compute"] == pytest.approx(2 * assumed.parts["compute"])
     assert timed.parts["optimizer"] == pytest.approx(estimate.num_parameters * 1e-6)
+
+
+def test_a_plan_exported_for_the_trainer_and_torchrun_is_accepted_by_them(tmp_path, capsys):
+    """TrainingArguments takes the keyword arguments (use_cpu=True added: this machine has no GPU), and torchrun's
+    own parser takes the launch line."""
+    from torch.distributed.run import get_args_parser
+    from transformers import TrainingArguments
+
+    assert main(["plan", "tiny-llama", "--gpu", "rtx-4090", "--seq-len", "256", "--global-batch", "64",
+                 "--export", "hf-trainer", "--out", str(tmp_path / "args.json")]) == 0
+    exported = json.loads((tmp_path / "args.json").read_text())
+    arguments = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **exported["training_arguments"])
+    assert arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps == 64
+    assert all(entry["setting"] and entry["how"] for entry in exported["not_expressed"])
+    sharded = ResolvedWorkload(model="tiny-llama", batch_size=4, seq_len=128, precision="bf16-mixed", world_size=16,
+                               techniques=("fsdp2", "checkpointing", "lora"))
+    out = hf_trainer_arguments(SimpleNamespace(micro_batch=4, grad_accum=2), sharded)
+    assert out["training_arguments"]["fsdp_config"]["activation_checkpointing"] is True
+    assert [n["setting"] for n in out["not_expressed"]] == ["-t lora"]   # named, not dropped
+    TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **out["training_arguments"])
+    launch = get_args_parser().parse_args(out["launch"].replace("$NODE_RANK", "1").replace("$MASTER_ADDR", "h0")
+                                          .split()[1:])
+    assert (launch.nnodes, launch.nproc_per_node, launch.node_rank) == ("2", "8", 1)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.console import Console
 
 from memfit.cli.common import check_output_path, command_line, output_console, print_json
+from memfit.core.errors import MemfitError
 from memfit.core.units import parse_bytes
 from memfit.planner import PlanRequest, plan
+from memfit.planner.export import EXPORTS, export
 from memfit.planner.request import ALLOW, DEFAULT_MARGIN, OBJECTIVES, parse_fraction
 from memfit.report.plan_report import print_plans, write_pareto_plot
 from memfit.specs.hardware import get_gpu
@@ -40,6 +43,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema memfit.plan/1)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plans (for estimate/measure --plan)")
+    parser.add_argument("--export", choices=EXPORTS, help="plan 1 for the tool that runs it: TrainingArguments "
+                        "keyword arguments (hf-trainer, JSON) or the torchrun launch line")
+    parser.add_argument("--out", metavar="FILE", help="with --export: write it to FILE instead of printing it")
     parser.add_argument("--plot", metavar="FILE.png", help="the memory/time Pareto frontier (.png/.svg/.pdf)")
     parser.add_argument("--verify", choices=("traced",), help="re-check the chosen plans with the traced estimator")
     parser.set_defaults(run=run)
@@ -64,6 +70,17 @@ def run(args: argparse.Namespace) -> int:
         result = plan(request, progress=status.update, explore_all=bool(args.plot),
                       verify_traced=args.verify == "traced")
     data = result.to_json()
+    if args.export:
+        if not result.feasible:
+            raise MemfitError(f"--export: no plan fits ({result.reason}); nothing to export.")
+        text = export(result.plans[0], request, args.export)
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(text + "\n")
+            print(f"wrote plan 1 as {args.export} to {args.out}", file=sys.stderr)
+        else:
+            print(text)
+        return 0
     if args.save:
         with open(args.save, "w") as fh:
             json.dump(data, fh, indent=2)
