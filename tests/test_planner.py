@@ -10,7 +10,7 @@ from memfit.core.units import GiB, TiB
 from memfit.estimators.analytic import analytic_estimate, regions_of, simulate
 from memfit.estimators.extrapolate import peak_of
 from memfit.planner import PlanRequest, load_plan, plan
-from memfit.planner.export import hf_trainer_arguments
+from memfit.planner.export import deepspeed_config, hf_trainer_arguments
 from memfit.planner.search import device_bytes
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -234,3 +234,19 @@ def test_a_plan_exported_for_the_trainer_and_torchrun_is_accepted_by_them(tmp_pa
     launch = get_args_parser().parse_args(out["launch"].replace("$NODE_RANK", "1").replace("$MASTER_ADDR", "h0")
                                           .split()[1:])
     assert (launch.nnodes, launch.nproc_per_node, launch.node_rank) == ("2", "8", 1)
+
+
+def test_a_plan_exported_for_deepspeed_passes_its_config_validation(monkeypatch):
+    """DeepSpeed's own config class, told the plan's data-parallel world size through a model-parallel unit (this
+    test is one process, so deepspeed.comm's rank is stubbed to 0)."""
+    import deepspeed.runtime.config as ds_config
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+
+    sharded = ResolvedWorkload(model="tiny-llama", batch_size=4, seq_len=128, precision="bf16-mixed", world_size=4,
+                               techniques=("fsdp2", "cpu-offload", "checkpointing"))
+    config = deepspeed_config(SimpleNamespace(micro_batch=4, grad_accum=2), sharded)
+    checked = ds_config.DeepSpeedConfig(config, mpu=SimpleNamespace(get_data_parallel_world_size=lambda: 4))
+    assert (checked.zero_optimization_stage, checked.train_batch_size) == (3, 32)
+    assert checked.zero_config.offload_optimizer.device == "cpu"
+    assert [n["setting"] for n in config["memfit"]["not_expressed"]] == ["-t checkpointing"]

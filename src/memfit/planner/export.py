@@ -3,9 +3,12 @@
   hf-trainer  keyword arguments for transformers' TrainingArguments (micro-batch, accumulation, precision, gradient
               checkpointing, optimizer, FSDP), as JSON. What TrainingArguments cannot say is listed under
               `not_expressed` with what to do instead (most: memfit.apply_ on the model before the Trainer).
+  deepspeed   a DeepSpeed config (JSON): micro-batch, accumulation, train batch, half precision, ZeRO stage (the
+              workload's, or 3 for FSDP2's sharding), optimizer offload; what it cannot say is listed under
+              `memfit.not_expressed` (DeepSpeed ignores the key).
   torchrun    the launch line for the plan's GPUs, the script left to the user.
 
-Not yet: DeepSpeed, accelerate and Lightning exports.
+Not yet: accelerate and Lightning exports.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 from memfit.core.errors import MemfitError
 from memfit.techniques.base import parse_technique
 
-EXPORTS = ("hf-trainer", "torchrun")
+EXPORTS = ("hf-trainer", "deepspeed", "torchrun")
 GPUS_PER_NODE = 8
 
 # memfit optimizer (and its implementation) -> TrainingArguments.optim
@@ -31,6 +34,8 @@ def export(plan, request, kind: str) -> str:
     workload = plan.workload(request)
     if kind == "torchrun":
         return torchrun_line(workload.world_size)
+    if kind == "deepspeed":
+        return json.dumps(deepspeed_config(plan, workload), indent=2)
     return json.dumps(hf_trainer_arguments(plan, workload), indent=2)
 
 
@@ -80,3 +85,40 @@ def hf_trainer_arguments(plan, workload) -> dict:
             not_expressed.append({"setting": f"-t {spec}", "how": APPLY.format(spec=spec)})
     return {"training_arguments": kwargs, "not_expressed": not_expressed,
             "launch": torchrun_line(workload.world_size) if workload.world_size > 1 else "python train.py"}
+
+
+def deepspeed_config(plan, workload) -> dict:
+    names = {parse_technique(spec).name for spec in workload.techniques}
+    stage = workload.zero_stage or (3 if "fsdp2" in names else 0)
+    config: dict = {"train_micro_batch_size_per_gpu": plan.micro_batch,
+                    "gradient_accumulation_steps": plan.grad_accum,
+                    "train_batch_size": plan.micro_batch * plan.grad_accum * workload.world_size,
+                    "zero_optimization": {"stage": stage, "reduce_bucket_size": workload.reduce_bucket}}
+    not_expressed: list[dict] = []
+    precision = workload.precision
+    if precision in ("bf16-mixed", "bf16"):
+        config["bf16"] = {"enabled": True}
+    elif precision in ("fp16-mixed", "fp16"):
+        config["fp16"] = {"enabled": True}
+    if precision in ("bf16", "fp16"):
+        not_expressed.append({"setting": f"--precision {precision}", "how": "DeepSpeed keeps float32 master weights "
+                              "and optimizer states beside the half ones: more memory than the plan's pure half"})
+    if workload.optimizer in ("adamw", "adam"):
+        config["optimizer"] = {"type": "AdamW" if workload.optimizer == "adamw" else "Adam", "params": {"lr": 1e-4}}
+    else:
+        not_expressed.append({"setting": f"--optimizer {workload.optimizer}", "how": "build it yourself and pass "
+                              "it to deepspeed.initialize(optimizer=...)"})
+    for spec in workload.techniques:
+        name = parse_technique(spec).name
+        if name in ("fsdp2", "ddp"):
+            continue   # the ZeRO stage above; plain data parallel is DeepSpeed's own
+        if name == "cpu-offload" and stage:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        elif name == "checkpointing":
+            not_expressed.append({"setting": f"-t {spec}", "how": "enable it in the model "
+                                  "(model.gradient_checkpointing_enable() for a transformers model)"})
+        else:
+            not_expressed.append({"setting": f"-t {spec}", "how": APPLY.format(spec=spec).replace(
+                "building the Trainer", "deepspeed.initialize")})
+    config["memfit"] = {"not_expressed": not_expressed}
+    return config
