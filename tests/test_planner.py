@@ -229,7 +229,7 @@ def test_a_plan_exported_for_the_trainer_and_torchrun_is_accepted_by_them(tmp_pa
                                techniques=("fsdp2", "checkpointing", "lora"))
     out = hf_trainer_arguments(SimpleNamespace(micro_batch=4, grad_accum=2), sharded)
     assert out["training_arguments"]["fsdp_config"]["activation_checkpointing"] is True
-    assert [n["setting"] for n in out["not_expressed"]] == ["-t lora"]   # named, not dropped
+    assert [n["setting"] for n in out["not_expressed"]] == ["lora"]   # named, not dropped
     TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **out["training_arguments"])
     launch = get_args_parser().parse_args(out["launch"].replace("$NODE_RANK", "1").replace("$MASTER_ADDR", "h0")
                                           .split()[1:])
@@ -249,4 +249,4 @@ def test_a_plan_exported_for_deepspeed_passes_its_config_validation(monkeypatch)
     checked = ds_config.DeepSpeedConfig(config, mpu=SimpleNamespace(get_data_parallel_world_size=lambda: 4))
     assert (checked.zero_optimization_stage, checked.train_batch_size) == (3, 32)
     assert checked.zero_config.offload_optimizer.device == "cpu"
-    assert [n["setting"] for n in config["memfit"]["not_expressed"]] == ["-t checkpointing"]
+    assert [n["setting"] for n in config["memfit"]["not_expressed"]] == ["checkpointing"]

@@ -61,6 +61,12 @@ class OomFix(NamedTuple):
     how: str              # how to apply it
 
 
+class Export(NamedTuple):
+    """A technique in a training tool's own terms (`memfit plan --export`, planner/export.py)."""
+    settings: dict              # keyword arguments (hf-trainer) or config entries (deepspeed), merged into the rest
+    how: str | None = None      # what the settings cannot say, and what to do about it
+
+
 @dataclass(frozen=True, kw_only=True)
 class Technique:
     name: ClassVar[str]
@@ -182,6 +188,12 @@ class Technique:
     def check(self, workload: Workload) -> None:
         """Raise MemfitError when this technique cannot apply to `workload` (its own conditions; the rules
         between techniques are `conflicts_with`)."""
+
+    def export(self, tool: str, workload: Workload) -> Export | None:
+        """This technique for `tool` ("hf-trainer": TrainingArguments keyword arguments; "deepspeed": DeepSpeed
+        config entries), or None when the tool has no setting for it (the export then says to apply it to the model
+        with memfit.apply_)."""
+        return None
 
     def estimate_notes(self, workload: Workload) -> list[str]:
         """What an estimate of `workload` with this technique should say beside its figures (a caveat)."""

@@ -28,7 +28,7 @@ import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
 
@@ -105,6 +105,14 @@ class Checkpointing(Technique):
         require_positive_int(self.every, "-t checkpointing: every")
         if self.mode not in MODES:
             raise MemfitError(f"-t checkpointing: mode must be one of {', '.join(MODES)}, got {self.mode!r}.")
+
+    def export(self, tool, workload) -> Export | None:
+        if self != Checkpointing():   # every block, whole: what the tools' own checkpointing does
+            return None
+        if tool == "hf-trainer":
+            return Export({"activation_checkpointing": True,
+                           "activation_checkpointing_kwargs": {"use_reentrant": False}})
+        return Export({}, "enable it in the model (model.gradient_checkpointing_enable() for a transformers model)")
 
     def step_time_factor(self) -> float:
         # offload: device <-> host copies of the saved tensors instead of a re-run (overlapped on a GPU)

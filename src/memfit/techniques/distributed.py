@@ -50,7 +50,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.precision import Precision, get_precision
 from memfit.steps.host import note_category, note_host
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import Technique, register
+from memfit.techniques.base import Export, Technique, register
 from memfit.techniques.blocks import repeated_blocks
 
 
@@ -96,6 +96,9 @@ class Ddp(LayoutTechnique):
     traits = frozenset({"layout", "reduces-gradients", "wraps-forward"})
     summary = "DistributedDataParallel: a whole model per rank, gradients all-reduced in buckets"
     bucket_view: bool = False
+
+    def export(self, tool, workload) -> Export | None:
+        return Export({})   # both tools run data parallel themselves over the launched ranks
 
     @classmethod
     def implied_by(cls, workload, techniques) -> bool:
@@ -194,6 +197,11 @@ class Fsdp2(LayoutTechnique):
     def __post_init__(self) -> None:
         if self.mp not in MP_MODES:
             raise MemfitError(f"-t fsdp2: mp={self.mp!r}; choose one of {', '.join(MP_MODES)}.")
+
+    def export(self, tool, workload) -> Export | None:
+        if tool == "hf-trainer":
+            return Export({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": self.reshard}})
+        return Export({"zero_optimization": {"stage": 3 if self.reshard else 2}})
 
     @classmethod
     def search_values(cls, request, workload):

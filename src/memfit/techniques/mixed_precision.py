@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from memfit.core.precision import get_precision
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +30,16 @@ class _Precision(Technique):
         setup.precision = get_precision(self.name)
         if setup.precision.param_dtype != next(setup.model.parameters()).dtype:
             setup.model.to(setup.precision.param_dtype)
+
+    def export(self, tool, workload) -> Export | None:
+        precision = get_precision(self.name)
+        half = str(precision.autocast_dtype or precision.param_dtype).removeprefix("torch.")
+        key = {"bfloat16": "bf16", "float16": "fp16"}[half]
+        settings = {key: True} if tool == "hf-trainer" else {key: {"enabled": True}}
+        if precision.autocast_dtype is not None:
+            return Export(settings)
+        return Export(settings, "load the model in that dtype (the tool's flag alone is autocast over float32 "
+                                "weights, with float32 master weights and optimizer states in DeepSpeed)")
 
 
 @register

@@ -54,7 +54,7 @@ from memfit.core.precision import get_precision, precision_names
 from memfit.steps.hooks import tensors_in
 from memfit.steps.host import host_copy, note_category, note_host, on_host
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
 
 
@@ -73,6 +73,12 @@ class CpuOffload(Technique):
     }
     stage = "offload"
     summary = "gradients, optimizer states (and with fsdp2 the parameter shards) in host RAM; the step runs there"
+
+    def export(self, tool, workload) -> Export | None:
+        if tool == "deepspeed":   # ZeRO-Offload: at least stage 1 (the optimizer states are partitioned to offload)
+            return Export({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
+                                                                                    "pin_memory": True}}})
+        return None
     time_factor = 1.3
 
     oom_fixes = ("cpu-offload",)

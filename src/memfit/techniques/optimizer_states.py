@@ -38,7 +38,7 @@ from memfit.core.errors import MemfitError
 from memfit.steps.host import note_paged
 from memfit.steps.optim import torch_optimizer, trainable
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 
 KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
 BNB_MIN_8BIT_SIZE, BNB_BLOCK, BNB_QMAP = 4096, 256, 256   # bitsandbytes' 8-bit state layout
@@ -55,6 +55,12 @@ class _Optimizer(Technique):
     deepspeed_conflict = ("runs DeepSpeed's own AdamW (float32 master weights and moments)", "use --engine pytorch")
     # the --optimizer-impl values it runs with (steps/optim.py OPTIMIZER_IMPLS); none: its own kernels
     implementations: ClassVar[tuple[str, ...]] = ()
+    trainer_optim: ClassVar[str]   # its name in TrainingArguments.optim
+
+    def export(self, tool, workload) -> Export | None:
+        if tool == "hf-trainer":
+            return Export({"optim": self.trainer_optim})
+        return Export({}, "build it yourself and pass it to deepspeed.initialize(optimizer=...)")
 
     @classmethod
     def search_values(cls, request, workload):
@@ -81,6 +87,7 @@ class _Optimizer(Technique):
 @dataclass(frozen=True, kw_only=True)
 class AdamW8bit(_Optimizer):
     name = "adamw8bit"
+    trainer_optim = "adamw_bnb_8bit"   # TrainingArguments.optim
     summary = "AdamW with block-wise 8-bit m and v (bitsandbytes): ~2 bytes of state per parameter"
     oom_fixes = ("adamw8bit",)
     conflicts_with = {
@@ -147,6 +154,7 @@ class _Paged:
 @dataclass(frozen=True, kw_only=True)
 class PagedAdamW8bit(_Paged, AdamW8bit):
     name = "paged-adamw8bit"
+    trainer_optim = "paged_adamw_8bit"   # TrainingArguments.optim
     summary = ("AdamW8bit with its large states in CUDA unified memory (bitsandbytes PagedAdamW8bit): outside the "
                "allocator, paged to host RAM when the device is full")
     oom_fixes = ("paged-adamw8bit",)
@@ -158,6 +166,7 @@ class PagedAdamW8bit(_Paged, AdamW8bit):
 @dataclass(frozen=True, kw_only=True)
 class PagedAdamW(_Paged, _Optimizer):
     name = "paged-adamw"
+    trainer_optim = "paged_adamw_32bit"   # TrainingArguments.optim
     summary = ("AdamW with float32 m and v in CUDA unified memory (bitsandbytes PagedAdamW): outside the allocator, "
                "paged to host RAM when the device is full")
     oom_fixes = ("paged-adamw",)
@@ -215,6 +224,7 @@ def _noting_paged_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
 @dataclass(frozen=True, kw_only=True)
 class AdamW4bit(_Optimizer):
     name = "adamw4bit"
+    trainer_optim = "adamw_torch_4bit"   # TrainingArguments.optim
     # measured: +24 % held-out perplexity after 60 steps from scratch (benchmarks/results/technique_table.txt)
     risk = "lossy"
     summary = "AdamW with block-wise 4-bit m and v (torchao): ~1 byte of state per parameter"
@@ -262,6 +272,7 @@ class AdamW4bit(_Optimizer):
 @dataclass(frozen=True, kw_only=True)
 class Adafactor(_Optimizer):
     name = "adafactor"
+    trainer_optim = "adafactor"   # TrainingArguments.optim
     risk = "lossy"      # a different update rule (and learning rate) than AdamW: the training path changes
     summary = "Adafactor: factored second moment, no first moment (rows + columns per matrix)"
     default_lr = 1e-2
