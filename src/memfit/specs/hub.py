@@ -21,7 +21,8 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 def looks_like_hub_id(spec: str) -> bool:
-    return bool(HUB_ID.match(spec)) and not os.path.exists(spec)
+    """owner/name that is not a file or folder here (nor a config.json path that does not exist)."""
+    return bool(HUB_ID.match(spec)) and not spec.endswith(".json") and not os.path.exists(spec)
 
 
 def hub_config(repo_id: str) -> dict:

@@ -1,7 +1,9 @@
 """Where a model comes from, how to build it (meta, fake or real) and how to feed it.
 
-Three sources: a bundled catalog name, a Hugging Face `config.json` (or a folder holding one), or a
-`package.module:function` factory that returns an `nn.Module` (then an inputs factory is needed).
+The sources: a bundled catalog name (or its Hugging Face hub id), another hub id (its config.json fetched, hub.py), a
+Hugging Face `config.json` (or a folder holding one), a `package.module:function` or `path/file.py:function` factory
+that returns an `nn.Module` (then an inputs factory is needed; user_code.py), or a live model of this Python session
+(live.py).
 """
 from __future__ import annotations
 
