@@ -48,7 +48,6 @@ def get_precision(name: str) -> Precision:
         ) from None
 
 
-
 def precision_of_model(model: torch.nn.Module) -> Precision:
     """The precision of a model's weights as they are (the dtype of its first floating-point parameter)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

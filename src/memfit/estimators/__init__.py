@@ -11,6 +11,7 @@ from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.live import live_workload
 from memfit.specs.workload import Workload
 from memfit.steps.user_step import step_notes
+from memfit.techniques.optimizer_states import optimizer_of
 from memfit.techniques.resolve import resolve
 
 METHODS = ("auto", "traced", "analytic")
@@ -40,8 +41,8 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         raise MemfitError(f"expected a memfit Workload (e.g. Workload(model='gpt2')) or a torch.nn.Module and its "
                           f"batch, got {type(workload).__name__}.")
     if live is not None:
-        workload = live_workload(workload, batch, optimizer=optimizer, step=step, task=task, precision=precision,
-                                 techniques=techniques)
+        workload = live_workload(workload, batch, optimizer=optimizer_of(optimizer), step=step, task=task,
+                                 precision=precision, techniques=techniques)
     elif batch is not None or optimizer is not None or step is not None or precision is not None or techniques:
         raise MemfitError("a Workload carries its batch shape, optimizer, step, precision and techniques; pass "
                           "them to the Workload, or pass a live model and its batch.")

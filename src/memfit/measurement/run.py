@@ -168,8 +168,7 @@ def measure_many(workloads: list[Workload], *, device: str | None = None, snapsh
                  profiler_categories: bool = False) -> list[MemoryEstimate]:
     """`measure` for each workload; those that run on ranks share torchrun launches (ranks.measure_ranks_many)."""
     workloads = [resolve(w) for w in workloads]
-    live = next((w for w in workloads if is_live(w.model)), None)
-    if live is not None:
+    if any(is_live(w.model) for w in workloads):
         raise MemfitError("measure builds and runs the model from its source; a live model is only estimated (on a "
                           "meta copy, memfit.estimate(model, batch)): name it by package.module:function or "
                           "path/file.py:function to measure it.")

@@ -26,15 +26,6 @@ PREFIX = "live:"
 _objects: dict[str, Any] = {}
 _count = itertools.count()
 
-# (class name, start of its module's name) -> memfit's name, for the optimizer instances memfit models
-_OPTIMIZERS = {
-    ("AdamW", "torch.optim"): "adamw", ("Adam", "torch.optim"): "adam", ("SGD", "torch.optim"): "sgd",
-    ("AdamW8bit", "bitsandbytes"): "adamw8bit", ("PagedAdamW8bit", "bitsandbytes"): "paged-adamw8bit",
-    ("PagedAdamW", "bitsandbytes"): "paged-adamw", ("AdamW4bit", "torchao"): "adamw4bit",
-    ("Adafactor", "transformers"): "adafactor",
-}
-
-
 def is_live(spec: str | None) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
@@ -108,37 +99,17 @@ def batch_shape(description: Any) -> tuple[int, int | None]:
     return batch_shape(tensors[0]) if tensors else (1, None)
 
 
-def optimizer_settings(optimizer: Any) -> tuple[str, str | None]:
-    """(memfit's optimizer name, --optimizer-impl) for an optimizer instance or name."""
-    if optimizer is None:
-        return "adamw", None
-    if isinstance(optimizer, str):
-        return optimizer, None
-    cls = type(optimizer)
-    name = next((name for (cls_name, module), name in _OPTIMIZERS.items()
-                 if cls.__name__ == cls_name and cls.__module__.startswith(module)), None)
-    if name is None:
-        known = ", ".join(sorted({f"{module}.{cls_name}" for cls_name, module in _OPTIMIZERS}))
-        raise MemfitError(f"memfit does not model {cls.__module__}.{cls.__name__}; it models {known} (or pass an "
-                          "optimizer name).")
-    defaults = getattr(optimizer, "defaults", {})
-    if name == "sgd" and not defaults.get("momentum"):
-        raise MemfitError("memfit's sgd keeps a momentum buffer (momentum 0.9); this SGD has no momentum and so no "
-                          "state: estimate it with optimizer='sgd' for an upper bound, or use a stateful optimizer.")
-    impl = "fused" if defaults.get("fused") else {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"))
-    return name, impl if name in ("adamw", "adam", "sgd") else None
-
-
-def live_workload(model: nn.Module, batch: Any, *, optimizer: Any = None, step: Any = None, task: str = "train",
-                  precision: str | None = None, techniques=()) -> Workload:
+def live_workload(model: nn.Module, batch: Any, *, optimizer: tuple[str, str | None] = ("adamw", None),
+                  step: Any = None, task: str = "train", precision: str | None = None, techniques=()) -> Workload:
     """A Workload over live objects: `model` an nn.Module (real weights or on the meta device), `batch` a tensor,
-    tuple or dict (real or meta), `optimizer` an instance or a name, `step` fn(model, batch, optimizer)."""
+    tuple or dict (real or meta), `optimizer` (memfit's name, --optimizer-impl), `step` fn(model, batch,
+    optimizer)."""
     if not isinstance(model, nn.Module):
         raise MemfitError(f"expected a torch.nn.Module or a memfit Workload, got {type(model).__name__}.")
     if step is not None and not callable(step):
         raise MemfitError(f"step must be a function fn(model, batch, optimizer), got {type(step).__name__}.")
     description = describe_batch(batch)
-    name, impl = optimizer_settings(optimizer)
+    name, impl = optimizer
     batch_size, seq_len = batch_shape(description)
     return Workload(model=register(model, "model"), inputs=register(description, "batch"),
                     step=register(step, "step") if step is not None else None, task=task, batch_size=batch_size,

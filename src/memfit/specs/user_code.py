@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable
 from types import ModuleType
 
+import torch
+
 from memfit.core.errors import MemfitError
 from memfit.specs.live import is_live, lookup
 
@@ -39,13 +41,18 @@ def import_callable(spec: str | None, what: str) -> Callable:
 
 
 def call_user(fn: Callable, spec: str, what: str, *args):
-    """fn(*args); the user's exception becomes one line naming where in their code it was raised."""
+    """fn(*args); the user's exception becomes one line naming where in their code it was raised (an out-of-memory
+    error passes through: it is what a measurement reports)."""
     try:
         return fn(*args)
-    except MemfitError:
+    except (MemfitError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # the user's code failed: say where, in one line
-        raise MemfitError(f"{what} {spec!r} failed{user_line(exc, fn)}: {type(exc).__name__}: {exc}") from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        shape_from_values = any(word in type(exc).__name__ for word in ("DataDependent", "DynamicOutputShape"))
+        hint = (" (a traced estimate runs on fake tensors, which hold no values: an op whose output depends on them "
+                "cannot be traced; measure it, or move that line out)") if shape_from_values else ""
+        raise MemfitError(f"{what} {spec!r} failed{user_line(exc, fn)}: {type(exc).__name__}: {first}{hint}") from None
 
 
 def user_line(exc: BaseException, fn: Callable) -> str:
@@ -63,21 +70,19 @@ def _line_in(exc: BaseException, filename: str) -> str:
 
 
 def _import_module(name: str, what: str, spec: str) -> ModuleType:
-    for attempt in range(2):
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or name.split(".")[0] != exc.name.split(".")[0]:   # the module's own import failed
-                raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
-            if attempt or os.getcwd() in sys.path:
-                raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: no module {exc.name!r} installed or "
-                                  f"in the current folder ({os.getcwd()}); a file can be named as "
-                                  "path/to/file.py:function.") from None
-            sys.path.append(os.getcwd())   # after the installed packages: a local file cannot shadow them
-            importlib.invalidate_caches()
-        except Exception as exc:  # any import failure is the user's module failing
-            raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
-    raise AssertionError("unreachable")
+    if os.getcwd() not in sys.path and importlib.util.find_spec(name.split(".")[0]) is None:
+        sys.path.append(os.getcwd())   # after the installed packages: a local file cannot shadow them
+        importlib.invalidate_caches()
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and name.split(".")[0] == exc.name.split(".")[0]:   # not there, not its import
+            raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: no module {exc.name!r} installed or in "
+                              f"the current folder ({os.getcwd()}); a file can be named as path/to/file.py:function."
+                              ) from None
+        raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # any import failure is the user's module failing
+        raise MemfitError(f"cannot import {name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}") from None
 
 
 def _load_file(path: str, what: str, spec: str) -> ModuleType:

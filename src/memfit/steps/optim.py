@@ -33,6 +33,20 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, *, impl: str
     return torch_optimizer(kind, params, lr=default_lr if lr is None else lr, impl=impl, shard=shard, **settings)
 
 
+def torch_optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
+    """memfit's name for a torch.optim instance it models with the same state (TORCH_OPTIMIZERS), else None."""
+    for name, (kind, _, settings) in _TORCH.items():
+        if type(optimizer) is kind and all(bool(optimizer.defaults.get(k)) == bool(v) for k, v in settings.items()):
+            return name
+    return None
+
+
+def impl_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The --optimizer-impl an instance was built with (None: PyTorch's default for the device)."""
+    defaults = getattr(optimizer, "defaults", {})
+    return "fused" if defaults.get("fused") else {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"))
+
+
 def device_default_impl(on_cuda: bool) -> str:
     """PyTorch's choice when none is given (torch/optim/optimizer.py `_default_to_fused_or_foreach`): foreach
     when every tensor is on CUDA, else the for-loop; never fused."""

@@ -15,11 +15,9 @@ import gc
 import inspect
 from collections.abc import Callable
 
-import torch
-
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
-from memfit.specs.user_code import import_callable, user_line
+from memfit.specs.user_code import call_user, import_callable
 from memfit.steps.hooks import StepHooks
 from memfit.steps.optim import optimizer_state_tensors
 from memfit.steps.setup import StepSetup
@@ -89,14 +87,5 @@ def run_user_step(setup: StepSetup, batch, workload, *, hooks: StepHooks,
 
 def _call(fn: Callable, spec: str, model, batch, optimizer, region, setup: StepSetup, hooks: StepHooks) -> None:
     enter_phase(setup, hooks, "step")
-    try:
-        with region():
-            fn(model, batch, optimizer)
-    except (MemfitError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:  # the user's step failed: one line naming its line
-        data_dependent = any(word in type(exc).__name__ for word in ("DataDependent", "DynamicOutputShape"))
-        hint = (" (a traced estimate runs on fake tensors, which hold no values: a branch on a tensor's value cannot "
-                "be traced; measure it, or move that line out of the step)") if data_dependent else ""
-        raise MemfitError(f"step {spec!r} failed{user_line(exc, fn)}: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}{hint}") from None
+    with region():
+        call_user(fn, spec, "step", model, batch, optimizer)

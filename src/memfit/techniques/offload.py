@@ -73,16 +73,15 @@ class CpuOffload(Technique):
     }
     stage = "offload"
     summary = "gradients, optimizer states (and with fsdp2 the parameter shards) in host RAM; the step runs there"
+    time_factor = 1.3
+    oom_fixes = ("cpu-offload",)
+    search_axis = "offload"
 
     def export(self, tool, workload) -> Export | None:
         if tool == "deepspeed":   # ZeRO-Offload: at least stage 1 (the optimizer states are partitioned to offload)
             return Export({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
                                                                                     "pin_memory": True}}})
         return None
-    time_factor = 1.3
-
-    oom_fixes = ("cpu-offload",)
-    search_axis = "offload"
 
     @classmethod
     def search_values(cls, request, workload):

@@ -36,9 +36,9 @@ import torch
 
 from memfit.core.errors import MemfitError
 from memfit.steps.host import note_paged
-from memfit.steps.optim import torch_optimizer, trainable
+from memfit.steps.optim import impl_of, torch_optimizer, torch_optimizer_name, trainable
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
+from memfit.techniques.base import REGISTRY, SNAPSHOT_RATIO, Export, OomFix, Technique, register
 
 KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
 BNB_MIN_8BIT_SIZE, BNB_BLOCK, BNB_QMAP = 4096, 256, 256   # bitsandbytes' 8-bit state layout
@@ -56,6 +56,7 @@ class _Optimizer(Technique):
     # the --optimizer-impl values it runs with (steps/optim.py OPTIMIZER_IMPLS); none: its own kernels
     implementations: ClassVar[tuple[str, ...]] = ()
     trainer_optim: ClassVar[str]   # its name in TrainingArguments.optim
+    optimizer_class: ClassVar[str]   # the class it builds, module.Class
 
     def export(self, tool, workload) -> Export | None:
         if tool == "hf-trainer":
@@ -87,7 +88,8 @@ class _Optimizer(Technique):
 @dataclass(frozen=True, kw_only=True)
 class AdamW8bit(_Optimizer):
     name = "adamw8bit"
-    trainer_optim = "adamw_bnb_8bit"   # TrainingArguments.optim
+    trainer_optim = "adamw_bnb_8bit"
+    optimizer_class = "bitsandbytes.optim.AdamW8bit"
     summary = "AdamW with block-wise 8-bit m and v (bitsandbytes): ~2 bytes of state per parameter"
     oom_fixes = ("adamw8bit",)
     conflicts_with = {
@@ -121,7 +123,7 @@ class AdamW8bit(_Optimizer):
         return OomFix(self.name, int(states * (1 - KEEP_8BIT_STATE)), SNAPSHOT_RATIO, f"-t {self.name}")
 
     def build(self, params, *, lr=None, impl=None, shard=False):
-        return _build_bnb(self, "AdamW8bit", params, lr, shard)
+        return _build_bnb(self, params, lr, shard)
 
 
 class _Paged:
@@ -129,7 +131,7 @@ class _Paged:
     memory (`get_state_buffer`), outside the allocator; what does not fit beside the rest pages to host RAM."""
 
     name: ClassVar[str]
-    bnb_class: ClassVar[str]
+    optimizer_class: ClassVar[str]
     state_dtype: ClassVar[str]
 
     def analytic_paged_states(self, params) -> list[tuple[int, str]]:
@@ -143,7 +145,7 @@ class _Paged:
                       f"-t {self.name}")
 
     def build(self, params, *, lr=None, impl=None, shard=False):
-        return _noting_paged_states(_build_bnb(self, self.bnb_class, params, lr, shard))
+        return _noting_paged_states(_build_bnb(self, params, lr, shard))
 
     def cost_overhead(self, step) -> None:
         """The paged states that do not fit on the device cross PCIe twice a step (in for the update, out again)."""
@@ -154,11 +156,11 @@ class _Paged:
 @dataclass(frozen=True, kw_only=True)
 class PagedAdamW8bit(_Paged, AdamW8bit):
     name = "paged-adamw8bit"
-    trainer_optim = "paged_adamw_8bit"   # TrainingArguments.optim
+    trainer_optim = "paged_adamw_8bit"
+    optimizer_class = "bitsandbytes.optim.PagedAdamW8bit"
     summary = ("AdamW8bit with its large states in CUDA unified memory (bitsandbytes PagedAdamW8bit): outside the "
                "allocator, paged to host RAM when the device is full")
     oom_fixes = ("paged-adamw8bit",)
-    bnb_class = "PagedAdamW8bit"
     state_dtype = "uint8"
 
 
@@ -166,12 +168,12 @@ class PagedAdamW8bit(_Paged, AdamW8bit):
 @dataclass(frozen=True, kw_only=True)
 class PagedAdamW(_Paged, _Optimizer):
     name = "paged-adamw"
-    trainer_optim = "paged_adamw_32bit"   # TrainingArguments.optim
+    trainer_optim = "paged_adamw_32bit"
+    optimizer_class = "bitsandbytes.optim.PagedAdamW"
     summary = ("AdamW with float32 m and v in CUDA unified memory (bitsandbytes PagedAdamW): outside the allocator, "
                "paged to host RAM when the device is full")
     oom_fixes = ("paged-adamw",)
     conflicts_with = AdamW8bit.conflicts_with
-    bnb_class = "PagedAdamW"
     state_dtype = "float32"
 
     def check(self, workload) -> None:
@@ -191,7 +193,7 @@ class PagedAdamW(_Paged, _Optimizer):
         return [(largest.numel, "float32")] * (3 + (largest.dtype != "float32"))
 
 
-def _build_bnb(technique: _Optimizer, kind: str, params, lr, shard: bool) -> torch.optim.Optimizer:
+def _build_bnb(technique: _Optimizer, params, lr, shard: bool) -> torch.optim.Optimizer:
     # Imported and built outside any tracking or fake mode: the import creates constant tables and the
     # constructor computes its quantization maps from real values; neither is the step's memory.
     from torch.utils._python_dispatch import _disable_current_modes
@@ -200,6 +202,7 @@ def _build_bnb(technique: _Optimizer, kind: str, params, lr, shard: bool) -> tor
     params = trainable(params)
     with _disable_current_modes():
         bnb = _import("bitsandbytes", technique.name)
+        kind = technique.optimizer_class.rpartition(".")[2]
         return getattr(bnb.optim, kind)(params, lr=technique.default_lr if lr is None else lr)
 
 
@@ -224,7 +227,8 @@ def _noting_paged_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
 @dataclass(frozen=True, kw_only=True)
 class AdamW4bit(_Optimizer):
     name = "adamw4bit"
-    trainer_optim = "adamw_torch_4bit"   # TrainingArguments.optim
+    trainer_optim = "adamw_torch_4bit"
+    optimizer_class = "torchao.optim.AdamW4bit"
     # measured: +24 % held-out perplexity after 60 steps from scratch (benchmarks/results/technique_table.txt)
     risk = "lossy"
     summary = "AdamW with block-wise 4-bit m and v (torchao): ~1 byte of state per parameter"
@@ -272,7 +276,8 @@ class AdamW4bit(_Optimizer):
 @dataclass(frozen=True, kw_only=True)
 class Adafactor(_Optimizer):
     name = "adafactor"
-    trainer_optim = "adafactor"   # TrainingArguments.optim
+    trainer_optim = "adafactor"
+    optimizer_class = "torch.optim.Adafactor"
     risk = "lossy"      # a different update rule (and learning rate) than AdamW: the training path changes
     summary = "Adafactor: factored second moment, no first moment (rows + columns per matrix)"
     default_lr = 1e-2
@@ -366,3 +371,24 @@ class Blockwise4bitLayout(torch.optim.Optimizer):
                             state[f"{name}.{i}"] = tensor
                 state["step"] += 1
                 p.add_(p.grad, alpha=0.0)
+
+
+def optimizer_of(optimizer) -> tuple[str, str | None]:
+    """(memfit's optimizer name, --optimizer-impl) for an optimizer instance, or a name as given."""
+    if optimizer is None or isinstance(optimizer, str):
+        return optimizer or "adamw", None
+    name = torch_optimizer_name(optimizer)
+    if name is not None:
+        return name, impl_of(optimizer)
+    cls = type(optimizer)
+    for technique in REGISTRY.values():
+        module, _, class_name = getattr(technique, "optimizer_class", "").rpartition(".")
+        if module and cls.__name__ == class_name and cls.__module__.startswith(module):
+            return technique.name, impl_of(optimizer) if technique.implementations else None
+    if cls is torch.optim.SGD:
+        raise MemfitError("memfit's sgd keeps a momentum buffer (momentum 0.9); this SGD has no momentum and so no "
+                          "state: estimate it with optimizer='sgd' for an upper bound, or use a stateful optimizer.")
+    known = ["torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD"] + sorted(
+        t.optimizer_class for t in REGISTRY.values() if getattr(t, "optimizer_class", None))
+    raise MemfitError(f"memfit does not model {cls.__module__}.{cls.__name__}; it models {', '.join(known)} (or "
+                      "pass an optimizer name).")
