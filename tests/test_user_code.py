@@ -311,5 +311,7 @@ def test_what_a_live_model_cannot_do_is_said(user_folder):
         memfit.estimate(model, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(MemfitError, match="a live model is only estimated"):
         measure(memfit.Workload(**memfit.estimate(model, batch).workload))
+    with pytest.raises(MemfitError, match=r"the batch holds an empty tensor \(shape \(2, 0\)\)"):
+        memfit.estimate(model, batch[:, :0])
     with pytest.raises(MemfitError, match="a Workload carries its batch shape"):
         memfit.estimate(_workload(batch_size=2, seq_len=16), batch)

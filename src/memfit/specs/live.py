@@ -66,6 +66,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def describe_batch(batch: Any) -> Any:
     """The batch's structure with each tensor replaced by (shape, dtype)."""
     if isinstance(batch, torch.Tensor):
+        if not batch.numel():
+            raise MemfitError(f"the batch holds an empty tensor (shape {tuple(batch.shape)}); pass a batch of the "
+                              "size you train or serve with.")
         return ("tensor", tuple(batch.shape), batch.dtype)
     if isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
         return ("tuple", tuple(describe_batch(t) for t in batch))
