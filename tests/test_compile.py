@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from memfit.core.errors import MemfitError
 from memfit.estimators import estimate
 from memfit.measurement import measure
+from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 from memfit.techniques.compile import _fused_nodes
 from tests.conftest import SHAPE, rel
@@ -44,3 +45,17 @@ def test_compile_under_selective_checkpointing_is_refused():
 def test_the_analytic_model_refuses_compile_and_says_what_to_use():
     with pytest.raises(MemfitError, match="--method traced"):
         estimate(Workload(**SHAPE, techniques=("compile",)), method="analytic")
+
+
+def test_compiled_blocks_on_a_gpu_target_stay_whole_graphs():
+    """On a GPU target the autocast and SDPA emulation run inside each compiled block: no graph break splits it (the
+    partitioner sees the whole layer, as Inductor does on the GPU), and estimates made one after another never reach
+    Dynamo's recompile limit, past which it runs the blocks eager."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    workload = Workload(**SHAPE, precision="bf16-mixed", techniques=("compile",))
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        peaks = {estimate(workload, method="traced", gpu=get_gpu("a100-80gb")).peak_bytes for _ in range(4)}
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(peaks) == 1

@@ -78,7 +78,9 @@ class CudaAutocast:
     def cast(self, value, dtype: torch.dtype):
         if not (isinstance(value, torch.Tensor) and value.is_floating_point()) or value.dtype in (dtype, torch.float64):
             return value
-        if value.is_leaf and value.requires_grad:   # weights: cast once per region, as autocast caches
+        if value.is_leaf and value.requires_grad and not torch.compiler.is_compiling():
+            # weights: cast once per region, as autocast caches (a compiled graph casts them inside the graph,
+            # where the partitioner may recompute the cast in backward rather than keep it)
             cached = self.cache.get(id(value))
             if cached is None or cached.dtype != dtype:
                 cached = self.cache[id(value)] = value.to(dtype)

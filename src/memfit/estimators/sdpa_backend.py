@@ -21,6 +21,8 @@ inputs (attention_backward.cu `_efficient_attention_backward`).
 """
 from __future__ import annotations
 
+import torch
+
 from memfit.core.errors import MemfitError
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
@@ -28,10 +30,10 @@ HALF = ("float16", "bfloat16")
 ALL_BACKENDS = frozenset({FLASH, EFFICIENT, MATH})
 
 
+@torch._dynamo.assume_constant_result
 def enabled_backends() -> frozenset[str]:
-    """The backends torch.nn.attention.sdpa_kernel (or torch.backends.cuda.enable_*_sdp) leaves enabled now."""
-    import torch
-
+    """The backends torch.nn.attention.sdpa_kernel (or torch.backends.cuda.enable_*_sdp) leaves enabled now; read
+    once when torch.compile traces the call (a constant of the graph), as PyTorch picks the kernel then."""
     flags = {FLASH: torch.backends.cuda.flash_sdp_enabled(), EFFICIENT: torch.backends.cuda.mem_efficient_sdp_enabled(),
              MATH: torch.backends.cuda.math_sdp_enabled()}
     return frozenset(name for name, on in flags.items() if on)

@@ -17,6 +17,7 @@ the compiled graphs and refuses it.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,26 @@ class Compile(Technique):
         for _, block in repeated_blocks(setup.model):
             kind = type(block)
             if kind not in compiled:
-                compiled[kind] = torch.compile(kind.forward, backend=backend)
-            block.forward = functools.partial(compiled[kind], block)
+                compiled[kind] = torch.compile(_own_code(kind.forward), backend=backend)
+            call = functools.partial(compiled[kind], block)
+            block.forward = functools.partial(_recompiled_as_needed, call) if fake else call
+
+
+def _recompiled_as_needed(call, *args, **kwargs):
+    """A compiled block in a trace, compiled again whenever its guards fail (a KV cache's layer index, a new decode
+    length) rather than run eager past Dynamo's recompile_limit of 8: a trace is the compiled step, not the fallback."""
+    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024 * 64):
+        return call(*args, **kwargs)
+
+
+def _own_code(function):
+    """`function` with a code object of its own. Dynamo keeps its compiled graphs on the code object and falls back
+    to eager after `recompile_limit` of them: estimates made one after another (a planner's points, a benchmark's
+    rows, one trace per depth) would reach it on a shared code object (transformers' decorators share theirs)."""
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(copy, function)
 
 
 def _traced_backend():
