@@ -4,11 +4,12 @@ data) typed in as memfit settings, the estimate beside the figure its source rep
     python benchmarks/published_gpu.py            # writes benchmarks/results/published_gpu.{txt,json}
 
 A row memfit cannot reproduce yet is a miss with its reason. A row reproduced with a known gap says so in its
-notes (`torch.compile` is not modelled: those rows are predicted for the eager step). The metric is the one the
-source reports: `alloc` compares the tensor peak (max_memory_allocated), `reserved` the simulated allocator's
-reserved bytes. A row whose source runs its own program rather than a model's training or generation step (gpt-fast's
-generate loop, Liger-Kernel's op benchmarks) is traced with `--step` over that program, rewritten for memfit in
-published_configs/ (the rest use the analytic estimate). Nothing here is fitted to these rows.
+notes. The metric is the one the source reports: `alloc` compares the tensor peak (max_memory_allocated),
+`reserved` the simulated allocator's reserved bytes. A run made with torch.compile is traced with `-t compile`
+(the analytic estimate of its eager step beside it); one whose source runs its own program rather than a model's
+training or generation step (gpt-fast's generate loop, Liger-Kernel's op benchmarks) is traced with `--step` over
+that program, rewritten for memfit in published_configs/. The rest use the analytic estimate. Nothing here is
+fitted to these rows.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ HERE = Path(__file__).parent
 CONFIGS = HERE / "published_configs"
 RESULTS = HERE / "results"
 GB = 10**9
-COMPILE = "torch.compile: the eager step is predicted (-t compile is traced only)"
+COMPILED = "traced with -t compile (modelled: Inductor's partitioner under fake tensors)"
+COMPILE_UNDER_SAC = ("torch.compile over selective-op checkpointing is not modelled (memfit refuses the pair): the "
+                     "eager step is predicted")
 LLAMA_3B = str(CONFIGS / "llama-3.2-3b" / "config.json")
 VIT_H = str(CONFIGS / "vit-huge-patch14-45" / "config.json")
 VIT_L = str(CONFIGS / "vit-large-patch16-224" / "config.json")
@@ -65,54 +68,56 @@ def liger(model: str, inputs: str, **shape) -> dict:
                 task="inference", **shape)
 
 
-def row(id, reported, unit, metric, gpu, workload=None, miss=None, notes=()):
+def row(id, reported, unit, metric, gpu, workload=None, miss=None, notes=(), compiled=False):
+    """`compiled`: the published run used torch.compile; memfit predicts it with -t compile (traced)."""
     return {"id": id, "reported_bytes": int(reported * unit), "metric": metric, "gpu": gpu, "workload": workload,
-            "miss": miss, "notes": list(notes)}
+            "miss": miss, "notes": list(notes), "compiled": compiled}
 
 
 ROWS = [
-    row("tt3b-compile", 51.0, GiB, "alloc", "a100-80gb", TT3B, notes=[COMPILE]),
+    row("tt3b-compile", 51.0, GiB, "alloc", "a100-80gb", TT3B, compiled=True),
     row("tt3b-chunked", 42.9, GiB, "alloc", "a100-80gb", dict(TT3B, techniques=("chunked-ce:chunks=8",)),
-        notes=[COMPILE]),
+        compiled=True),
     row("tt3b-ac", 24.9, GiB, "alloc", "a100-80gb",
-        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing")), notes=[COMPILE]),
+        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing")), compiled=True),
     row("tt3b-optbwd", 23.1, GiB, "alloc", "a100-80gb",
-        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing", "optimizer-in-backward")), notes=[COMPILE]),
+        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing", "optimizer-in-backward")), compiled=True),
     row("tt3b-actoffload", 21.8, GiB, "alloc", "a100-80gb",
         dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing:mode=offload", "optimizer-in-backward")),
-        notes=[COMPILE, "AC + activation offloading run as checkpointing:mode=offload (saved tensors to host)"]),
+        compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload (saved tensors to host)"]),
     row("tt3b-8bit", 17.6, GiB, "alloc", "a100-80gb",
         dict(TT3B, optimizer_impl=None, techniques=("chunked-ce:chunks=8", "checkpointing:mode=offload",
                                                     "optimizer-in-backward", "paged-adamw8bit")),
-        notes=[COMPILE, "AC + activation offloading run as checkpointing:mode=offload",
+        compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload",
                "unexplained: the row before it is 21.8 GiB with 12 GiB of bf16 AdamW states, so 8-bit states (6 GiB, "
                "paged outside the allocator as the config says) leave about 10 GiB, not 17.6"]),
     row("tt3b-lora", 8.5, GiB, "alloc", "a100-80gb",
         dict(TT3B_LORA, techniques=(f"lora:rank=64,alpha=128,targets={TUNE_LINEARS}",
                                     *TT3B_LORA_TECHNIQUES)),
-        notes=[COMPILE, "AC + activation offloading run as checkpointing:mode=offload"]),
+        compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload"]),
     row("tt3b-qlora", 4.6, GiB, "alloc", "a100-80gb",
         dict(TT3B_LORA, techniques=(f"qlora:rank=64,alpha=128,targets={TUNE_LINEARS}",
                                     *TT3B_LORA_TECHNIQUES)),
-        notes=[COMPILE, "AC + activation offloading run as checkpointing:mode=offload"]),
+        compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload"]),
     row("tt8b-4090-full", 18.9, GiB, "alloc", "rtx-4090",
         dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=2048, precision="bf16",
              techniques=("paged-adamw8bit", "optimizer-in-backward", "checkpointing", "chunked-ce:chunks=8")),
-        notes=[COMPILE]),
+        compiled=True),
     row("tt8b-4090-qlora", 7.4, GiB, "alloc", "rtx-4090",
         dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=2048, precision="bf16", optimizer_impl="fused",
              techniques=(f"qlora:rank=8,alpha=16,targets={ALL_LINEARS}", "checkpointing", "chunked-ce:chunks=8")),
-        notes=[COMPILE]),
+        compiled=True),
     row("titan8b-fsdp8", 82.4, GiB, "reserved", "h100-96gb", TITAN8B, notes=[TITAN_NOTE]),
-    row("titan8b-fsdp8-compile", 77.0, GiB, "reserved", "h100-96gb", TITAN8B, notes=[COMPILE, TITAN_NOTE]),
+    row("titan8b-fsdp8-compile", 77.0, GiB, "reserved", "h100-96gb", TITAN8B, compiled=True, notes=[TITAN_NOTE]),
     row("ao8b-fsdp8", 47.65, GiB, "reserved", "h100-sxm-80gb", dict(TITAN8B, batch_size=1),
-        notes=[COMPILE, TITAN_NOTE]),
+        compiled=True, notes=[TITAN_NOTE]),
     row("ao-vith-fused", 12.23, GB, "alloc", "rtx-4090", dict(VIT_H_RUN, optimizer_impl="fused"),
-        notes=[COMPILE, "RTX 4070 Ti SUPER predicted as an RTX 4090 (same kernels; the metric is the tensor peak)"]),
+        compiled=True,
+        notes=["RTX 4070 Ti SUPER predicted as an RTX 4090 (same kernels; the metric is the tensor peak)"]),
     row("ao-vith-8bit", 8.32, GB, "alloc", "rtx-4090", dict(VIT_H_RUN, techniques=("adamw8bit",)),
-        notes=[COMPILE, "RTX 4070 Ti SUPER predicted as an RTX 4090"]),
+        compiled=True, notes=["RTX 4070 Ti SUPER predicted as an RTX 4090"]),
     row("ao-vith-4bit", 7.72, GB, "alloc", "rtx-4090", dict(VIT_H_RUN, techniques=("adamw4bit",)),
-        notes=[COMPILE, "RTX 4070 Ti SUPER predicted as an RTX 4090"]),
+        compiled=True, notes=["RTX 4070 Ti SUPER predicted as an RTX 4090"]),
     row("tut-vitl", 6.0, GB, "alloc", "a100-80gb",
         dict(model=VIT_L, task="train", batch_size=1, seq_len=224, optimizer="adam", optimizer_impl="foreach"),
         notes=["the tutorial's figure is approximate (≈6 GB, read off a memory snapshot); its loss is out.sum()"]),
@@ -121,10 +126,10 @@ ROWS = [
              techniques=("optimizer-in-backward",)),
         notes=["the tutorial's second figure (≈4 GB, approximate)"]),
     row("ao-llama3-8b-gen", 16.43, GB, "reserved", "a100-80gb", GEN,
-        notes=[COMPILE, "Meta-Llama-3-8B as llama-3.1-8b (same shapes); HF's growing KV cache for gpt-fast's static "
-               "cache of prompt + 100 tokens"]),
+        compiled=True, notes=["Meta-Llama-3-8B as llama-3.1-8b (same shapes); HF's growing KV cache for gpt-fast's "
+                              "static cache of prompt + 100 tokens"]),
     row("ao-llama3-8b-int4", 6.88, GB, "reserved", "a100-80gb", dict(GEN, techniques=("bnb-4bit",)),
-        notes=[COMPILE, "torchao int4 weight-only (group 64, LM head included) predicted as bitsandbytes NF4 "
+        compiled=True, notes=["torchao int4 weight-only (group 64, LM head included) predicted as bitsandbytes NF4 "
                "(blocks of 64, LM head kept in bf16)"]),
     row("ao-kv-8k", 17.86, GB, "reserved", "a100-80gb", gpt_fast("generate_cache_8192"), notes=[GPT_FAST]),
     row("ao-kv-32k", 23.83, GB, "reserved", "a100-80gb", gpt_fast("generate_cache_32768"), notes=[GPT_FAST]),
@@ -139,13 +144,29 @@ ROWS = [
 
 
 def predict(spec: dict) -> dict:
-    workload = Workload(**spec["workload"])
+    """The estimate of the run as published: its own program traced (--step), a compiled run traced with -t compile
+    (beside it the eager step's analytic estimate), anything else analytic."""
+    gpu, fields = get_gpu(spec["gpu"]), spec["workload"]
+    workload = Workload(**fields)
     started = time.perf_counter()
-    method = "traced" if workload.step else "analytic"   # a program's own step has no analytic model
-    result = estimate(workload, method=method, gpu=get_gpu(spec["gpu"]))
-    predicted = result.peak_bytes if spec["metric"] == "alloc" else result.reserved_bytes
-    return {"predicted_bytes": predicted, "seconds": round(time.perf_counter() - started, 2),
+    found = {}
+    if compile_modelled(spec):
+        found["eager_bytes"] = metric_of(spec, estimate(workload, method="analytic", gpu=gpu))
+        workload = Workload(**{**fields, "techniques": (*workload.techniques, "compile")})
+    method = "traced" if workload.step or "compile" in workload.techniques else "analytic"
+    result = estimate(workload, method=method, gpu=gpu)
+    return {**found, "predicted_bytes": metric_of(spec, result), "seconds": round(time.perf_counter() - started, 2),
             "method": result.method}
+
+
+def compile_modelled(spec: dict) -> bool:
+    """A compiled run memfit can trace compiled: not under selective checkpointing (memfit refuses that pair)."""
+    techniques = spec["workload"].get("techniques", ())
+    return spec["compiled"] and not any(t.startswith("checkpointing:mode=selective") for t in techniques)
+
+
+def metric_of(spec: dict, result) -> int:
+    return result.peak_bytes if spec["metric"] == "alloc" else result.reserved_bytes
 
 
 def run() -> list[dict]:
@@ -154,6 +175,8 @@ def run() -> list[dict]:
         record = {"id": spec["id"], "metric": spec["metric"], "gpu": spec["gpu"],
                   "reported_bytes": spec["reported_bytes"], "predicted_bytes": None, "error": None,
                   "notes": list(spec["notes"])}
+        if spec["compiled"]:
+            record["notes"].insert(0, COMPILED if compile_modelled(spec) else COMPILE_UNDER_SAC)
         if spec["miss"]:
             record["notes"].insert(0, "miss: " + spec["miss"])
         else:
@@ -186,19 +209,24 @@ def summary(records: list[dict]) -> dict:
 
 
 def table_of(records: list[dict], totals: dict) -> Table:
-    table = Table(title="memfit against published GPU runs (analytic estimate, traced for a program's own step; "
-                        "error = predicted / reported − 1)",
+    table = Table(title="memfit against published GPU runs (analytic estimate; traced with -t compile for a compiled "
+                        "run, with --step for a program's own step; error = predicted / reported − 1; eager: the "
+                        "analytic estimate of a compiled run's step without compile)",
                   title_justify="left")
-    for column in ("row", "metric", "reported", "memfit", "error", "notes"):
-        table.add_column(column, justify="right" if column in ("reported", "memfit", "error") else "left")
+    for column in ("row", "metric", "reported", "memfit", "error", "eager", "notes"):
+        table.add_column(column, justify="left" if column in ("row", "metric", "notes") else "right")
     for r in records:
-        table.add_row(r["id"], r["metric"], format_bytes(r["reported_bytes"]),
-                      format_bytes(r["predicted_bytes"]) if r["predicted_bytes"] is not None else "—",
-                      f"{r['error']:+.1%}" if r["error"] is not None else "miss", escape("; ".join(r["notes"])))
+        table.add_row(r["id"], r["metric"], format_bytes(r["reported_bytes"]), bytes_or_dash(r["predicted_bytes"]),
+                      f"{r['error']:+.1%}" if r["error"] is not None else "miss", bytes_or_dash(r.get("eager_bytes")),
+                      escape("; ".join(r["notes"])))
     table.caption = (f"{totals['reproduced']} of {totals['rows']} rows reproduced; mean |error| "
                      f"{totals['mean_abs_error']:.1%}, worst {totals['worst_abs_error']:.1%}; "
                      f"{totals['missed']} misses")
     return table
+
+
+def bytes_or_dash(value: int | None) -> str:
+    return format_bytes(value) if value is not None else "—"
 
 
 def main() -> int:

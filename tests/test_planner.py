@@ -250,3 +250,19 @@ def test_a_plan_exported_for_deepspeed_passes_its_config_validation(monkeypatch)
     assert (checked.zero_optimization_stage, checked.train_batch_size) == (3, 32)
     assert checked.zero_config.offload_optimizer.device == "cpu"
     assert [n["setting"] for n in config["memfit"]["not_expressed"]] == ["checkpointing"]
+
+
+def test_torchtunes_8b_full_fine_tune_on_a_4090_with_64_gib_of_host_ram():
+    """torchtune's recipe (pure bf16, paged 8-bit AdamW, the step in backward, checkpointing, chunked loss: 18.9 GiB
+    on a 4090) is found at its shape; at 64 x 4096 per step it cannot fit, and the plan says why: the step in
+    backward cannot accumulate, so it would hold all 64 sequences at once."""
+    workstation = get_gpu("rtx-4090")
+    result = plan(PlanRequest(model="llama-3.1-8b", gpu=workstation, seq_len=2048, global_batch=2,
+                              host_ram_bytes=64 * GiB, top=1), brief=True)
+    best = result.plan_json(0)
+    assert best["peak_bytes"] <= workstation.memory_bytes and best["host_ram_bytes"] <= 64 * GiB
+    assert "optimizer-in-backward" in best["techniques"] and best["grad_accum"] == 1
+    demo = plan(PlanRequest(model="llama-3.1-8b", gpu=workstation, seq_len=4096, global_batch=64,
+                            host_ram_bytes=64 * GiB, top=1), brief=True)
+    assert not demo.feasible and "host RAM" in demo.reason
+    assert any("cannot accumulate gradients" in s and "all 64 sequences" in s for s in demo.suggestions)

@@ -24,11 +24,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     # the commands load torch: imported after _quiet_libraries has set torch's and transformers' logging
-    from memfit.cli import estimate, explain_oom, gpus, measure, models, plan, techniques
+    from memfit.cli import estimate, explain_oom, gpus, instances, measure, models, plan, techniques
 
     parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (models, gpus, techniques, estimate, measure, plan, explain_oom):
+    for module in (models, gpus, instances, techniques, estimate, measure, plan, explain_oom):
         module.add_parser(subparsers)
     return parser
 

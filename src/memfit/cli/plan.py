@@ -12,16 +12,23 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import parse_bytes
 from memfit.planner import PlanRequest, plan
 from memfit.planner.export import EXPORTS, export
+from memfit.planner.instances import plan_on_instances
 from memfit.planner.request import ALLOW, DEFAULT_MARGIN, OBJECTIVES, parse_fraction
-from memfit.report.plan_report import print_plans, write_pareto_plot
+from memfit.report.plan_report import print_instance_ranking, print_plans, write_pareto_plot
 from memfit.specs.hardware import get_gpu
+from memfit.specs.instances import Instance, get_instance, instance_catalog, parse_price, priced
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="find the fastest combination of techniques that fits your GPUs")
     parser.add_argument("model", help="catalog name (memfit models) or a Hugging Face config.json / folder")
-    parser.add_argument("--gpu", required=True, help="target GPU (memfit gpus)")
-    parser.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1; up to 8 share a node)")
+    parser.add_argument("--gpu", help="target GPU (memfit gpus); --instance implies it")
+    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (default 1, or all of --instance's; "
+                                                               "up to 8 share a node)")
+    parser.add_argument("--instance", help="a machine from `memfit instances` (its GPUs, host RAM and price), or "
+                                           "any: every priced machine, cheapest per million tokens first")
+    parser.add_argument("--price", action="append", default=[], metavar="NAME=USD",
+                        help="an instance's hourly price instead of its list price (repeatable)")
     parser.add_argument("--task", default="train", help="train or inference (default train)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 or the "
                                                                    "model's maximum)")
@@ -51,20 +58,43 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def request_from(args: argparse.Namespace) -> PlanRequest:
+def request_from(args: argparse.Namespace, instance: Instance | None = None) -> PlanRequest:
+    if instance is None and not args.gpu:
+        raise MemfitError("memfit plan needs --gpu (memfit gpus) or --instance (memfit instances).")
+    gpu = get_gpu(args.gpu) if args.gpu else instance.gpu
     return PlanRequest(
-        model=args.model, gpu=get_gpu(args.gpu), task=args.task, seq_len=args.seq_len, global_batch=args.global_batch,
-        batch_size=args.batch_size, new_tokens=args.new_tokens, num_gpus=args.gpus,
-        host_ram_bytes=parse_bytes(args.host_ram) if args.host_ram is not None else None, allow=args.allow,
-        max_ppl_increase=parse_fraction(args.max_ppl_increase, "--max-ppl-increase")
+        model=args.model, gpu=gpu, task=args.task, seq_len=args.seq_len, global_batch=args.global_batch,
+        batch_size=args.batch_size, new_tokens=args.new_tokens,
+        num_gpus=args.gpus if args.gpus is not None else instance.gpus if instance else 1,
+        host_ram_bytes=parse_bytes(args.host_ram) if args.host_ram is not None
+        else instance.host_ram_bytes if instance else None,
+        allow=args.allow, max_ppl_increase=parse_fraction(args.max_ppl_increase, "--max-ppl-increase")
         if args.max_ppl_increase is not None else None,
-        objective=args.objective, margin=parse_fraction(args.margin, "--margin"), top=args.top)
+        objective=args.objective, margin=parse_fraction(args.margin, "--margin"), top=args.top, instance=instance)
+
+
+def instances_of(args: argparse.Namespace) -> list[Instance]:
+    """The machines --instance names (all for `any`), priced as --price says."""
+    overrides = dict(parse_price(text) for text in args.price)
+    if args.instance is None:
+        if overrides:
+            raise MemfitError("--price sets an instance's price; add --instance NAME or --instance any.")
+        return []
+    if args.instance.strip().lower() == "any":
+        if args.gpu or args.gpus:
+            raise MemfitError("--instance any plans one machine of each type in `memfit instances`, with its own "
+                              "GPUs; drop --gpu/--gpus (or plan one machine type with --instance NAME --gpus N).")
+        return priced(list(instance_catalog().values()), overrides)
+    return priced([get_instance(args.instance)], overrides)
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.plot, (".png", ".svg", ".pdf"), "--plot")
     check_output_path(args.save, (".json",), "--save")
-    request = request_from(args)
+    instances = instances_of(args)
+    if len(instances) > 1:
+        return run_on_instances(args, instances)
+    request = request_from(args, instances[0] if instances else None)
     status = Console(stderr=True).status(f"planning {request.model} ...")
     with status:
         result = plan(request, progress=status.update, explore_all=bool(args.plot),
@@ -99,4 +129,21 @@ def run(args: argparse.Namespace) -> int:
         console.print("[dim]--plot: nothing fits, so no frontier was drawn[/dim]")
     elif args.plot:
         console.print(f"Pareto frontier: {args.plot}")
+    return 0
+
+
+def run_on_instances(args: argparse.Namespace, instances: list[Instance]) -> int:
+    for flag in ("export", "plot", "verify"):
+        if getattr(args, flag):
+            raise MemfitError(f"--{flag} takes one machine: plan it with --instance NAME.")
+    with Console(stderr=True).status(f"planning {args.model} on {len(instances)} instances ...") as status:
+        ranking = plan_on_instances(lambda instance: request_from(args, instance), instances, progress=status.update)
+    data = ranking.to_json()
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(data, fh, indent=2)
+    if args.json:
+        print_json(data)
+        return 0
+    print_instance_ranking(ranking, output_console())
     return 0

@@ -11,17 +11,19 @@ from memfit.estimators.analytic import count_parameters
 from memfit.estimators.effects import describe, measured_accuracy
 from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import step_time
-from memfit.planner.request import PlanRequest
+from memfit.planner.request import GPUS_PER_NODE, PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, estimate_for, lower_bound_estimate, risk_of
+from memfit.specs.instances import usual_host_ram
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve, without_technique
 
 
 def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None, explore_all: bool = False,
-         verify_traced: bool = False) -> PlanResult:
+         verify_traced: bool = False, brief: bool = False) -> PlanResult:
     """The best plans for `request`, best first. `explore_all`: size every candidate (the Pareto plot needs
-    them all; the `fastest` objective otherwise stops early)."""
+    them all; the `fastest` objective otherwise stops early). `brief`: the plans and the reason when none fits,
+    without each technique's saving or the searches behind the suggestions (planning many machines)."""
     started = time.perf_counter()
     _require_analytic(request)
     search = Search(request, progress)
@@ -59,9 +61,11 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
     result = PlanResult(request, ranked, evaluated=search.evaluated, rejected=dict(search.rejected),
                         num_estimates=search.num_estimates)
     if ranked:
-        result.savings = [technique_savings(ranked[0], request)]   # the best plan's (a few estimates each)
+        result.warnings = host_ram_warnings(request, ranked[0])
+        if not brief:
+            result.savings = [technique_savings(ranked[0], request)]   # the best plan's (a few estimates each)
     else:
-        result.reason, result.suggestions = why_nothing_fits(request, search)
+        result.reason, result.suggestions = why_nothing_fits(request, search, suggest=not brief)
     result.elapsed_s = time.perf_counter() - started
     return result
 
@@ -81,8 +85,22 @@ def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
     return rows
 
 
-def why_nothing_fits(request: PlanRequest, search: Search) -> tuple[str, list[str]]:
-    """Which resource is short and by how much, and what would make it fit."""
+def host_ram_warnings(request: PlanRequest, best: Evaluated) -> list[str]:
+    """Host RAM unchecked (a bare --gpu) and the best plan needs more than the usual hosts of that GPU hold."""
+    if request.host_ram_bytes is not None or not best.host_ram_bytes:
+        return []
+    per_node = min(request.num_gpus, GPUS_PER_NODE)
+    usual = usual_host_ram(request.gpu, per_node)
+    if usual is None or best.host_ram_bytes <= usual[1]:
+        return []
+    held = format_bytes(usual[1]) if usual[0] == usual[1] else f"{format_bytes(usual[0])} to {format_bytes(usual[1])}"
+    return [f"plan 1 needs {format_bytes(best.host_ram_bytes)} of host RAM per node; the machines in `memfit "
+            f"instances` with {per_node} x {request.gpu.name} have {held}: pass --host-ram (or --instance) to plan "
+            "for the machine you have"]
+
+
+def why_nothing_fits(request: PlanRequest, search: Search, suggest: bool = True) -> tuple[str, list[str]]:
+    """Which resource is short and by how much, and what would make it fit (`suggest`: the ways out too)."""
     if not search.evaluated:
         common = ", ".join(f"{reason} ({count}x)" for reason, count in search.rejected.most_common(3))
         return f"no combination of techniques applies to this request: {common}", []
@@ -103,9 +121,23 @@ def why_nothing_fits(request: PlanRequest, search: Search) -> tuple[str, list[st
                   f"{request.gpu.name} allows {format_bytes(budget)} ({format_bytes(request.gpu.memory_bytes)} less "
                   f"the {request.margin:.0%} margin): short by {format_bytes(smallest.device_bytes - budget)}")
         suggestions += _more_gpus(request, smallest)
-    if request.allow == "lossless":
+    suggestions += _without_accumulation(request, search)
+    if request.allow == "lossless" and suggest:
         suggestions += _lossy_alternative(request)
     return reason, suggestions
+
+
+def _without_accumulation(request: PlanRequest, search: Search) -> list[str]:
+    """The smallest plan that steps in backward, when the batch is more than one micro-batch: it cannot accumulate,
+    so it had to hold the whole batch at once."""
+    in_backward = [e for e in search.evaluated if e.micro_batch > 1 and e.workload(request).with_trait(
+        "steps-in-backward")]
+    if not in_backward:
+        return []
+    least = min(in_backward, key=lambda e: e.device_bytes)
+    return [f"{' + '.join(least.techniques)} steps the optimizer in backward, which cannot accumulate gradients: it "
+            f"runs all {least.micro_batch} sequences at once and needs {format_bytes(least.device_bytes)} per GPU "
+            f"({format_bytes(request.budget_bytes)} allowed); a smaller --global-batch brings it down"]
 
 
 def _more_gpus(request: PlanRequest, smallest: Evaluated) -> list[str]:

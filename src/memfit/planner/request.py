@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from memfit.core.errors import MemfitError, closest, require_positive_int
 from memfit.planner.cost import ASSUMED, CostModel
 from memfit.specs.hardware import GPU
+from memfit.specs.instances import Instance
 from memfit.specs.workload import TASKS
 
 OBJECTIVES = ("fastest", "smallest", "balanced")
@@ -34,6 +35,7 @@ class PlanRequest:
     margin: float = DEFAULT_MARGIN
     top: int = 5
     cost: CostModel = ASSUMED   # the cost model's constants (planner/cost.py)
+    instance: Instance | None = None   # the machine rented (memfit instances): its GPU, host RAM and price
     on_cpu: bool = False    # plan a run on this machine's CPU (`gpu` then describes the CPU): CPU kernels in the
     # estimates and no CUDA overheads (benchmarks/planner_oracle.py)
 
@@ -67,6 +69,17 @@ class PlanRequest:
             raise MemfitError(f"--margin {self.margin:.0%} must be at least 0 % and below 50 %.")
         if self.host_ram_bytes is not None and self.host_ram_bytes < 0:
             raise MemfitError("--host-ram must not be negative.")
+        if self.instance is not None:
+            self._check_instance(self.instance)
+
+    def _check_instance(self, instance: Instance) -> None:
+        if self.gpu.name != instance.gpu.name:
+            raise MemfitError(f"--instance {instance.name} holds {instance.gpu.name} GPUs, not {self.gpu.name}; drop "
+                              "--gpu (the instance implies it).")
+        whole_nodes = instance.gpus == GPUS_PER_NODE and self.num_gpus % GPUS_PER_NODE == 0
+        if self.num_gpus > instance.gpus and not whole_nodes:
+            raise MemfitError(f"--gpus {self.num_gpus}: one {instance.name} holds {instance.gpus}; plan more GPUs "
+                              f"as whole machines of {GPUS_PER_NODE} GPUs.")
 
     @property
     def sequences(self) -> int:
@@ -84,8 +97,16 @@ class PlanRequest:
     def nodes(self) -> int:
         return -(-self.num_gpus // GPUS_PER_NODE)
 
+    @property
+    def usd_per_hour(self) -> float | None:
+        """What the machines the plan runs on cost per hour (whole machines: a plan on fewer GPUs pays for all)."""
+        if self.instance is None or self.instance.usd_per_hour is None:
+            return None
+        return self.instance.usd_per_hour * -(-self.num_gpus // self.instance.gpus)
+
     def to_json(self) -> dict:
         return {"model": self.model, "gpu": self.gpu.name, "task": self.task, "seq_len": self.seq_len,
+                "instance": self.instance.name if self.instance else None,
                 "global_batch": self.sequences if self.task == "train" else None, "batch_size": self.batch_size,
                 "new_tokens": self.new_tokens, "num_gpus": self.num_gpus, "host_ram_bytes": self.host_ram_bytes,
                 "allow": self.allow, "max_ppl_increase": self.max_ppl_increase, "objective": self.objective,

@@ -21,6 +21,7 @@ class PlanResult:
     plans: list[Evaluated]                     # best first
     reason: str | None = None                  # why nothing fits
     suggestions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)          # e.g. more host RAM than the GPU's usual host
     evaluated: list[Evaluated] = field(default_factory=list)   # every candidate sized (the Pareto plot)
     rejected: dict[str, int] = field(default_factory=dict)     # rule -> candidates it removed
     savings: list[list[dict]] = field(default_factory=list)    # per plan (the best): each technique's saving
@@ -36,7 +37,7 @@ class PlanResult:
         estimate = chosen.estimate
         data = {
             "techniques": chosen.techniques, "micro_batch": chosen.micro_batch, "grad_accum": chosen.grad_accum,
-            "world_size": chosen.candidate.num_gpus, "peak_bytes": chosen.device_bytes,
+            "world_size": chosen.candidate.num_gpus, "gpu": self.request.gpu.name, "peak_bytes": chosen.device_bytes,
             "host_ram_bytes": chosen.host_ram_bytes, "step_time_s": round(chosen.time.total_s, 6),
             "throughput": round(chosen.throughput, 3), "accuracy_risk": chosen.risk,
             # beyond the schema's required fields
@@ -53,6 +54,8 @@ class PlanResult:
             data["paged_bytes"] = estimate.paged_bytes
         if "traced_peak_bytes" in estimate.extra:
             data["traced_peak_bytes"] = estimate.extra["traced_peak_bytes"]
+        if self.request.instance is not None:
+            data |= instance_price(self.request, chosen.throughput)
         if index < len(self.savings):
             data["savings"] = self.savings[index]
         return data
@@ -60,9 +63,19 @@ class PlanResult:
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "feasible": self.feasible, "reason": self.reason,
                 "plans": [self.plan_json(i) for i in range(len(self.plans))],
-                "suggestions": self.suggestions, "request": self.request.to_json(),
+                "suggestions": self.suggestions, "warnings": self.warnings, "request": self.request.to_json(),
                 "search": {"candidates_sized": len(self.evaluated), "estimates": self.num_estimates,
                            "rejected_by_rules": sum(self.rejected.values()), "elapsed_s": round(self.elapsed_s, 3)}}
+
+
+def instance_price(request: PlanRequest, throughput_per_gpu: float) -> dict:
+    """The plan's price on its instance: per hour for the machines, per million tokens at its throughput."""
+    usd = request.usd_per_hour
+    tokens_per_hour = throughput_per_gpu * request.num_gpus * 3600
+    instance = request.instance
+    return {"instance": instance.name, "usd_per_hour": usd,
+            "usd_per_million_tokens": float(f"{usd / tokens_per_hour * 1e6:.4g}") if usd and tokens_per_hour else None,
+            "price": {"kind": "on-demand list price", "date": instance.price_date, "source": instance.price_source}}
 
 
 def load_plan(path: str, index: int = 0) -> tuple[Workload, GPU]:
@@ -81,4 +94,4 @@ def load_plan(path: str, index: int = 0) -> tuple[Workload, GPU]:
         raise MemfitError(f"--plan {path!r} has no plan that fits ({data.get('reason')}).")
     if not 0 <= index < len(plans):
         raise MemfitError(f"--plan-index {index}: {path!r} holds plans 0 to {len(plans) - 1}.")
-    return Workload.from_json(plans[index]["workload"]), get_gpu(data["request"]["gpu"])
+    return Workload.from_json(plans[index]["workload"]), get_gpu(plans[index].get("gpu") or data["request"]["gpu"])

@@ -112,6 +112,10 @@ class Search:
 
     def evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated:
         """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does)."""
+        if workload.with_trait("steps-in-backward"):   # it cannot accumulate: one micro-batch is the whole batch
+            whole = workload if per_replica == candidate.batch_multiple else candidate.workload(self.request,
+                                                                                                  per_replica)
+            return self._sized(candidate, per_replica, self._estimate(whole), per_replica)
         smallest = candidate.batch_multiple
         first = self._sized(candidate, smallest, self._estimate(workload), per_replica)
         sizes = [m for m in divisors(per_replica) if m % smallest == 0]

@@ -26,7 +26,7 @@ from memfit.techniques.rules import ordered
 
 # The axes a technique can be a value of, in the order a plan lists them; "allocator" values are not searched but
 # added to a plan that fits only with them (search.py)
-AXES = ("layout", "precision", "optimizer", "weights", "attention", "activations", "loss", "offload")
+AXES = ("layout", "precision", "optimizer", "optimizer-step", "weights", "attention", "activations", "loss", "offload")
 DEFAULTS = Workload.__dataclass_fields__
 
 

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, format_bytes
+from memfit.planner.instances import InstanceRanking
 from memfit.planner.result import PlanResult
 from memfit.report.tables import savings_table
 
@@ -51,12 +52,58 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         console.print(f"[dim]plan 1's step: {parts} (cost model: assumed constants, planner/cost.py); peak per GPU "
                       f"is the analytic tensor peak {format_bytes(best['tensor_peak_bytes'])} + the caching "
                       "allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
+        for warning in result.warnings:
+            console.print(f"[yellow]{warning}[/yellow]")
+        if "usd_per_million_tokens" in best:
+            console.print(price_line(best))
         if result.request.host_ram_bytes is None and any(p.host_ram_bytes for p in result.plans):
             console.print("[dim]host RAM was not checked: pass --host-ram to rule out plans your machine cannot "
                           "hold[/dim]")
     console.print(f"[dim]searched {len(result.evaluated)} configurations ({result.num_estimates} analytic estimates, "
                   f"{sum(result.rejected.values())} combinations refused by the composition rules) in "
                   f"{result.elapsed_s:.1f} s[/dim]")
+
+
+def price_line(plan: dict) -> str:
+    price = plan["price"]
+    per_million = plan["usd_per_million_tokens"]
+    return (f"on {plan['instance']} at ${_usd(plan['usd_per_hour'])}/h ({price['kind']}, {price['date']}, "
+            f"{price['source']}): ${_usd(per_million)} per million tokens" if per_million is not None else
+            f"on {plan['instance']}: no price")
+
+
+def _usd(value: float) -> str:
+    return f"{value:,.2f}" if value >= 1 else f"{value:.3g}"
+
+
+def print_instance_ranking(ranking: InstanceRanking, console: Console) -> None:
+    """Each priced machine's best plan, cheapest per million tokens first, then the machines nothing fits."""
+    fitting = ranking.fitting
+    if fitting:
+        request = fitting[0].request
+        table = Table(title=f"memfit plan — {request.model} {request.task} on every priced instance, cheapest per "
+                            "million tokens first (on-demand list prices: `memfit instances` has each date and "
+                            "source; --price NAME=USD to use yours)", title_justify="left")
+        for column in ("#", "instance", "GPUs", "$/h", "plan", "micro×acc", "peak/GPU", "host RAM", "tok/s/GPU",
+                       "$/M tokens"):
+            table.add_column(column, justify="left" if column in ("instance", "GPUs", "plan") else "right")
+        for index, result in enumerate(fitting):
+            plan = result.plan_json(0)
+            table.add_row(str(index + 1), plan["instance"], f"{result.request.num_gpus} × {result.request.gpu.name}",
+                          _usd(plan["usd_per_hour"]), " + ".join(plan["techniques"]),
+                          f"{plan['micro_batch']} × {plan['grad_accum']}", format_bytes(plan["peak_bytes"], 1),
+                          format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else "",
+                          f"{plan['throughput']:,.0f}", _usd(plan["usd_per_million_tokens"]))
+        console.print(table)
+    else:
+        console.print("[red]No priced instance fits this request.[/red]")
+    for result in ranking.results:
+        if not result.feasible:
+            console.print(f"  [dim]{result.request.instance.name}: {result.reason}[/dim]")
+    if ranking.unpriced:
+        console.print(f"[dim]left out (no list price; give one with --price NAME=USD): "
+                      f"{', '.join(ranking.unpriced)}[/dim]")
+    console.print(f"[dim]planned {len(ranking.results)} instances in {ranking.elapsed_s:.1f} s[/dim]")
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

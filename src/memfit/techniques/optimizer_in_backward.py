@@ -34,6 +34,7 @@ class OptimizerInBackward(Technique):
     stage = "optimizer"
     summary = "each parameter's optimizer step runs in backward as its gradient is complete, and frees it"
     traits = frozenset({"steps-in-backward"})
+    search_axis = "optimizer-step"
     conflicts_with = {
         "fp16-mixed": ("GradScaler unscales every gradient and checks them for overflow before any step",
                        f"use {precision_names(loss_scaling=False)} instead of {{other}}"),
@@ -47,6 +48,20 @@ class OptimizerInBackward(Technique):
     }
     deepspeed_conflict = ("DeepSpeed's engine steps its own optimizer after backward", "use --engine pytorch")
     oom_fixes = ("optimizer-in-backward",)
+
+    @classmethod
+    def search_values(cls, request, workload):
+        """Training on one GPU: each micro-batch is then a whole optimizer step (the search gives it the whole
+        batch: a step in backward cannot accumulate)."""
+        return [cls.name] if request.task == "train" and request.num_gpus == 1 else []
+
+    def cost_overhead(self, step) -> None:
+        """Its steps still read every gradient, though the estimate holds one at a time: the optimizer traffic
+        (planner/cost.py: 3x the gradients' bytes) of those it does not hold, every weight trainable."""
+        if step.workload.with_trait("adapters"):
+            return
+        unheld = step.state_bytes("parameters") - step.state_bytes("gradients")
+        step.add("optimizer", 3 * max(0, unheld) / step.hbm_bytes_per_s)
 
     def oom_fix(self, message, snapshot) -> OomFix | None:
         """From a snapshot: the gradients, never all held at once (the most it saves: the peak may lie before)."""
