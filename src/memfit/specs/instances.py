@@ -61,8 +61,10 @@ def get_instance(name: str) -> Instance:
     key = name.strip().lower()
     if key in catalog:
         return catalog[key]
+    starting = [catalog[k].name for k in catalog if k.startswith(key)]
+    hint = f" Did you mean: {', '.join(starting[:4])}?" if starting else closest(key, catalog)
     raise MemfitError(f"unknown instance {name!r}; `memfit instances` lists the catalog (or plan with --gpu and "
-                      f"--host-ram).{closest(key, catalog)}")
+                      f"--host-ram).{hint}")
 
 
 def priced(instances: list[Instance], overrides: dict[str, float]) -> list[Instance]:
