@@ -179,8 +179,10 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     spec = registry.family_of(plain_workload.source)[1]
     cost = calibrate(gpu, getattr(spec, "hidden", None) or spec.d_model, seq_len, divisors(global_batch))
     console.print(f"calibrated: {cost}")
+    # speed_margin 0: the oracle checks the cost model's pick of the fastest plan, not the preference for the one
+    # that changes training least
     request = PlanRequest(model=model, gpu=gpu, seq_len=seq_len, global_batch=global_batch, margin=0.0,
-                          on_cpu=True, top=3, cost=cost)
+                          on_cpu=True, top=3, cost=cost, speed_margin=0.0)
     started = time.perf_counter()
     chosen = plan(request)
     planning_s = time.perf_counter() - started

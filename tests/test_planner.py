@@ -34,8 +34,10 @@ def check_plans(result):
         again = analytic_estimate(workload, request.gpu)
         assert device_bytes(again) == data["peak_bytes"]   # an allocator technique it needs is in its workload
     times = [p.time.total_s for p in result.plans]
-    if request.objective == "fastest":
-        assert times == sorted(times)
+    if request.objective == "fastest":   # plans near the fastest first (least change first), then the rest by time
+        near = min(times) * (1 + request.speed_margin)
+        rest = [t for t in times if t > near]
+        assert times[0] <= near and rest == sorted(rest) and times[len(times) - len(rest):] == rest
 
 
 def test_full_finetune_of_an_8b_model_fits_one_24gb_gpu():
@@ -266,3 +268,19 @@ def test_torchtunes_8b_full_fine_tune_on_a_4090_with_64_gib_of_host_ram():
                             host_ram_bytes=64 * GiB, top=1), brief=True)
     assert not demo.feasible and "host RAM" in demo.reason
     assert any("cannot accumulate gradients" in s and "all 64 sequences" in s for s in demo.suggestions)
+
+
+def test_a_model_that_fits_easily_keeps_float32_weights_and_states_and_the_faster_plan_is_shown(capsys):
+    """tiny-llama fits a 4090 many times over: pure bf16 with 8-bit states is the cost model's fastest by a few
+    percent, and no one would take it for that. Plan 1 is mixed precision with full AdamW; the tradeoff names the
+    faster plan and what it changes. With no speed margin the fastest comes first again."""
+    request = PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3)
+    result = plan(request, brief=True)
+    check_plans(result)
+    best = result.plan_json(0)
+    assert best["training_change"] == "mixed-precision" and best["techniques"] == ["bf16-mixed"]
+    assert "would be" in result.tradeoff and "fewer bits" in result.tradeoff
+    fastest = plan(PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3,
+                               speed_margin=0.0), brief=True)
+    assert fastest.plan_json(0)["training_change"] == "reduced-precision" and fastest.tradeoff is None
+    assert fastest.plans[0].time.total_s < result.plans[0].time.total_s

@@ -13,7 +13,7 @@ from memfit.core.units import parse_bytes
 from memfit.planner import PlanRequest, plan
 from memfit.planner.export import EXPORTS, export
 from memfit.planner.instances import plan_on_instances
-from memfit.planner.request import ALLOW, DEFAULT_MARGIN, OBJECTIVES, parse_fraction
+from memfit.planner.request import ALLOW, DEFAULT_MARGIN, DEFAULT_SPEED_MARGIN, OBJECTIVES, parse_fraction
 from memfit.report.plan_report import print_instance_ranking, print_plans, write_pareto_plot
 from memfit.specs.hardware import get_gpu
 from memfit.specs.instances import Instance, get_instance, instance_catalog, parse_price, priced
@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
                                                                "tokens per second per GPU)")
     parser.add_argument("--margin", default=f"{DEFAULT_MARGIN:.0%}", help="device memory kept free beyond the "
                                                                           "modelled overheads (default %(default)s)")
+    parser.add_argument("--speed-margin", default=f"{DEFAULT_SPEED_MARGIN:.0%}",
+                        help="--objective fastest: plans this close to the fastest count as fast, and the one that "
+                             "changes training least comes first (default %(default)s; 0 for the fastest alone)")
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema memfit.plan/1)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plans (for estimate/measure --plan)")
@@ -70,7 +73,8 @@ def request_from(args: argparse.Namespace, instance: Instance | None = None) -> 
         else instance.host_ram_bytes if instance else None,
         allow=args.allow, max_ppl_increase=parse_fraction(args.max_ppl_increase, "--max-ppl-increase")
         if args.max_ppl_increase is not None else None,
-        objective=args.objective, margin=parse_fraction(args.margin, "--margin"), top=args.top, instance=instance)
+        objective=args.objective, margin=parse_fraction(args.margin, "--margin"),
+        speed_margin=parse_fraction(args.speed_margin, "--speed-margin"), top=args.top, instance=instance)
 
 
 def instances_of(args: argparse.Namespace) -> list[Instance]:

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from memfit.cli.common import output_console, print_json
 from memfit.techniques import REGISTRY
-from memfit.techniques.base import TRAITS
+from memfit.techniques.base import CHANGES, TRAITS
 from memfit.techniques.rules import ORDER, declared_rules
 
 
@@ -21,19 +21,23 @@ def run(args: argparse.Namespace) -> int:
     stages = [stage for stage, _ in ORDER]
     rows = sorted(REGISTRY.values(), key=lambda cls: (stages.index(cls.stage), cls.name))
     if args.json:
-        print_json({"techniques": [{"name": c.name, "stage": c.stage, "risk": c.risk, "summary": c.summary,
+        print_json({"techniques": [{"name": c.name, "stage": c.stage, "risk": c.risk,
+                                    "changes": c.training_change(), "summary": c.summary,
                                     "parameters": c.parameters(), "time_factor": c.time_factor} for c in rows],
+                    "changes": CHANGES,
                     "order": [{"stage": s, "why": why} for s, why in ORDER],
                     "rules": declared_rules(), "traits": TRAITS})
         return 0
     table = Table(title="memfit techniques (apply with -t NAME[:key=value,...]; applied in this order)",
                   title_justify="left")
-    for column in ("name", "stage", "what it does", "parameters (defaults)", "risk"):
+    for column in ("name", "stage", "what it does", "parameters (defaults)", "risk", "changes"):
         table.add_column(column)
     for cls in rows:
-        table.add_row(cls.name, cls.stage, cls.summary, cls.parameters(), cls.risk)
+        table.add_row(cls.name, cls.stage, cls.summary, cls.parameters(), cls.risk, cls.training_change())
     console = output_console()
     console.print(table)
     console.print("[dim]risk: lossless = same results; numerical = same up to floating-point rounding; "
                   "lossy = results change[/dim]")
+    console.print("[dim]changes (what it changes in training, least first; `memfit plan` prefers the least among "
+                  "plans about as fast): " + "; ".join(f"{name} = {what}" for name, what in CHANGES.items()) + "[/dim]")
     return 0

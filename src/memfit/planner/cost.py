@@ -229,7 +229,8 @@ def _train_step(step: Step) -> None:
     if per_param:
         optimizer_s = step.state_bytes("gradients") / step.gradient_bytes * per_param
     else:
-        traffic = 2 * step.state_bytes("optimizer_states") + 3 * step.state_bytes("gradients")
+        states = step.state_bytes("optimizer_states") + step.estimate.paged_bytes   # paged ones are read too
+        traffic = 2 * states + 3 * step.state_bytes("gradients")
         optimizer_s = traffic / step.hbm_bytes_per_s
     step.parts.update(optimizer=optimizer_s, offload=0.0)
 

@@ -13,9 +13,10 @@ from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import step_time
 from memfit.planner.request import GPUS_PER_NODE, PlanRequest
 from memfit.planner.result import PlanResult
-from memfit.planner.search import Evaluated, Search, estimate_for, lower_bound_estimate, risk_of
+from memfit.planner.search import Evaluated, Search, change_of, estimate_for, lower_bound_estimate, risk_of
 from memfit.specs.instances import usual_host_ram
 from memfit.specs.workload import Workload
+from memfit.techniques.base import CHANGES
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve, without_technique
 
 
@@ -42,11 +43,12 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
     feasible: list[Evaluated] = []
     for index, (bound, candidate, workload, per_replica, ppl) in enumerate(ordered):
         if (request.objective == "fastest" and not explore_all and len(feasible) >= request.top
-                and bound > sorted(p.time.total_s for p in feasible)[request.top - 1]):
+                and bound > max(sorted(p.time.total_s for p in feasible)[request.top - 1],
+                                min(p.time.total_s for p in feasible) * (1 + request.speed_margin))):
             break
         search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
         result = search.evaluate(candidate, workload, per_replica)
-        result.risk, result.ppl_increase = risk_of(workload), ppl
+        result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
         timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
                           num_gpus=candidate.num_gpus, cost=request.cost)
         result.time = timed
@@ -55,13 +57,15 @@ def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None,
         if result.fits:
             feasible.append(result)
         search.evaluated.append(result)
-    ranked = rank(feasible, request.objective)[:request.top]
+    ordered = rank(feasible, request.objective, request.speed_margin)
+    ranked = ordered[:request.top]
     if verify_traced:
         _verify(ranked, request, search)
     result = PlanResult(request, ranked, evaluated=search.evaluated, rejected=dict(search.rejected),
                         num_estimates=search.num_estimates)
     if ranked:
         result.warnings = host_ram_warnings(request, ranked[0])
+        result.tradeoff = tradeoff(ordered, request)
         if not brief:
             result.savings = [technique_savings(ranked[0], request)]   # the best plan's (a few estimates each)
     else:
@@ -180,14 +184,35 @@ def _lossy_alternative(request: PlanRequest) -> list[str]:
             f"{format_bytes(best.device_bytes)} per GPU and {fits}{cost}"]
 
 
-def rank(plans: list[Evaluated], objective: str) -> list[Evaluated]:
+def rank(plans: list[Evaluated], objective: str, speed_margin: float = 0.0) -> list[Evaluated]:
+    """Best first. `fastest`: among the plans within `speed_margin` of the fastest, those that change training least
+    come first (a practitioner does not store weights in bf16 for 2 % more speed), the fewest techniques first among
+    them; then the rest by time."""
     if objective == "smallest":
         return sorted(plans, key=lambda p: (p.device_bytes, p.time.total_s))
     if objective == "balanced":   # time x memory, each relative to the best of its kind
         fastest = min((p.time.total_s for p in plans), default=1.0)
         smallest = min((p.device_bytes for p in plans), default=1)
         return sorted(plans, key=lambda p: (p.time.total_s / fastest) * (p.device_bytes / smallest))
-    return sorted(plans, key=lambda p: (p.time.total_s, p.device_bytes))
+    near = min((p.time.total_s for p in plans), default=0.0) * (1 + speed_margin)
+    changes = list(CHANGES)
+    return sorted(plans, key=lambda p: (p.time.total_s > near, changes.index(p.change), len(p.techniques),
+                                        p.time.total_s, p.device_bytes) if p.time.total_s <= near
+                  else (True, 0, 0, p.time.total_s, p.device_bytes))
+
+
+def tradeoff(ordered: list[Evaluated], request: PlanRequest) -> str | None:
+    """What the fastest plan would gain over plan 1, when plan 1 was preferred for changing training less."""
+    if request.objective != "fastest" or not ordered:
+        return None
+    best, fastest = ordered[0], min(ordered, key=lambda p: p.time.total_s)
+    if fastest.change == best.change:
+        return None
+    gain = best.time.total_s / fastest.time.total_s - 1
+    which = f"plan {ordered.index(fastest) + 1}" if ordered.index(fastest) < request.top else "the fastest plan"
+    return (f"plan 1 changes training least among the plans within {request.speed_margin:.0%} of the fastest (it "
+            f"{CHANGES[best.change]}); {which}, {' + '.join(fastest.techniques)}, would be {gain:.1%} faster and "
+            f"{CHANGES[fastest.change]}")
 
 
 def ppl_increase(workload: ResolvedWorkload) -> float | None:

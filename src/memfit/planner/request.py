@@ -16,6 +16,10 @@ OBJECTIVES = ("fastest", "smallest", "balanced")
 ALLOW = ("lossless", "lossy")
 GPUS_PER_NODE = 8                 # GPUs share a node's host RAM and NVLink up to this many
 DEFAULT_MARGIN = 0.05             # headroom kept free beyond the modelled overheads
+# Plans this close to the fastest count as fast as it (objective fastest): the one that changes training least
+# wins. The step-time model's constants are assumed, not yet compared with a GPU run: differences below this are
+# within its error.
+DEFAULT_SPEED_MARGIN = 0.10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +37,7 @@ class PlanRequest:
     max_ppl_increase: float | None = None   # a fraction (0.02 = 2 %); only with allow="lossy"
     objective: str = "fastest"
     margin: float = DEFAULT_MARGIN
+    speed_margin: float = DEFAULT_SPEED_MARGIN
     top: int = 5
     cost: CostModel = ASSUMED   # the cost model's constants (planner/cost.py)
     instance: Instance | None = None   # the machine rented (memfit instances): its GPU, host RAM and price
@@ -67,6 +72,9 @@ class PlanRequest:
                 raise MemfitError(f"--max-ppl-increase {self.max_ppl_increase:.0%} is out of range; write e.g. 2%.")
         if not 0 <= self.margin < 0.5:
             raise MemfitError(f"--margin {self.margin:.0%} must be at least 0 % and below 50 %.")
+        if not 0 <= self.speed_margin <= 1:
+            raise MemfitError(f"--speed-margin {self.speed_margin:.0%} must be between 0 % (always the fastest) and "
+                              "100 %.")
         if self.host_ram_bytes is not None and self.host_ram_bytes < 0:
             raise MemfitError("--host-ram must not be negative.")
         if self.instance is not None:
@@ -110,6 +118,7 @@ class PlanRequest:
                 "global_batch": self.sequences if self.task == "train" else None, "batch_size": self.batch_size,
                 "new_tokens": self.new_tokens, "num_gpus": self.num_gpus, "host_ram_bytes": self.host_ram_bytes,
                 "allow": self.allow, "max_ppl_increase": self.max_ppl_increase, "objective": self.objective,
+                "speed_margin": self.speed_margin,
                 "margin": self.margin}
 
 

@@ -22,6 +22,7 @@ class PlanResult:
     reason: str | None = None                  # why nothing fits
     suggestions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)          # e.g. more host RAM than the GPU's usual host
+    tradeoff: str | None = None       # what the fastest plan would gain, when plan 1 was preferred for changing less
     evaluated: list[Evaluated] = field(default_factory=list)   # every candidate sized (the Pareto plot)
     rejected: dict[str, int] = field(default_factory=dict)     # rule -> candidates it removed
     savings: list[list[dict]] = field(default_factory=list)    # per plan (the best): each technique's saving
@@ -40,6 +41,7 @@ class PlanResult:
             "world_size": chosen.candidate.num_gpus, "gpu": self.request.gpu.name, "peak_bytes": chosen.device_bytes,
             "host_ram_bytes": chosen.host_ram_bytes, "step_time_s": round(chosen.time.total_s, 6),
             "throughput": round(chosen.throughput, 3), "accuracy_risk": chosen.risk,
+            "training_change": chosen.change,
             # beyond the schema's required fields
             "throughput_unit": "generated tokens/s per GPU" if self.request.new_tokens else "tokens/s per GPU",
             "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
@@ -63,7 +65,8 @@ class PlanResult:
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "feasible": self.feasible, "reason": self.reason,
                 "plans": [self.plan_json(i) for i in range(len(self.plans))],
-                "suggestions": self.suggestions, "warnings": self.warnings, "request": self.request.to_json(),
+                "suggestions": self.suggestions, "warnings": self.warnings, "tradeoff": self.tradeoff,
+                "request": self.request.to_json(),
                 "search": {"candidates_sized": len(self.evaluated), "estimates": self.num_estimates,
                            "rejected_by_rules": sum(self.rejected.values()), "elapsed_s": round(self.elapsed_s, 3)}}
 

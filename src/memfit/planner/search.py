@@ -26,7 +26,7 @@ from memfit.planner.cost import StepTime
 from memfit.planner.request import GPUS_PER_NODE, PlanRequest
 from memfit.planner.space import Candidate, allocator_options, candidates
 from memfit.specs.workload import Workload
-from memfit.techniques.base import RISKS, parse_technique
+from memfit.techniques.base import CHANGES, RISKS, parse_technique
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve
 
 MAX_VERIFY = 4          # exact estimates while stepping the micro-batch down
@@ -46,6 +46,7 @@ class Evaluated:
     time: StepTime | None = None
     throughput: float = 0.0     # tokens per second per GPU
     risk: str = "lossless"
+    change: str = "exact"       # what the plan changes in training (techniques.base.CHANGES)
     ppl_increase: float | None = None
 
     @property
@@ -168,6 +169,15 @@ class Search:
 def risk_of(workload: ResolvedWorkload) -> str:
     risks = [t.risk for t in all_techniques(workload)]
     return max(risks, key=RISKS.index) if risks else "lossless"
+
+
+def change_of(workload: ResolvedWorkload) -> str:
+    """The most a workload changes training (techniques.base.CHANGES, least first): its precision, optimizer and
+    techniques (DeepSpeed's half precision included), and data parallel, which sums gradients across ranks."""
+    order = list(CHANGES)
+    changes = [t.training_change() for t in (*workload.field_techniques, *workload.technique_configs)]
+    changes += ["reduction-order"] if workload.world_size > 1 else []
+    return max(changes, key=order.index, default="exact")
 
 
 def lower_bound_estimate(num_parameters: int) -> MemoryEstimate:

@@ -22,18 +22,18 @@ def plans_table(result: PlanResult) -> Table:
     title = (f"memfit plan — {request.model} {request.task}, {batch}, {request.num_gpus} × {request.gpu.name} "
              f"({format_bytes(request.gpu.memory_bytes)}, {request.margin:.0%} margin), objective {request.objective}")
     table = Table(title=title, title_justify="left")
-    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", "tok/s/GPU", "risk"):
-        table.add_column(column, justify="left" if column in ("techniques", "risk") else "right",
-                         min_width=24 if column == "techniques" else None)
+    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", "tok/s/GPU", "changes"):
+        table.add_column(column, justify="left" if column in ("techniques", "changes") else "right",
+                         min_width=26 if column == "techniques" else None, overflow="fold")
     for index in range(len(result.plans)):
         plan = result.plan_json(index)
-        risk = plan["accuracy_risk"]
+        changes = plan["training_change"]   # what it changes in training (memfit techniques explains each)
         if plan["ppl_increase"]:
-            risk += f" (ppl +{plan['ppl_increase']:.1%})"
+            changes += f" (ppl +{plan['ppl_increase']:.1%})"
         table.add_row(str(index + 1), " + ".join(plan["techniques"]), f"{plan['micro_batch']} × {plan['grad_accum']}",
                       format_bytes(plan["peak_bytes"], 1), format_bytes(plan["headroom_bytes"], 1),
                       format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else "",
-                      _seconds(plan["step_time_s"]), f"{plan['throughput']:,.0f}", risk)
+                      _seconds(plan["step_time_s"]), f"{plan['throughput']:,.0f}", changes)
     return table
 
 
@@ -52,6 +52,8 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         console.print(f"[dim]plan 1's step: {parts} (cost model: assumed constants, planner/cost.py); peak per GPU "
                       f"is the analytic tensor peak {format_bytes(best['tensor_peak_bytes'])} + the caching "
                       "allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
+        if result.tradeoff:
+            console.print(f"[dim]{result.tradeoff}[/dim]")
         for warning in result.warnings:
             console.print(f"[yellow]{warning}[/yellow]")
         if "usd_per_million_tokens" in best:

@@ -24,6 +24,15 @@ from memfit.specs.workload import Workload
 from memfit.steps.setup import StepSetup
 
 RISKS = ("lossless", "numerical", "lossy")
+# What a technique changes in training, least first: how a practitioner ranks them. The planner prefers the least
+# among plans of about the same speed (planner/planning.py).
+CHANGES = {
+    "exact": "trains exactly as without it",
+    "reduction-order": "sums in another order (different rounding, same arithmetic)",
+    "mixed-precision": "computes in half precision over float32 weights",
+    "reduced-precision": "keeps weights or optimizer states in fewer bits (no float32 master copy)",
+    "lossy": "changes what is trained or how much of it",
+}
 
 # What a technique can declare it is (`traits`), so that another can declare a rule against it without naming it:
 # a new sharding technique that declares "dtensor" meets every rule written against DTensor parameters.
@@ -72,6 +81,7 @@ class Technique:
     name: ClassVar[str]
     summary: ClassVar[str]
     risk: ClassVar[str]                  # lossless | numerical | lossy
+    changes: ClassVar[str | None] = None   # what it changes in training (CHANGES); None: from its risk
     stage: ClassVar[str]                 # its place in the canonical order (rules.ORDER)
     workload_field: ClassVar[str | None] = None   # "precision" / "optimizer": sets that Workload field
     # Step time relative to the same step without the technique: a cost-model figure (`assumed`)
@@ -176,6 +186,12 @@ class Technique:
         """Add the seconds this technique spends beside the compute (planner/cost.py `Step`: communication,
         offload copies, a host optimizer step)."""
 
+    @classmethod
+    def training_change(cls) -> str:
+        """What it changes in training (a key of CHANGES): its own `changes`, else what its risk implies (a
+        numerical technique sums in another order)."""
+        return cls.changes or {"lossless": "exact", "numerical": "reduction-order", "lossy": "lossy"}[cls.risk]
+
     def conflicts(self) -> Mapping[str, tuple[str, str]]:
         """This configuration's rules (`conflicts_with`, unless a parameter changes them)."""
         return self.conflicts_with
@@ -224,7 +240,7 @@ REGISTRY: dict[str, type[Technique]] = {}
 def register(cls: type[Technique]) -> type[Technique]:
     """Add a technique class to the registry (a decorator): from then on `-t NAME` parses to it, and the rules,
     the planner's search, the cost model and explain-oom's fixes ask it what it declares."""
-    assert cls.risk in RISKS and cls.name not in REGISTRY, cls
+    assert cls.risk in RISKS and cls.training_change() in CHANGES and cls.name not in REGISTRY, cls
     unknown = set(cls.traits) - set(TRAITS)
     assert not unknown, f"{cls.name} declares unknown traits {unknown}; add them to TRAITS with their meaning"
     REGISTRY[cls.name] = cls

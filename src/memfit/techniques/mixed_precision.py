@@ -47,6 +47,7 @@ class _Precision(Technique):
 class Fp16Mixed(_Precision):
     name = "fp16-mixed"
     risk = "numerical"
+    changes = "mixed-precision"
     summary = "fp16 autocast with dynamic loss scaling (GradScaler skips steps whose gradients overflow)"
     time_factor = 0.5
 
@@ -67,6 +68,7 @@ class Fp16Mixed(_Precision):
 class Bf16Mixed(_Precision):
     name = "bf16-mixed"
     risk = "numerical"
+    changes = "mixed-precision"
     summary = "bf16 autocast over fp32 weights (half activations, cached half copies of the weights)"
     time_factor = 0.5
     oom_fixes = ("bf16-mixed",)
@@ -81,6 +83,7 @@ class Bf16Mixed(_Precision):
 class PureBf16(_Precision):
     name = "bf16"
     risk = "numerical"
+    changes = "reduced-precision"
     summary = "weights, gradients and optimizer states in bfloat16 (no fp32 master copy)"
     time_factor = 0.5
     oom_fixes = ("bf16",)
@@ -101,6 +104,7 @@ class PureBf16(_Precision):
 class PureFp16(_Precision):
     name = "fp16"
     risk = "numerical"
+    changes = "reduced-precision"
     summary = "weights (and in training gradients and optimizer states) in float16: inference where bf16 is missing"
     time_factor = 0.5
 

@@ -91,6 +91,7 @@ class AdamW8bit(_Optimizer):
     trainer_optim = "adamw_bnb_8bit"
     optimizer_class = "bitsandbytes.optim.AdamW8bit"
     summary = "AdamW with block-wise 8-bit m and v (bitsandbytes): ~2 bytes of state per parameter"
+    changes = "reduced-precision"
     oom_fixes = ("adamw8bit",)
     conflicts_with = {
         "host-optimizer": ("the host optimizer keeps float32 states (DeepSpeed's CPU Adam does too); 8-bit states "
