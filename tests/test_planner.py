@@ -284,3 +284,18 @@ def test_a_model_that_fits_easily_keeps_float32_weights_and_states_and_the_faste
                                speed_margin=0.0), brief=True)
     assert fastest.plan_json(0)["training_change"] == "reduced-precision" and fastest.tradeoff is None
     assert fastest.plans[0].time.total_s < result.plans[0].time.total_s
+
+
+def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration(capsys, tmp_path):
+    """`memfit estimate --gpu` times any configuration with the planner's step-time model: plan 1's saved workload,
+    estimated again, has plan 1's step time and throughput."""
+    saved = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", "tiny-llama", "--gpu", "rtx-4090", "--seq-len", "256", "--global-batch", "8",
+                     "--top", "1", "--save", str(saved))
+    best = json.loads(saved.read_text())["plans"][0]
+    assert code == 0 and best["grad_accum"] == 1
+    code, out, _ = run(capsys, "estimate", "--plan", str(saved), "--method", "analytic", "--json")
+    timed = json.loads(out)
+    assert timed["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-4)
+    assert timed["tokens_per_second_per_gpu"] == pytest.approx(best["throughput"], rel=1e-3)
+    assert timed["time_source"] == "assumed" and set(timed["time_parts_s"]) >= {"compute", "optimizer"}

@@ -17,6 +17,7 @@ from memfit.core.errors import MemfitError
 from memfit.estimators import METHODS, estimate
 from memfit.estimators.effects import leave_one_out
 from memfit.estimators.sharding import zero_paper_table
+from memfit.planner.cost import timing
 from memfit.report.tables import print_estimate, workload_line
 
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         result = estimate(workload, method=args.method, gpu=gpu, **options)
     if workload.techniques or workload.precision != "fp32" or workload.optimizer != "adamw":
         result.extra["technique_savings"] = technique_savings(workload, result, gpu)
+    if gpu is not None:
+        result.extra.update(time_of(workload, result, gpu))
     if workload.engine == "deepspeed" or workload.world_size > 1:
         result.extra["zero_table"] = zero_paper_table(result.num_parameters, workload.world_size)
     if args.timeline:
@@ -59,6 +62,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_estimate(result, output_console())
     return 0
+
+
+def time_of(workload, result, gpu) -> dict:
+    """The step-time model's figures for this configuration (planner/cost.py), where it has one: a transformer
+    config's FLOPs (a custom module's are unknown) and memfit's own step."""
+    if not workload.source.is_hf or workload.step:
+        return {}
+    return timing(workload, result, gpu)
 
 
 def technique_savings(workload, result, gpu) -> list[dict]:

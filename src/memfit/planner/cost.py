@@ -249,3 +249,15 @@ def _inference_batch(step: Step) -> None:
         decode = max(memory_s, flops_s) * w.new_tokens
     step.work_s = prefill + decode
     step.parts.update(compute=(prefill + decode) * step.accum, communication=0.0, offload=0.0)
+
+
+def timing(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, cost: CostModel = ASSUMED) -> dict:
+    """The cost model's time for one fixed configuration (what `memfit estimate --gpu` reports beside the memory):
+    one optimizer step of the workload's batch on each rank (train), or the prefill and every decode step of its
+    batch (inference), and the tokens per second per GPU that makes (generated tokens when it decodes)."""
+    timed = step_time(workload, estimate, gpu, grad_accum=1, num_gpus=workload.world_size, cost=cost)
+    n = workload.world_size
+    replicas = workload.layout.layout_shape(n)[1] if workload.layout is not None else n   # each its own batch
+    tokens = workload.batch_size * (workload.new_tokens or workload.effective_seq_len) * replicas
+    return {"step_time_s": round(timed.total_s, 6), "tokens_per_second_per_gpu": round(tokens / timed.total_s / n, 3),
+            "time_parts_s": {k: round(v, 6) for k, v in timed.parts.items()}, "time_source": cost.source}
