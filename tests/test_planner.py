@@ -299,3 +299,11 @@ def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration
     assert timed["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-4)
     assert timed["tokens_per_second_per_gpu"] == pytest.approx(best["throughput"], rel=1e-3)
     assert timed["time_source"] == "assumed" and set(timed["time_parts_s"]) >= {"compute", "optimizer"}
+
+
+def test_a_vision_model_is_timed_too(capsys):
+    """A classifier has no vocabulary; the step-time model times it from its parameters and attention."""
+    code, out, _ = run(capsys, "estimate", "tiny-vit", "--task", "train", "--batch-size", "4", "--method", "analytic",
+                       "--gpu", "a10g", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["step_time_s"] > 0 and data["tokens_per_second_per_gpu"] > 0

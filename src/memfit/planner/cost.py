@@ -59,7 +59,7 @@ class ModelShape:
     layers: int
     hidden: int
     attn_width: int
-    vocab: int
+    vocab: int              # 0 for a classifier (a ViT's head is in its parameters)
     active_params: int
     causal: bool
 
@@ -75,7 +75,7 @@ class ModelShape:
             expert_params = workload.source.num_layers * experts * 3 * hidden * spec.intermediate
             active -= expert_params * (experts - spec.top_k) // experts
         layers = workload.source.num_layers + getattr(spec, "decoder_layers", 0)
-        return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=spec.vocab,
+        return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
                    active_params=active, causal=type(spec).__name__ in ("DecoderSpec", "GPT2Spec"))
 
     def forward_flops(self, batch: int, seq: int) -> float:
