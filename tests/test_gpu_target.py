@@ -15,6 +15,7 @@ from memfit.estimators import estimate
 from memfit.estimators.sdpa_backend import cuda_backend
 from memfit.specs.hardware import get_gpu
 from memfit.specs.model_source import catalog
+from memfit.specs.workload import Workload
 from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import rel
 
@@ -121,3 +122,16 @@ def test_fused_attention_outside_sdpa_runs_as_the_flash_kernel(attention, tmp_pa
             estimate(workload, method="analytic", gpu=get_gpu(gpu))
     run = measure(asked, estimates=("traced",))
     assert rel(run.extra["estimates"]["traced"]["peak_bytes"], run.peak_bytes) < 0.02
+
+
+def test_tensor_parallel_on_a_gpu_target_runs_the_for_loop_optimizer():
+    """Tensor parallel leaves the norms and embeddings plain beside DTensor weights; torch.optim's foreach kernels
+    (PyTorch's default on CUDA) take one kind and fail on them. The step runs the for-loop there, traced and analytic
+    agree on it, and an explicit foreach is refused with the way out."""
+    shape = dict(model="tiny-llama", task="train", batch_size=2, seq_len=64, precision="bf16", world_size=2,
+                 techniques=("tensor-parallel",))
+    traced = estimate(Workload(**shape), method="traced", gpu=get_gpu("h100"))
+    analytic = estimate(Workload(**shape), method="analytic", gpu=get_gpu("h100"))
+    assert abs(traced.peak_bytes - analytic.peak_bytes) <= 0.01 * analytic.peak_bytes
+    with pytest.raises(MemfitError, match="--optimizer-impl for-loop"):
+        estimate(Workload(**shape, optimizer_impl="foreach"), method="analytic", gpu=get_gpu("h100"))

@@ -196,9 +196,13 @@ def rank(plans: list[Evaluated], objective: str, speed_margin: float = 0.0) -> l
         return sorted(plans, key=lambda p: (p.time.total_s / fastest) * (p.device_bytes / smallest))
     near = min((p.time.total_s for p in plans), default=0.0) * (1 + speed_margin)
     changes = list(CHANGES)
-    return sorted(plans, key=lambda p: (p.time.total_s > near, changes.index(p.change), len(p.techniques),
-                                        p.time.total_s, p.device_bytes) if p.time.total_s <= near
-                  else (True, 0, 0, p.time.total_s, p.device_bytes))
+
+    def key(p: Evaluated) -> tuple:
+        if p.time.total_s > near:
+            return 1, 0, 0, p.time.total_s, p.device_bytes
+        return 0, changes.index(p.change), len(p.techniques), p.time.total_s, p.device_bytes
+
+    return sorted(plans, key=key)
 
 
 def tradeoff(ordered: list[Evaluated], request: PlanRequest) -> str | None:

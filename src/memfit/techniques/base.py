@@ -87,6 +87,9 @@ class Technique:
     # Step time relative to the same step without the technique: a cost-model figure (`assumed`)
     # until benchmarks/technique_table.py measures it.
     time_factor: ClassVar[float] = 1.0
+    # The torch.optim implementation the step must run with it when the workload names none (PyTorch's default
+    # would fail), e.g. "for-loop"; None: no constraint
+    needs_optimizer_impl: ClassVar[str | None] = None
     # What the technique is (keys of TRAITS), for other techniques' rules and the code that asks
     traits: ClassVar[frozenset[str]] = frozenset()
     # Rules: a technique name or a trait -> (reason, fix) why this technique does not work with it; "{other}" in

@@ -25,7 +25,8 @@ def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: s
     precision and optimizer too, where they are techniques). `default_impl`: the optimizer's implementation
     where the workload names none (None: PyTorch's default on this device)."""
     setup = StepSetup(model=model, precision=get_precision(workload.precision), device_type=device_type,
-                      optimizer_name=workload.optimizer, optimizer_impl=workload.optimizer_impl or default_impl,
+                      optimizer_name=workload.optimizer,
+                      optimizer_impl=workload.required_optimizer_impl or default_impl,
                       autocast_fn=autocast, shard_optimizer=workload.zero_stage == 1)
     for technique in ordered(workload.field_techniques + list(workload.technique_configs)):
         technique.apply_(setup)

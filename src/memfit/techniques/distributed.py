@@ -278,6 +278,9 @@ class TensorParallel(LayoutTechnique):
     traits = frozenset({"layout", "dtensor", "shards-weights", "splits-linears"})
     risk = "numerical"      # each rank sums a part of every row-parallel matmul; the all-reduce adds them
     summary = "Megatron-style tensor parallel (DTensor): attention heads and MLP channels split over the ranks"
+    # the norms and embeddings stay plain tensors beside the DTensor weights, and torch.optim's foreach and fused
+    # kernels take a list of one kind (PyTorch's foreach default on CUDA fails on it)
+    needs_optimizer_impl = "for-loop"
 
     @classmethod
     def search_values(cls, request, workload):
@@ -310,6 +313,10 @@ class TensorParallel(LayoutTechnique):
 
     def check(self, workload) -> None:
         check_split_over_ranks(self.name, workload, "the q/k/v/o and gate/up/down projections")
+        if workload.optimizer_impl in ("foreach", "fused"):
+            raise MemfitError(f"-t {self.name} leaves the norms and embeddings plain tensors beside DTensor weights, "
+                              f"and --optimizer-impl {workload.optimizer_impl} takes a list of one kind; use "
+                              "--optimizer-impl for-loop.")
         config = workload.source.config()
         heads, intermediate = config.num_attention_heads, config.intermediate_size
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -19,7 +19,7 @@ from memfit.core.errors import MemfitError, closest
 from memfit.core.precision import get_precision, precision_names
 from memfit.specs.model_source import ModelSource, resolve_source
 from memfit.specs.workload import DEFAULT_SEQ_LEN, Workload
-from memfit.steps.optim import TORCH_OPTIMIZER_IMPLS, TORCH_OPTIMIZERS
+from memfit.steps.optim import TORCH_OPTIMIZER_IMPLS, TORCH_OPTIMIZERS, device_default_impl
 from memfit.steps.user_step import check_user_step
 from memfit.techniques.base import REGISTRY, Technique, parse_technique
 from memfit.techniques.rules import check_rules, ordered, parse_all
@@ -52,6 +52,17 @@ class ResolvedWorkload(Workload):
     def field_techniques(self) -> list[Technique]:
         """The workload's precision and optimizer as technique configs, where they are techniques."""
         return [REGISTRY[value]() for value in (self.precision, self.optimizer) if value in REGISTRY]
+
+    @property
+    def required_optimizer_impl(self) -> str | None:
+        """The torch.optim implementation given, else the one a technique needs; None: PyTorch's default."""
+        needed = (t.needs_optimizer_impl for t in self.technique_configs if t.needs_optimizer_impl)
+        return self.optimizer_impl or next(needed, None)
+
+    def optimizer_impl_on(self, on_cuda: bool) -> str:
+        """The implementation the step runs: the required one, else PyTorch's default on the device (foreach on
+        CUDA, the for-loop elsewhere)."""
+        return self.required_optimizer_impl or device_default_impl(on_cuda)
 
     def with_trait(self, trait: str) -> Technique | None:
         """The first technique (in the canonical order) that declares `trait`, or None."""

@@ -12,7 +12,6 @@ from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
 from memfit.estimators.analytic.simulate import engine_dtype, one_process_host_optimizer
-from memfit.steps.optim import device_default_impl
 from memfit.techniques.resolve import ResolvedWorkload
 
 
@@ -34,7 +33,7 @@ def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
     held += create_states(e, workload)
     persistent = e.total
     e.set_phase("optimizer")
-    step_temporaries(e, workload, workload.optimizer_impl or device_default_impl(False))
+    step_temporaries(e, workload, workload.optimizer_impl_on(False))
     if one_process and model_dtype != "float32" and trainable:
         cast = e.new(max(p.numel for p in trainable), model_dtype)
         del cast

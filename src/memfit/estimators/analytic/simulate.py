@@ -19,7 +19,6 @@ from memfit.estimators.analytic.program import Program, Windows
 from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES
 from memfit.estimators.sharding import effective_zero_stage
 from memfit.specs.hardware import GPU
-from memfit.steps.optim import device_default_impl
 from memfit.techniques.resolve import ResolvedWorkload
 
 
@@ -119,7 +118,7 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
         technique.analytic_buffers(program)
     if not one_process_host_optimizer(workload) and not deepspeed:   # DeepSpeed's states: host.deepspeed_states
         e.keep += create_states(e, workload)
-    impl = workload.optimizer_impl or device_default_impl(gpu is not None)
+    impl = workload.optimizer_impl_on(gpu is not None)
     in_backward = workload.with_trait("steps-in-backward") is not None
     if in_backward:
         step_in_backward(e, workload, impl)
