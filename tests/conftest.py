@@ -70,5 +70,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def host_predicted_as_measured(run) -> None:
+    """A measured run's host RAM as its estimates predicted it: traced within 3 %, analytic within 10 %."""
+    for method, tolerance in (("traced", 0.03), ("analytic", 0.10)):
+        assert rel(run.extra["estimates"][method]["host_bytes"], run.host_bytes) < tolerance, method
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1)

@@ -89,7 +89,7 @@ def test_gpt3_model_states_corrected():
 
 
 def test_deepspeed_engine_counts_its_states_and_bucket():
-    """DeepSpeed's states per rank (measured against real runs in test_techniques): half weights (stage 3:
+    """DeepSpeed's states per rank (measured against real runs in test_ranks): half weights (stage 3:
     a partition), 12 bytes of float32 masters and moments / N, a float32 gradient partition and the 1 GB
     default reduction bucket."""
     base = dict(model="llama-2-7b", batch_size=1, seq_len=512, precision="bf16-mixed", engine="deepspeed",

@@ -77,6 +77,10 @@ def request_from(args: argparse.Namespace, instance: Instance | None = None) -> 
         speed_margin=parse_fraction(args.speed_margin, "--speed-margin"), top=args.top, instance=instance)
 
 
+def on_any_instance(args: argparse.Namespace) -> bool:
+    return args.instance is not None and args.instance.strip().lower() == "any"
+
+
 def instances_of(args: argparse.Namespace) -> list[Instance]:
     """The machines --instance names (all for `any`), priced as --price says."""
     overrides = dict(parse_price(text) for text in args.price)
@@ -84,7 +88,7 @@ def instances_of(args: argparse.Namespace) -> list[Instance]:
         if overrides:
             raise MemfitError("--price sets an instance's price; add --instance NAME or --instance any.")
         return []
-    if args.instance.strip().lower() == "any":
+    if on_any_instance(args):
         if args.gpu or args.gpus:
             raise MemfitError("--instance any plans one machine of each type in `memfit instances`, with its own "
                               "GPUs; drop --gpu/--gpus (or plan one machine type with --instance NAME --gpus N).")
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.plot, (".png", ".svg", ".pdf"), "--plot")
     check_output_path(args.save, (".json",), "--save")
     instances = instances_of(args)
-    if len(instances) > 1:
+    if on_any_instance(args):
         return run_on_instances(args, instances)
     request = request_from(args, instances[0] if instances else None)
     status = Console(stderr=True).status(f"planning {request.model} ...")
@@ -116,8 +120,7 @@ def run(args: argparse.Namespace) -> int:
             print(text)
         return 0
     if args.save:
-        with open(args.save, "w") as fh:
-            json.dump(data, fh, indent=2)
+        save_json(args.save, data)
     if args.plot and result.feasible:
         write_pareto_plot(result, args.plot)
     if args.json:
@@ -144,10 +147,14 @@ def run_on_instances(args: argparse.Namespace, instances: list[Instance]) -> int
         ranking = plan_on_instances(lambda instance: request_from(args, instance), instances, progress=status.update)
     data = ranking.to_json()
     if args.save:
-        with open(args.save, "w") as fh:
-            json.dump(data, fh, indent=2)
+        save_json(args.save, data)
     if args.json:
         print_json(data)
         return 0
     print_instance_ranking(ranking, output_console())
     return 0
+
+
+def save_json(path: str, data: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2)

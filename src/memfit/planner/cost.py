@@ -35,7 +35,7 @@ HBM_EFFICIENCY = 0.75      # fraction of the data-sheet memory bandwidth streami
 LINK_EFFICIENCY = 0.8      # fraction of the data-sheet link bandwidth collectives and copies reach (assumed)
 HOST_STEP_GBPS = 100.0     # host memory traffic of a CPU optimizer step, per node (assumed)
 NETWORK_GBPS = 50.0        # per GPU between nodes: 400 Gb/s InfiniBand (assumed)
-GPUS_PER_NODE = 8
+GPUS_PER_NODE = 8          # GPUs share a node's host RAM and NVLink up to this many
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 
 from memfit.core.errors import MemfitError
+from memfit.planner.cost import GPUS_PER_NODE
 from memfit.techniques.base import Export
 from memfit.techniques.resolve import all_techniques
 
 EXPORTS = ("hf-trainer", "deepspeed", "torchrun")
-GPUS_PER_NODE = 8
 APPLY = "apply it to the model first: memfit.apply_(model, optimizer, [{spec!r}])"
 # torch.optim's optimizers (not techniques) by memfit name and implementation -> TrainingArguments.optim
 TRAINER_OPTIM = {("adamw", "fused"): "adamw_torch_fused", ("adamw", None): "adamw_torch",

@@ -10,8 +10,8 @@ from memfit.core.units import format_bytes
 from memfit.estimators.analytic import count_parameters
 from memfit.estimators.effects import describe, measured_accuracy
 from memfit.estimators.traced import traced_estimate
-from memfit.planner.cost import step_time
-from memfit.planner.request import GPUS_PER_NODE, PlanRequest
+from memfit.planner.cost import GPUS_PER_NODE, step_time
+from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, change_of, estimate_for, lower_bound_estimate, risk_of
 from memfit.specs.instances import usual_host_ram
@@ -213,7 +213,8 @@ def tradeoff(ordered: list[Evaluated], request: PlanRequest) -> str | None:
     if fastest.change == best.change:
         return None
     gain = best.time.total_s / fastest.time.total_s - 1
-    which = f"plan {ordered.index(fastest) + 1}" if ordered.index(fastest) < request.top else "the fastest plan"
+    position = ordered.index(fastest)
+    which = f"plan {position + 1}" if position < request.top else "the fastest plan"
     return (f"plan 1 changes training least among the plans within {request.speed_margin:.0%} of the fastest (it "
             f"{CHANGES[best.change]}); {which}, {' + '.join(fastest.techniques)}, would be {gain:.1%} faster and "
             f"{CHANGES[fastest.change]}")

@@ -7,14 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError, closest, require_positive_int
-from memfit.planner.cost import ASSUMED, CostModel
+from memfit.planner.cost import ASSUMED, GPUS_PER_NODE, CostModel
 from memfit.specs.hardware import GPU
 from memfit.specs.instances import Instance
 from memfit.specs.workload import TASKS
 
 OBJECTIVES = ("fastest", "smallest", "balanced")
 ALLOW = ("lossless", "lossy")
-GPUS_PER_NODE = 8                 # GPUs share a node's host RAM and NVLink up to this many
 DEFAULT_MARGIN = 0.05             # headroom kept free beyond the modelled overheads
 # Plans this close to the fastest count as fast as it (objective fastest): the one that changes training least
 # wins. The step-time model's constants are assumed, not yet compared with a GPU run: differences below this are

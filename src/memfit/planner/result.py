@@ -78,7 +78,7 @@ def instance_price(request: PlanRequest, throughput_per_gpu: float) -> dict:
     instance = request.instance
     return {"instance": instance.name, "usd_per_hour": usd,
             "usd_per_million_tokens": float(f"{usd / tokens_per_hour * 1e6:.4g}") if usd and tokens_per_hour else None,
-            "price": {"kind": "on-demand list price", "date": instance.price_date, "source": instance.price_source}}
+            "price": instance.price_json()}
 
 
 def load_plan(path: str, index: int = 0) -> tuple[Workload, GPU]:

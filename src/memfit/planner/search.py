@@ -22,8 +22,8 @@ from memfit.core.categories import zero_categories
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.planner.cost import StepTime
-from memfit.planner.request import GPUS_PER_NODE, PlanRequest
+from memfit.planner.cost import GPUS_PER_NODE, StepTime
+from memfit.planner.request import PlanRequest
 from memfit.planner.space import Candidate, allocator_options, candidates
 from memfit.specs.workload import Workload
 from memfit.techniques.base import CHANGES, RISKS, parse_technique

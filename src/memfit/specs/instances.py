@@ -32,12 +32,15 @@ class Instance:
     price_region: str | None
     note: str = ""
 
+    def price_json(self) -> dict:
+        return {"kind": "on-demand list price", "date": self.price_date, "source": self.price_source,
+                "region": self.price_region}
+
     def to_json(self) -> dict:
         return {"name": self.name, "provider": self.provider, "gpu": self.gpu.name, "gpus": self.gpus,
                 "host_ram_bytes": self.host_ram_bytes, "local_nvme_bytes": self.local_nvme_bytes,
                 "gpu_link": self.gpu_link, "network_gbps": self.network_gbps, "usd_per_hour": self.usd_per_hour,
-                "price": {"kind": "on-demand list price", "date": self.price_date, "source": self.price_source,
-                          "region": self.price_region}, "note": self.note}
+                "price": self.price_json(), "note": self.note}
 
 
 @lru_cache(maxsize=1)

@@ -26,6 +26,7 @@ PREFIX = "live:"
 _objects: dict[str, Any] = {}
 _count = itertools.count()
 
+
 def is_live(spec: str | None) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 

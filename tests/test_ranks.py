@@ -1,0 +1,135 @@
+"""Every layout over two real ranks (torchrun, gloo): ddp, ZeRO-1, fsdp2 (and its variants), tensor and pipeline
+parallel, DeepSpeed's ZeRO stages — the per-rank peak against both estimates, and the results against one process."""
+import pytest
+
+from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET
+from memfit.techniques.resolve import ResolvedWorkload
+from tests.conftest import SHAPE, host_predicted_as_measured, predicted, rel
+
+DATA_PARALLEL = [
+    (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0),
+    (("fsdp2:mp=autocast", "checkpointing", "bf16-mixed"), 0), (("fsdp2:reshard=false",), 0),
+    (("fsdp2", "cpu-offload"), 0), (("ddp",), 0), (("ddp", "checkpointing", "bf16-mixed"), 0), ((), 1),
+    (("tensor-parallel",), 0), (("tensor-parallel", "checkpointing", "bf16-mixed"), 0),
+    (("pipeline-parallel",), 0),
+    (("pipeline-parallel:schedule=gpipe,microbatches=4", "checkpointing", "bf16-mixed"), 0)]
+SAME_RESULTS = [(("ddp",), 0), ((), 1), (("fsdp2",), 0), (("fsdp2", "cpu-offload"), 0), (("tensor-parallel",), 0),
+                (("pipeline-parallel",), 0)]
+# FSDP2's root group (tiny-llama's embeddings, final norm and LM head) gathered in float32. A real run on gloo
+# frees its all-gather output at the copy-out, as the trace does, or in some runs not before the root's
+# post-backward (8 MiB above the trace; what holds it was not pinned down): either is accepted.
+FSDP2_ROOT_GROUP_BYTES = (2 * 4096 * 256 + 256) * 4
+DEEPSPEED = {**SHAPE, "world_size": 2, "engine": "deepspeed", "precision": "bf16-mixed"}
+DEEPSPEED_CASES = [(1, ()), (2, ()), (3, ()), (2, ("cpu-offload",)), (3, ("cpu-offload",)), (2, ("checkpointing",))]
+
+
+def _ranks_workload(techniques, zero):
+    return ResolvedWorkload(**SHAPE, world_size=2, zero_stage=zero, techniques=techniques)
+
+
+def _deepspeed_workload(zero, techniques, reduce_bucket=1_000_000):
+    return ResolvedWorkload(**DEEPSPEED, zero_stage=zero, reduce_bucket=reduce_bucket, techniques=techniques)
+
+
+def _same_results_workload(techniques, zero):
+    return ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=192, world_size=2,
+                            zero_stage=zero, techniques=techniques)
+
+
+@pytest.fixture(scope="session")
+def on_ranks():
+    """Every 2-rank run of this module, made in three torchrun launches (starting the ranks costs more than a
+    tiny model's step): the measured steps with both estimates beside them, DeepSpeed's with the analytic one
+    (there is no trace of DeepSpeed's engine), and the short training runs."""
+    from memfit.measurement import measure_many
+    from memfit.measurement.ranks import train_ranks_many
+
+    pytorch = {case: _ranks_workload(*case) for case in DATA_PARALLEL}
+    deepspeed = {case: _deepspeed_workload(*case) for case in DEEPSPEED_CASES}
+    deepspeed["default bucket", ()] = _deepspeed_workload(2, (), reduce_bucket=DEEPSPEED_REDUCE_BUCKET)
+    trained = {case: _same_results_workload(*case) for case in SAME_RESULTS}
+    trained["deepspeed", ()] = ResolvedWorkload(**{**DEEPSPEED, "seq_len": 192}, zero_stage=2,
+                                                reduce_bucket=1_000_000)
+    runs = dict(zip(pytorch, measure_many(list(pytorch.values()), estimates=("traced", "analytic"))))
+    runs |= dict(zip(deepspeed, measure_many(list(deepspeed.values()), estimates=("analytic",))))
+    losses_by_case = dict(zip(trained, train_ranks_many(list(trained.values()), steps=5, lr=1e-3)))
+    return runs, losses_by_case
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("techniques,zero", DATA_PARALLEL)
+def test_data_parallel_on_two_real_ranks(techniques, zero, measured, on_ranks):
+    """torchrun starts 2 gloo ranks; each rank's peak against rank 0's trace (fake process group) and the
+    analytic model: FSDP2's shards, all-gathers and reduce-scatters (and CPUOffloadPolicy's host shards);
+    DDP's buckets, rebuilt in the second step (with --zero 1, ZeroRedundancyOptimizer's share of the
+    states); tensor parallel's split heads and MLP channels."""
+    run = on_ranks[0][techniques, zero]
+    sharded = bool(techniques) and techniques[0].partition(":")[0] in ("fsdp2", "tensor-parallel", "pipeline-parallel")
+    single = measured(techniques[1:] if sharded or techniques[:1] == ("ddp",) else techniques)
+    assert len(run.extra["rank_peak_bytes"]) == 2
+    traced = predicted(run, "traced")
+    # the outcomes a real run can take (limits.md): FSDP2 may free its root all-gather late; DDP's second step
+    # may let go of the old bucket set (held by gloo's work) before it peaks
+    late_free = FSDP2_ROOT_GROUP_BYTES if techniques[:1] and techniques[0].startswith("fsdp2") else 0
+    ddp = techniques[:1] == ("ddp",) or zero
+    old_buckets = run.extra["estimates"]["traced"]["model_state_bytes"]["parameters"] if ddp else 0
+    assert (traced - old_buckets) * 0.97 <= run.peak_bytes <= (traced + late_free) * 1.03, (traced, run.peak_bytes)
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    if sharded:
+        assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
+    else:
+        assert run.peak_bytes > single.peak_bytes, "DDP adds its gradient buckets to a whole model per rank"
+    if "cpu-offload" in techniques:
+        assert run.host_bytes > 0
+        host_predicted_as_measured(run)
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("techniques,zero", SAME_RESULTS)
+def test_data_parallel_results_equal_one_process(techniques, zero, losses, on_ranks):
+    """Every rank trains on the same batches, so the averaged gradients are one process's: the losses
+    agree within numerics (the all-reduce sums in another order), on both ranks."""
+    ranks, base = on_ranks[1][techniques, zero], losses(())
+    for got in ranks:
+        assert rel(got[0], base[0]) < 1e-3 and all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
+    assert rel(ranks[0][-1], ranks[1][-1]) < 1e-4 and ranks[0][-1] < ranks[0][0] - 0.1
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("zero,techniques", DEEPSPEED_CASES)
+def test_deepspeed_engine_on_two_real_ranks(zero, techniques, on_ranks):
+    """DeepSpeed's ZeRO optimizers (and ZeRO-Offload) run on 2 gloo ranks; the analytic model of its states
+    and buffers against the measured peak, and the host RAM offload needs. A 1M-element reduction bucket
+    (2 MB) keeps the bucket from dominating the peak (see the default-bucket test)."""
+    run = on_ranks[0][zero, techniques]
+    assert len(run.extra["rank_peak_bytes"]) == 2
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    if "cpu-offload" in techniques:    # float32 masters, moments and gradients: 16 bytes per parameter / N
+        assert run.host_bytes >= 16 * run.num_parameters // 2
+        assert rel(run.extra["estimates"]["analytic"]["host_bytes"], run.host_bytes) < 0.10
+    else:
+        assert run.host_bytes == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("ranks")
+def test_deepspeed_default_bucket_is_a_gigabyte_per_rank(on_ranks):
+    """DeepSpeed's default reduce_bucket_size (5e8 elements) is a 1 GB half-precision buffer on every rank,
+    ten times this model's whole step: memfit predicts it (and --reduce-bucket sizes it)."""
+    run = on_ranks[0]["default bucket", ()]
+    assert run.peak_bytes > 1e9
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.03
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("ranks")
+def test_deepspeed_results_match_one_process(losses, on_ranks):
+    """DeepSpeed trains the bf16 weights from float32 masters: the same batches give one float32 process's
+    losses within bf16 numerics, on both ranks."""
+    ranks, base = on_ranks[1]["deepspeed", ()], losses(())
+    for got in ranks:
+        assert all(rel(a, b) < 0.02 for a, b in zip(got, base)), (got, base)
+    assert ranks[0] == ranks[1] and ranks[0][-1] < ranks[0][0] - 1
