@@ -1,6 +1,7 @@
 """`plan`: search, cost, rank, and say why when nothing fits."""
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -244,9 +245,10 @@ def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> Non
 
 
 def _require_analytic(request: PlanRequest) -> None:
-    workload = resolve(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
-                                new_tokens=request.new_tokens))
-    if not workload.source.is_hf:
+    factory = ":" in request.model and not os.path.exists(request.model)   # module:function or path/file.py:function
+    is_hf = not factory and resolve(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
+                                             new_tokens=request.new_tokens)).source.is_hf
+    if not is_hf:
         raise MemfitError(f"memfit plan sizes thousands of configurations with the analytic estimator, which needs "
                           f"a transformer config; {request.model!r} is a custom module: try techniques on it with "
                           "`memfit estimate ... -t NAME` (traced).")
