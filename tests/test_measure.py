@@ -142,10 +142,15 @@ def test_an_optimizer_implementation_it_cannot_run_is_refused(flags, message):
 @pytest.mark.parametrize("task,new_tokens", [("train", 0), ("inference", 4)])
 def test_pure_fp16_runs_and_is_predicted(task, new_tokens):
     """--precision fp16: float16 weights (half of float32's bytes), no autocast, no master copy; training says it
-    has no loss scaler."""
+    has no loss scaler. Within 1 %, or under by no more than the run's kernel scratch that no tensor accounts for:
+    oneDNN reorders inside float16 matrix products, which depend on the CPU's instruction set (about 250 KB at
+    the prefill's peak on an AMX CPU, none elsewhere) and are not modelled (estimators/kernel_probe.py)."""
     shape = dict(model="tiny-llama", task=task, batch_size=2, seq_len=64, new_tokens=new_tokens)
     half, full = measure(ResolvedWorkload(**shape, precision="fp16")), measure(ResolvedWorkload(**shape))
-    assert all(abs(ratio - 1) < 0.01 for ratio in half.extra["ratios"].values()), half.extra["ratios"]
+    slack = 0.01 * half.peak_bytes
+    for estimate in half.extra["estimates"].values():
+        under = half.peak_bytes - estimate["peak_bytes"]
+        assert -slack < under < slack + half.extra["untracked_bytes"], (half.extra["ratios"], half.extra)
     assert half.model_state_bytes["parameters"] * 2 == full.model_state_bytes["parameters"]
     notes = " ".join(half.extra["estimates"]["traced"]["notes"])
     assert ("no loss scaler" in notes) == (task == "train")

@@ -10,7 +10,7 @@ from memfit.core.units import GiB, TiB
 from memfit.estimators.analytic import analytic_estimate, regions_of, simulate
 from memfit.estimators.extrapolate import peak_of
 from memfit.planner import PlanRequest, load_plan, plan
-from memfit.planner.export import deepspeed_config, hf_trainer_arguments
+from memfit.planner.export import accelerate_config, deepspeed_config, hf_trainer_arguments, lightning_arguments
 from memfit.planner.search import device_bytes
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -78,7 +78,7 @@ def test_70b_full_finetune_on_one_24gb_gpu_without_offload_is_refused_with_the_r
 def test_offload_plans_respect_host_ram():
     request = PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=8,
                           host_ram_bytes=1 * TiB)
-    generous = plan(request)
+    generous = plan(request, brief=True)
     assert generous.feasible and generous.plans[0].host_ram_bytes > 64 * GiB   # the GPU alone cannot hold it
     # with 64 GiB the offload plans do not fit the host, and nothing fits the card without offload
     tight = plan(PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=8,
@@ -252,6 +252,49 @@ def test_a_plan_exported_for_deepspeed_passes_its_config_validation(monkeypatch)
     assert (checked.zero_optimization_stage, checked.train_batch_size) == (3, 32)
     assert checked.zero_config.offload_optimizer.device == "cpu"
     assert [n["setting"] for n in config["memfit"]["not_expressed"]] == ["checkpointing"]
+
+
+def test_a_plan_exported_for_accelerate_is_read_by_its_config_loader(tmp_path):
+    """accelerate's own loader reads the YAML: FSDP2 over two nodes (offload and checkpointing in its fsdp_config),
+    and ZeRO-Offload through DeepSpeed on one GPU; what it cannot say is a comment, not dropped."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    plan = SimpleNamespace(micro_batch=4, grad_accum=2)
+    sharded = ResolvedWorkload(model="tiny-llama", batch_size=4, seq_len=128, precision="bf16-mixed", world_size=16,
+                               techniques=("fsdp2", "cpu-offload", "checkpointing", "lora"))
+    offloaded = ResolvedWorkload(model="tiny-llama", batch_size=4, seq_len=128, precision="bf16-mixed",
+                                 techniques=("cpu-offload",))
+    loaded = []
+    for name, workload in (("sharded", sharded), ("offloaded", offloaded)):
+        text = accelerate_config(plan, workload)
+        (tmp_path / f"{name}.yaml").write_text(text)
+        loaded.append((text, load_config_from_file(str(tmp_path / f"{name}.yaml"))))
+    (text, fsdp), (_, deepspeed) = loaded
+    assert (fsdp.distributed_type, fsdp.num_processes, fsdp.num_machines, fsdp.mixed_precision) == ("FSDP", 16, 2,
+                                                                                                     "bf16")
+    assert fsdp.fsdp_config == {"fsdp_version": 2, "fsdp_reshard_after_forward": True,
+                                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_offload_params": True,
+                                "fsdp_activation_checkpointing": True}
+    assert "# not expressed: lora: apply it to the model first" in text and "gradient accumulation 2" in text
+    assert deepspeed.distributed_type == "DEEPSPEED" and deepspeed.num_processes == 1
+    assert deepspeed.deepspeed_config == {"zero_stage": 1, "offload_optimizer_device": "cpu",
+                                          "gradient_accumulation_steps": 2}
+
+
+def test_a_plan_exported_for_lightning_builds_its_trainer():
+    """Lightning's Trainer takes the arguments; the plan's accelerator ("gpu") is overridden to "cpu" here, as this
+    machine has no GPU (the devices, strategy, precision and accumulation are the plan's)."""
+    L = pytest.importorskip("lightning.pytorch")
+
+    plan = SimpleNamespace(micro_batch=4, grad_accum=8)
+    workload = ResolvedWorkload(model="tiny-llama", batch_size=4, seq_len=128, precision="bf16", world_size=2,
+                                techniques=("ddp", "checkpointing", "adamw8bit"))
+    out = lightning_arguments(plan, workload)
+    assert out["trainer_arguments"]["accelerator"] == "gpu" and out["batch_size"] == 4
+    trainer = L.Trainer(**{**out["trainer_arguments"], "accelerator": "cpu"}, logger=False)
+    assert (trainer.num_devices, trainer.accumulate_grad_batches, trainer.precision) == (2, 8, "bf16-true")
+    assert type(trainer.strategy).__name__ == "DDPStrategy"
+    assert [n["setting"] for n in out["not_expressed"]] == ["adamw8bit", "checkpointing"]
 
 
 def test_torchtunes_8b_full_fine_tune_on_a_4090_with_64_gib_of_host_ram():

@@ -9,7 +9,7 @@ from tests.conftest import SHAPE, host_predicted_as_measured, predicted, rel
 DATA_PARALLEL = [
     (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0),
     (("fsdp2:mp=autocast", "checkpointing", "bf16-mixed"), 0), (("fsdp2:reshard=false",), 0),
-    (("fsdp2", "cpu-offload"), 0), (("ddp",), 0), (("ddp", "checkpointing", "bf16-mixed"), 0), ((), 1),
+    (("fsdp2", "cpu-offload"), 0), (("ddp",), 0), ((), 1),
     (("tensor-parallel",), 0), (("tensor-parallel", "checkpointing", "bf16-mixed"), 0),
     (("pipeline-parallel",), 0),
     (("pipeline-parallel:schedule=gpipe,microbatches=4", "checkpointing", "bf16-mixed"), 0)]

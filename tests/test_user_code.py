@@ -315,3 +315,25 @@ def test_what_a_live_model_cannot_do_is_said(user_folder):
         memfit.estimate(model, batch[:, :0])
     with pytest.raises(MemfitError, match="a Workload carries its batch shape"):
         memfit.estimate(_workload(batch_size=2, seq_len=16), batch)
+    with pytest.raises(MemfitError, match="never runs a live model or optimizer"):
+        measure(model, batch)
+    with pytest.raises(MemfitError, match=r"has none \(no `model.config`\)"):
+        memfit.plan(model, batch, gpu="rtx-4090")
+
+
+def test_a_live_transformers_model_is_planned_from_its_config():
+    """memfit.plan(model, batch, gpu=...): the model's own config, the batch's shape; the same plans as its
+    config.json named on the command line."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memfit.specs.model_source import catalog
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**catalog()["tiny-llama"]["hf_config"]))
+    live = memfit.plan(model, torch.zeros(8, 128, dtype=torch.long, device="meta"), gpu="rtx-4090", top=2)
+    named = memfit.plan(memfit.PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=128, global_batch=8,
+                                           top=2))
+    assert [p["techniques"] for p in live.to_json()["plans"]] == [p["techniques"] for p in named.to_json()["plans"]]
+    assert [p["peak_bytes"] for p in live.to_json()["plans"]] == [p["peak_bytes"] for p in named.to_json()["plans"]]
+    with pytest.raises(MemfitError, match="a PlanRequest carries its GPU"):
+        memfit.plan(memfit.PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090")), gpu="rtx-4090")

@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema memfit.plan/1)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plans (for estimate/measure --plan)")
     parser.add_argument("--export", choices=EXPORTS, help="plan 1 for the tool that runs it: TrainingArguments "
-                        "keyword arguments (hf-trainer), a DeepSpeed config (deepspeed) or the torchrun launch line")
+                        "keyword arguments (hf-trainer), a DeepSpeed config (deepspeed), an accelerate config file "
+                        "(accelerate), Lightning Trainer arguments (lightning) or the torchrun launch line")
     parser.add_argument("--out", metavar="FILE", help="with --export: write it to FILE instead of printing it")
     parser.add_argument("--plot", metavar="FILE.png", help="the memory/time Pareto frontier (.png/.svg/.pdf)")
     parser.add_argument("--verify", choices=("traced",), help="re-check the chosen plans with the traced estimator")

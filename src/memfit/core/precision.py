@@ -39,6 +39,11 @@ def precision_of_dtype(dtype: torch.dtype) -> Precision:
                 PRECISIONS["fp32"])
 
 
+def autocast_precision(dtype: torch.dtype) -> Precision:
+    """The precision that runs autocast to `dtype` over float32 weights (a framework's mixed-precision flag)."""
+    return next(p for p in PRECISIONS.values() if p.autocast_dtype == dtype and p.param_dtype == torch.float32)
+
+
 def get_precision(name: str) -> Precision:
     try:
         return PRECISIONS[name]

@@ -26,7 +26,8 @@ def run_job(job: dict) -> dict:
         return measure_run(workload, device="cpu").to_json()
     batches = text_batches(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
                            num_batches=job["steps"])
-    return {"losses": train_run(workload, batches, lr=job["lr"]).losses}
+    run = train_run(workload, batches, lr=job["lr"])
+    return {"losses": run.losses, "step_seconds": run.step_seconds}
 
 
 def rank_main(out: str) -> None:

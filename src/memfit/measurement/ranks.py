@@ -46,8 +46,12 @@ def measure_ranks_many(workloads: Sequence[Workload]) -> list[MemoryEstimate]:
 def train_ranks_many(workloads: Sequence[Workload], *, steps: int, lr: float | None = None) -> list[list[list[float]]]:
     """Train each workload on `world_size` real ranks for `steps` steps of the bundled text, every rank on the
     same batches (so the result is comparable with one process): each workload's losses on each rank."""
-    jobs = [(w, {"job": "train", "steps": steps, "lr": lr}) for w in workloads]
-    return [[r["losses"] for r in per_rank] for per_rank in _run_jobs(jobs)]
+    return [[r["losses"] for r in per_rank] for per_rank in train_ranks_runs(workloads, steps=steps, lr=lr)]
+
+
+def train_ranks_runs(workloads: Sequence[Workload], *, steps: int, lr: float | None = None) -> list[list[dict]]:
+    """`train_ranks_many`, with each rank's step times: {"losses": [...], "step_seconds": [...]} per rank."""
+    return _run_jobs([(w, {"job": "train", "steps": steps, "lr": lr}) for w in workloads])
 
 
 def _run_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:

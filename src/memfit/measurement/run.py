@@ -155,10 +155,19 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
     return estimate
 
 
-def measure(workload: Workload, *, device: str | None = None, snapshot_path: str | None = None,
+def measure(workload: Workload, *args, device: str | None = None, snapshot_path: str | None = None,
             estimates: tuple[str, ...] | None = None, profiler_categories: bool = False) -> MemoryEstimate:
     """Measure the workload for real and put memfit's estimates of the same run beside it (`measure_run`);
     `estimates`: the methods to run (default: every estimator that models the workload, `methods_for`)."""
+    if not isinstance(workload, Workload):
+        raise MemfitError(
+            f"measure runs a Workload (got {type(workload).__name__}): it builds the model from its source and "
+            "trains it, and never runs a live model or optimizer, which it would change. Name the model by "
+            "package.module:function or path/file.py:function to measure it; a live model is estimated on a meta "
+            "copy with memfit.estimate(model, batch, ...), and inside your trainer the callbacks of "
+            "memfit.integrations measure its real steps.")
+    if args:
+        raise MemfitError("measure takes one Workload; its keywords are device, snapshot_path, estimates.")
     return measure_many([workload], device=device, snapshot_path=snapshot_path, estimates=estimates,
                         profiler_categories=profiler_categories)[0]
 

@@ -1,13 +1,18 @@
-"""A plan in the terms of the tool that runs it: `memfit plan ... --export hf-trainer|deepspeed|torchrun`.
+"""A plan in the terms of the tool that runs it: `memfit plan ... --export TOOL`.
 
   hf-trainer  keyword arguments for transformers' TrainingArguments (micro-batch, accumulation, precision,
               activation checkpointing, optimizer, FSDP2), as JSON.
   deepspeed   a DeepSpeed config (JSON): micro-batch, accumulation, train batch, half precision, ZeRO stage (the
               workload's, 3 for FSDP2's sharding), optimizer offload.
+  accelerate  an accelerate config file (YAML, as `accelerate config` writes it): processes and machines, mixed
+              precision, FSDP2 or DeepSpeed settings; the micro-batch and accumulation, which accelerate takes in
+              the script, in its header.
+  lightning   keyword arguments for Lightning's Trainer (devices, nodes, precision, accumulation, strategy) and the
+              DataLoader's batch size, as JSON.
   torchrun    the launch line for the plan's GPUs, the script left to the user.
 
 Each technique says what it is in a tool's terms (Technique.export); what a tool cannot say is listed under
-`not_expressed` with what to do instead, never dropped. Not yet: accelerate and Lightning exports.
+`not_expressed` (a comment in YAML) with what to do instead, never dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from memfit.planner.cost import GPUS_PER_NODE
 from memfit.techniques.base import Export
 from memfit.techniques.resolve import all_techniques
 
-EXPORTS = ("hf-trainer", "deepspeed", "torchrun")
+EXPORTS = ("hf-trainer", "deepspeed", "accelerate", "lightning", "torchrun")
 APPLY = "apply it to the model first: memfit.apply_(model, optimizer, [{spec!r}])"
 # torch.optim's optimizers (not techniques) by memfit name and implementation -> TrainingArguments.optim
 TRAINER_OPTIM = {("adamw", "fused"): "adamw_torch_fused", ("adamw", None): "adamw_torch",
@@ -32,12 +37,18 @@ def export(plan, request, kind: str) -> str:
     workload = plan.workload(request)
     if kind == "torchrun":
         return torchrun_line(workload.world_size)
-    build = hf_trainer_arguments if kind == "hf-trainer" else deepspeed_config
-    return json.dumps(build(plan, workload), indent=2)
+    if kind == "accelerate":
+        return accelerate_config(plan, workload)
+    build = {"hf-trainer": hf_trainer_arguments, "deepspeed": deepspeed_config, "lightning": lightning_arguments}
+    return json.dumps(build[kind](plan, workload), indent=2)
+
+
+def num_nodes(world_size: int) -> int:
+    return -(-world_size // GPUS_PER_NODE)
 
 
 def torchrun_line(world_size: int) -> str:
-    nodes = -(-world_size // GPUS_PER_NODE)
+    nodes = num_nodes(world_size)
     spread = (f" --nnodes {nodes} --node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500"
               if nodes > 1 else "")
     return f"torchrun --nproc-per-node {world_size // nodes}{spread} train.py"
@@ -71,6 +82,32 @@ def deepspeed_config(plan, workload) -> dict:
     return config
 
 
+def accelerate_config(plan, workload) -> str:
+    import yaml  # a requirement of transformers
+
+    settings, not_expressed = _from_techniques("accelerate", workload)
+    world = workload.world_size
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU" if world > 1 else "NO",
+              "mixed_precision": "no", "num_machines": num_nodes(world), "num_processes": world, "machine_rank": 0,
+              "main_training_function": "main", "use_cpu": False, "gpu_ids": "all", "rdzv_backend": "static",
+              "same_network": True, **settings}
+    if "deepspeed_config" in config:
+        config["deepspeed_config"]["gradient_accumulation_steps"] = plan.grad_accum
+    header = [f"# memfit plan: {plan.micro_batch} sequences per GPU per micro-step (your DataLoader's batch_size), "
+              f"gradient accumulation {plan.grad_accum} (Accelerator(gradient_accumulation_steps={plan.grad_accum}))",
+              "# run: accelerate launch --config_file THIS_FILE train.py"]
+    header += [f"# not expressed: {entry['setting']}: {entry['how']}" for entry in not_expressed]
+    return "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False)
+
+
+def lightning_arguments(plan, workload) -> dict:
+    settings, not_expressed = _from_techniques("lightning", workload)
+    nodes = num_nodes(workload.world_size)
+    kwargs = {"accelerator": "gpu", "devices": workload.world_size // nodes, "num_nodes": nodes,
+              "accumulate_grad_batches": plan.grad_accum, **settings}
+    return {"trainer_arguments": kwargs, "batch_size": plan.micro_batch, "not_expressed": not_expressed}
+
+
 def _from_techniques(tool: str, workload) -> tuple[dict, list[dict]]:
     """The settings every technique of `workload` (its precision and optimizer included) gives `tool`, merged, and
     what it cannot say."""
@@ -87,11 +124,14 @@ def _from_techniques(tool: str, workload) -> tuple[dict, list[dict]]:
 
 
 def _merge(into: dict, more: dict) -> None:
-    """Nested dictionaries merged; of two ZeRO stages, the higher."""
+    """Nested dictionaries merged; of two ZeRO stages, the higher; of two Lightning strategies where one extends the
+    other ("fsdp", "fsdp_cpu_offload"), the longer."""
     for key, value in more.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         elif key == "stage" and key in into:
             into[key] = max(into[key], value)
+        elif key == "strategy" and key in into:
+            into[key] = max(into[key], value, key=len)
         else:
             into[key] = value

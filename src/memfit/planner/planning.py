@@ -6,12 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from torch import nn
+
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
 from memfit.estimators.analytic import count_parameters
 from memfit.estimators.effects import describe, measured_accuracy
 from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, step_time
+from memfit.planner.live import live_request
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, change_of, estimate_for, lower_bound_estimate, risk_of
@@ -21,11 +24,23 @@ from memfit.techniques.base import CHANGES
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve, without_technique
 
 
-def plan(request: PlanRequest, *, progress: Callable[[str], None] | None = None, explore_all: bool = False,
-         verify_traced: bool = False, brief: bool = False) -> PlanResult:
+def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[str], None] | None = None,
+         explore_all: bool = False, verify_traced: bool = False, brief: bool = False, gpu=None,
+         **fields) -> PlanResult:
     """The best plans for `request`, best first. `explore_all`: size every candidate (the Pareto plot needs
     them all; the `fastest` objective otherwise stops early). `brief`: the plans and the reason when none fits,
-    without each technique's saving or the searches behind the suggestions (planning many machines)."""
+    without each technique's saving or the searches behind the suggestions (planning many machines).
+
+    Given a live transformers model and its batch instead (`plan(model, batch, gpu="rtx-4090", ...)`, the other
+    keywords PlanRequest's), the plan is made from the model's config (planner/live.py)."""
+    if isinstance(request, nn.Module):
+        request = live_request(request, batch, gpu=gpu, **fields)
+    elif not isinstance(request, PlanRequest):
+        raise MemfitError(f"expected a memfit PlanRequest or a torch.nn.Module and its batch, got "
+                          f"{type(request).__name__}.")
+    elif batch is not None or gpu is not None or fields:
+        raise MemfitError("a PlanRequest carries its GPU, batch and settings; pass them to the PlanRequest, or pass a "
+                          "live model and its batch.")
     started = time.perf_counter()
     _require_analytic(request)
     search = Search(request, progress)

@@ -40,11 +40,11 @@ def import_callable(spec: str | None, what: str) -> Callable:
     return fn
 
 
-def call_user(fn: Callable, spec: str, what: str, *args):
-    """fn(*args); the user's exception becomes one line naming where in their code it was raised (an out-of-memory
-    error passes through: it is what a measurement reports)."""
+def call_user(fn: Callable, spec: str, what: str, *args, **kwargs):
+    """fn(*args, **kwargs); the user's exception becomes one line naming where in their code it was raised (an
+    out-of-memory error passes through: it is what a measurement reports)."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except (MemfitError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # the user's code failed: say where, in one line

@@ -5,8 +5,10 @@ or, for `--task inference`, their inference or generation loop with `optimizer=N
 memfit builds the model, the batch and the optimizer as for its own step, with the techniques applied to them, and
 calls the function: twice for training (a warm-up that creates the optimizer state, then the step that counts),
 once for inference. The step runs inside the precision's autocast unless its source mentions autocast (it sets its
-own). Techniques that change memfit's own step rather than the model or optimizer (its loss, its batch, its
-backward) are refused with the reason.
+own), or it takes an `autocast` keyword: then memfit passes its precision's region for the target device (a
+context-manager factory; emulated in a trace for a GPU) and the step enters it where its framework does (around the
+forward only, as accelerate and Lightning do). Techniques that change memfit's own step rather than the model or
+optimizer (its loss, its batch, its backward) are refused with the reason.
 """
 from __future__ import annotations
 
@@ -46,8 +48,11 @@ def check_user_step(workload) -> None:
 def step_notes(workload) -> list[str]:
     """What memfit did around the user's step (a ResolvedWorkload with `step` set)."""
     notes = [f"the step is yours ({workload.step}), traced as it runs"]
+    fn = import_callable(workload.step, "step")
     if get_precision(workload.precision).autocast_dtype is not None:
-        if sets_own_autocast(import_callable(workload.step, "step")):
+        if takes_autocast(fn):
+            notes.append(f"your step enters memfit's {workload.precision} autocast where it chooses")
+        elif sets_own_autocast(fn):
             notes.append(f"your step enters autocast itself: memfit's {workload.precision} autocast does not wrap it")
         else:
             notes.append(f"your step runs inside memfit's {workload.precision} autocast")
@@ -64,11 +69,19 @@ def sets_own_autocast(fn: Callable) -> bool:
         return False
 
 
+def takes_autocast(fn: Callable) -> bool:
+    """Whether the step takes memfit's mixed-precision region as its `autocast` keyword."""
+    try:
+        return "autocast" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def run_user_step(setup: StepSetup, batch, workload, *, hooks: StepHooks,
                   before_measured_step: Callable[[], None]) -> None:
     fn = import_callable(workload.step, "step")
     model = setup.model
-    region = contextlib.nullcontext if sets_own_autocast(fn) else setup.autocast
+    region = contextlib.nullcontext if takes_autocast(fn) or sets_own_autocast(fn) else setup.autocast
     hooks.mark("parameters", list(model.parameters()))
     if workload.task == "train":
         model.train()
@@ -87,5 +100,6 @@ def run_user_step(setup: StepSetup, batch, workload, *, hooks: StepHooks,
 
 def _call(fn: Callable, spec: str, model, batch, optimizer, region, setup: StepSetup, hooks: StepHooks) -> None:
     enter_phase(setup, hooks, "step")
+    keywords = {"autocast": setup.autocast} if takes_autocast(fn) else {}
     with region():
-        call_user(fn, spec, "step", model, batch, optimizer)
+        call_user(fn, spec, "step", model, batch, optimizer, **keywords)

@@ -98,7 +98,9 @@ class Ddp(LayoutTechnique):
     bucket_view: bool = False
 
     def export(self, tool, workload) -> Export | None:
-        return Export({})   # both tools run data parallel themselves over the launched ranks
+        # the Trainer and DeepSpeed run data parallel themselves over the launched ranks
+        return Export({"accelerate": {"distributed_type": "MULTI_GPU"},
+                       "lightning": {"strategy": "ddp"}}.get(tool, {}))
 
     @classmethod
     def implied_by(cls, workload, techniques) -> bool:
@@ -201,6 +203,15 @@ class Fsdp2(LayoutTechnique):
     def export(self, tool, workload) -> Export | None:
         if tool == "hf-trainer":
             return Export({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": self.reshard}})
+        if tool == "accelerate":
+            return Export({"distributed_type": "FSDP", "fsdp_config": {
+                "fsdp_version": 2, "fsdp_reshard_after_forward": self.reshard,
+                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}})
+        if tool == "lightning":
+            return Export({"strategy": "fsdp"}, "Lightning's FSDPStrategy is FSDP1 (close, not the same memory); for "
+                          "FSDP2 use ModelParallelStrategy and call fully_shard on each block in configure_model"
+                          + ("" if self.reshard else "; reshard=false is FSDPStrategy(sharding_strategy="
+                             "'SHARD_GRAD_OP')"))
         return Export({"zero_optimization": {"stage": 3 if self.reshard else 2}})
 
     @classmethod

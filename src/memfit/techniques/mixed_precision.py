@@ -35,8 +35,14 @@ class _Precision(Technique):
         precision = get_precision(self.name)
         half = str(precision.autocast_dtype or precision.param_dtype).removeprefix("torch.")
         key = {"bfloat16": "bf16", "float16": "fp16"}[half]
+        mixed = precision.autocast_dtype is not None
+        if tool == "lightning":   # "-true" converts the weights: pure half precision, as memfit's
+            return Export({"precision": {"bf16": "bf16", "fp16": "16"}[key] + ("-mixed" if mixed else "-true")})
+        if tool == "accelerate":
+            return Export({"mixed_precision": key}) if mixed else Export(
+                {}, "load the model in that dtype (accelerate's mixed_precision is autocast over float32 weights)")
         settings = {key: True} if tool == "hf-trainer" else {key: {"enabled": True}}
-        if precision.autocast_dtype is not None:
+        if mixed:
             return Export(settings)
         return Export(settings, "load the model in that dtype (the tool's flag alone is autocast over float32 "
                                 "weights, with float32 master weights and optimizer states in DeepSpeed)")

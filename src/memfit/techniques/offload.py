@@ -78,9 +78,16 @@ class CpuOffload(Technique):
     search_axis = "offload"
 
     def export(self, tool, workload) -> Export | None:
+        sharded = workload.with_trait("shards-weights") is not None   # FSDP2's CPUOffloadPolicy
         if tool == "deepspeed":   # ZeRO-Offload: at least stage 1 (the optimizer states are partitioned to offload)
             return Export({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
                                                                                     "pin_memory": True}}})
+        if tool == "accelerate":
+            return Export({"fsdp_config": {"fsdp_offload_params": True}} if sharded else {
+                "distributed_type": "DEEPSPEED",
+                "deepspeed_config": {"zero_stage": 1, "offload_optimizer_device": "cpu"}})
+        if tool == "lightning":   # Lightning registers no stage-1 offload: stage 2 is the same on one GPU
+            return Export({"strategy": "fsdp_cpu_offload" if sharded else "deepspeed_stage_2_offload"})
         return None
 
     @classmethod

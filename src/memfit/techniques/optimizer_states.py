@@ -61,7 +61,9 @@ class _Optimizer(Technique):
     def export(self, tool, workload) -> Export | None:
         if tool == "hf-trainer":
             return Export({"optim": self.trainer_optim})
-        return Export({}, "build it yourself and pass it to deepspeed.initialize(optimizer=...)")
+        where = {"deepspeed": "deepspeed.initialize(optimizer=...)", "lightning": "configure_optimizers",
+                 "accelerate": "accelerator.prepare"}.get(tool, "the training loop")
+        return Export({}, f"build {self.optimizer_class} yourself and hand it to {where}")
 
     @classmethod
     def search_values(cls, request, workload):

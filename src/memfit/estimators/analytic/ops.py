@@ -175,6 +175,44 @@ def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     return cast(e, out, x.dtype)
 
 
+def patch_conv(e: Engine, x: Sym, w: Param, bias: Param, *, batch: int, channels: int, image: int,
+               patch: int, out_channels: int) -> Sym:
+    """Conv2d(channels, out_channels, kernel=stride=patch) over `batch` square images. On a CPU, oneDNN reorders
+    the operands into blocked layouts inside the kernel, by an amount that depends on the CPU's instruction set
+    (more with AMX bfloat16): that scratch is probed on the real kernel, as the trace does (kernel_probe.py)."""
+    x_in, w_in = autocast_input(e, x, "conv"), weight(e, w)
+    patches = (image // patch) ** 2
+    forward_scratch, backward_scratch_bytes = (_cpu_conv_scratch(e, x_in, w_in, batch, channels, image, patch,
+                                                                 out_channels)
+                                               if e.policy.backend == "cpu" else (0, 0))
+    scratch = e.new(forward_scratch, "uint8") if forward_scratch else None
+    out = e.record(e.new(batch * patches * out_channels, x_in.dtype), [x_in, w_in, weight(e, bias)], [x_in, w_in],
+                   scratch=[(backward_scratch_bytes, "uint8")] if backward_scratch_bytes else None)
+    del scratch
+    return out
+
+
+def _cpu_conv_scratch(e: Engine, x_in: Sym, w_in: Sym, batch: int, channels: int, image: int, patch: int,
+                      out_channels: int) -> tuple[int, int]:
+    """(forward, backward) scratch bytes of the CPU convolution kernels for these shapes (0 when not probed)."""
+    import torch
+
+    from memfit.estimators.kernel_probe import probe_scratch
+
+    dtype = getattr(torch, x_in.dtype)
+    x = torch.empty((batch, channels, image, image), dtype=dtype, device="meta")
+    w = torch.empty((out_channels, channels, patch, patch), dtype=dtype, device="meta")
+    b = torch.empty((out_channels,), dtype=dtype, device="meta")
+    geometry = ([patch, patch], [0, 0], [1, 1], False, [0, 0], 1)
+    forward = probe_scratch(torch.ops.aten.convolution.default, (x, w, b, *geometry), {}, e.policy.train)
+    backward = None
+    if e.policy.train and w_in.grad:
+        grad_out = torch.empty((batch, out_channels, image // patch, image // patch), dtype=dtype, device="meta")
+        backward = probe_scratch(torch.ops.aten.convolution_backward.default,
+                                 (grad_out, x, w, [out_channels], *geometry, [x_in.grad, True, True]), {}, False)
+    return (forward[0] if forward else 0), (backward[0] if backward else 0)
+
+
 def matmul(e: Engine, a: Sym, b: Sym, out_numel: int) -> Sym:
     a, b = autocast_input(e, a, "matmul"), autocast_input(e, b, "matmul")
     return e.record(e.op_output(out_numel, promote(a.dtype, b.dtype), "bmm"), [a, b], _saves(a, b))

@@ -63,12 +63,8 @@ def declare_buffers(e: Engine, d: ViTSpec) -> list[Sym]:
 
 def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sym:
     patches = (image // d.patch) ** 2
-    w = e.params["patch.w"]
-    x_in = ops.autocast_input(e, pixels, "conv")
-    w_in = ops.weight(e, w)
-    x = e.record(e.new(batch * patches * d.hidden, x_in.dtype), [x_in, w_in, ops.weight(e, e.params["patch.b"])],
-                 [x_in, w_in])   # Conv2d(patch, stride=patch)
-    del x_in
+    x = ops.patch_conv(e, pixels, e.params["patch.w"], e.params["patch.b"], batch=batch, channels=d.channels,
+                       image=image, patch=d.patch, out_channels=d.hidden)
     x = ops.cat(e, [View(e.params["cls"], batch * d.hidden), x])
     position = e.params["pos"]
     if image != d.image:   # interpolate_pos_encoding: bicubic resize of the patch positions

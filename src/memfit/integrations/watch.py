@@ -1,0 +1,122 @@
+"""What the framework callbacks share: predict the trainer's step before it runs, measure its first steps, report.
+
+The prediction is memfit's traced estimate of the trainer's own model, optimizer, precision and step (the
+framework's order of forward, zero_grad, backward, clipping and optimizer step, written out in each integration),
+made on a meta copy before the first step runs: it never reads the measurement. The measurement is the real peak
+of each of the first `steps` optimizer steps (measurement/live_step.py). A failure to predict or measure is
+reported, never raised: the callback must not stop a training run.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.core.errors import MemfitError
+from memfit.core.units import format_bytes
+from memfit.measurement.live_step import StepPeakMeter, training_tensors
+from memfit.measurement.run import available_ram_bytes
+from memfit.specs.hardware import gpu_of_device
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+class StepWatch:
+    """The prediction and the measurements of one training run; `report` holds them (plain data)."""
+
+    def __init__(self, framework: str, *, steps: int = 3, log: Callable[[str], None] | None = None) -> None:
+        if not isinstance(steps, int) or steps < 1:
+            raise MemfitError(f"steps={steps!r}: the callback measures the first N optimizer steps, N >= 1.")
+        self.steps, self.log = steps, log or _to_stderr
+        self.report: dict[str, Any] = {"framework": framework, "predicted_peak_bytes": None,
+                                       "measured_peak_bytes": None, "measured_step_peaks": [], "notes": []}
+        self.meter: StepPeakMeter | None = None
+        self.predicted = self.finished = False
+
+    @property
+    def measuring(self) -> bool:
+        return not self.finished and len(self.report["measured_step_peaks"]) < self.steps
+
+    def predict(self, model: nn.Module, batch, *, optimizer, precision: str | None, step: Callable,
+                notes: tuple[str, ...] = ()) -> None:
+        """memfit's traced estimate of `step` on `model` and `batch`, before the first step; warns when the
+        step is predicted not to fit the device."""
+        from memfit.estimators import estimate
+
+        self.predicted = True
+        device = device_of(model)
+        gpu = gpu_of_device(str(device)) if device.type == "cuda" else None
+        self.report.update(device=str(device), precision=precision)
+        self.report["notes"] += list(notes)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # the framework's own warnings, raised again in the fake run
+                result = estimate(model, batch, optimizer=optimizer, step=step, precision=precision, gpu=gpu,
+                                  method="traced")
+        except MemfitError as exc:
+            self._failed("prediction_error", str(exc))
+            return
+        except Exception as exc:  # a callback never stops training: say what failed
+            self._failed("prediction_error", f"{type(exc).__name__}: {exc}")
+            return
+        self.report.update(predicted_peak_bytes=result.peak_bytes, predicted_phase=result.peak_phase,
+                           predicted_reserved_bytes=result.reserved_bytes, method=result.method)
+        capacity = (gpu.memory_bytes, gpu.name) if gpu is not None else (available_ram_bytes(), "this machine's RAM")
+        if capacity[0] is not None:
+            self.report["fits"] = result.peak_bytes <= capacity[0]
+            if not self.report["fits"]:
+                self.log(f"memfit: WARNING the training step is predicted to need {format_bytes(result.peak_bytes)}"
+                         f", more than the {format_bytes(capacity[0])} of {capacity[1]}: expect an out-of-memory "
+                         "error (`memfit plan` finds a configuration that fits)")
+
+    def begin_step(self, model: nn.Module, optimizer, batch=None) -> None:
+        if not self.measuring or (self.meter is not None and self.meter.running):
+            return
+        self.meter = self.meter or StepPeakMeter(device_of(model))
+        try:
+            self.meter.start(training_tensors(model, optimizer, batch))
+        except Exception as exc:  # reported, never raised
+            self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
+
+    def end_step(self) -> None:
+        if self.meter is None or not self.meter.running:
+            return
+        peaks = self.report["measured_step_peaks"]
+        peaks.append(self.meter.stop())
+        self.report["measured_peak_bytes"] = max(peaks)
+        if self.meter.reserved_bytes is not None:
+            self.report["measured_reserved_bytes"] = max(self.report.get("measured_reserved_bytes") or 0,
+                                                         self.meter.reserved_bytes)
+        if len(peaks) == self.steps:
+            self.finish()
+
+    def finish(self) -> None:
+        """Log the one line (once): the prediction beside what the first steps measured."""
+        if self.finished:
+            return
+        if self.meter is not None and self.meter.running:   # training stopped inside a step
+            self.meter.stop()
+        self.finished = True
+        predicted, measured = self.report["predicted_peak_bytes"], self.report["measured_peak_bytes"]
+        if predicted and measured:
+            self.report["measured/predicted"] = measured / predicted
+        said = (f"predicted {format_bytes(predicted)} ({self.report.get('method')}, before step 1)" if predicted
+                else f"not predicted ({self.report.get('prediction_error', 'no step ran')})")
+        count = len(self.report["measured_step_peaks"])
+        seen = (f"measured {format_bytes(measured)} over the first {count} step{'s' * (count > 1)}" if measured
+                else f"not measured ({self.report.get('measurement_error', 'no step ran')})")
+        ratio = f" (measured/predicted {self.report['measured/predicted']:.3f})" if predicted and measured else ""
+        self.log(f"memfit: training step peak on {self.report.get('device', '?')}: {said}, {seen}{ratio}")
+
+    def _failed(self, key: str, message: str) -> None:
+        self.report[key] = message.splitlines()[0] if message else key

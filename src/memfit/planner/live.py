@@ -1,0 +1,52 @@
+"""`memfit.plan(model, batch, gpu=...)`: a plan for a live transformers model of a Python session.
+
+The planner sizes thousands of configurations with the analytic estimator, which models an architecture from its
+transformer config; a live model brings its own (`model.config`). It is written to a config.json in the system's
+temporary folder and planned like any config file (the plan names that file), with the batch's size and sequence
+length. The live object itself is not used: the plan's runs build the architecture again from the config. A custom
+nn.Module without a transformer config is refused with the way to try techniques on it (`memfit.estimate`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+from torch import nn
+
+from memfit.core.errors import MemfitError
+from memfit.planner.request import PlanRequest
+from memfit.specs.hardware import get_gpu
+from memfit.specs.live import batch_shape, describe_batch
+
+
+def live_request(model: nn.Module, batch, *, gpu, **fields) -> PlanRequest:
+    """The PlanRequest for `model` (with a transformers `config`) and its `batch`; `fields` are PlanRequest's."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        raise MemfitError(f"memfit.plan sizes configurations with the analytic estimator, which needs a transformer "
+                          f"config; {type(model).__name__} has none (no `model.config`): try techniques on it with "
+                          "memfit.estimate(model, batch, techniques=[...]) (traced).")
+    if gpu is None:
+        raise MemfitError("memfit.plan(model, batch, gpu=...): name the GPU to plan for (memfit gpus lists them).")
+    batch_size, seq_len = batch_shape(describe_batch(batch))
+    if fields.get("task", "train") == "train":
+        fields.setdefault("global_batch", batch_size)
+    else:
+        fields.setdefault("batch_size", batch_size)
+    fields.setdefault("seq_len", seq_len)
+    return PlanRequest(model=write_config(config.to_dict()), gpu=get_gpu(gpu) if isinstance(gpu, str) else gpu,
+                       **fields)
+
+
+def write_config(config: dict) -> str:
+    """`config` as a config.json in the temporary folder, named by its content; its path."""
+    text = json.dumps(config, indent=1, sort_keys=True, default=str)
+    folder = os.path.join(tempfile.gettempdir(), "memfit-live-configs")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha1(text.encode()).hexdigest()[:16] + ".json")
+    if not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(text)
+    return path
