@@ -254,6 +254,21 @@ def test_a_plan_exported_for_deepspeed_passes_its_config_validation(monkeypatch)
     assert [n["setting"] for n in config["memfit"]["not_expressed"]] == ["checkpointing"]
 
 
+def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_are_routed_to():
+    """Mixtral's decode step at batch 1 reads the shared weights and 2 of 8 experts per layer; a prefill of many
+    tokens reads them all; a dense model reads everything."""
+    from memfit.planner.cost import ModelShape
+
+    moe = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
+    n = analytic_estimate(moe).num_parameters
+    shape = ModelShape.of(moe, n)
+    assert shape.weights_read_fraction(1, n) == pytest.approx((n - shape.expert_params * 6 / 8) / n)
+    assert shape.weights_read_fraction(4096, n) == pytest.approx(1.0)
+    assert 0.25 < shape.weights_read_fraction(1, n) < shape.weights_read_fraction(8, n) < 1
+    dense = ResolvedWorkload(model="llama-3.1-8b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
+    assert ModelShape.of(dense, 8_000_000_000).weights_read_fraction(1, 8_000_000_000) == 1.0
+
+
 def test_a_plan_exported_for_accelerate_is_read_by_its_config_loader(tmp_path):
     """accelerate's own loader reads the YAML: FSDP2 over two nodes (offload and checkpointing in its fsdp_config),
     and ZeRO-Offload through DeepSpeed on one GPU; what it cannot say is a comment, not dropped."""

@@ -62,6 +62,9 @@ class ModelShape:
     vocab: int              # 0 for a classifier (a ViT's head is in its parameters)
     active_params: int
     causal: bool
+    expert_params: int = 0   # a mixture of experts: the experts' parameters, all layers
+    experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def of(cls, workload: ResolvedWorkload, num_parameters: int) -> ModelShape:
@@ -69,14 +72,25 @@ class ModelShape:
         hidden = getattr(spec, "hidden", None) or spec.d_model
         heads = spec.heads
         head_dim = getattr(spec, "head_dim", None) or getattr(spec, "d_kv", None) or hidden // heads
-        active = num_parameters
+        active, expert_params = num_parameters, 0
         experts = getattr(spec, "experts", 0)
         if experts:   # only top_k of the experts run per token
             expert_params = workload.source.num_layers * experts * 3 * hidden * spec.intermediate
             active -= expert_params * (experts - spec.top_k) // experts
         layers = workload.source.num_layers + getattr(spec, "decoder_layers", 0)
         return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
-                   active_params=active, causal=type(spec).__name__ in ("DecoderSpec", "GPT2Spec"))
+                   active_params=active, causal=type(spec).__name__ in ("DecoderSpec", "GPT2Spec"),
+                   expert_params=expert_params, experts=experts, top_k=getattr(spec, "top_k", 0))
+
+    def weights_read_fraction(self, tokens: int, num_parameters: int) -> float:
+        """The fraction of the weights one forward over `tokens` tokens reads: all of a dense model; of a mixture
+        of experts, the shared weights and the experts its tokens are routed to — with each token choosing top_k
+        of E experts, E * (1 - (1 - top_k / E) ** tokens) of them per layer on average (a decode step of a small
+        batch reads a few; a prefill, all)."""
+        if not self.experts or not num_parameters:
+            return 1.0
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** tokens) / self.experts
+        return (num_parameters - self.expert_params * (1 - touched)) / num_parameters
 
     def forward_flops(self, batch: int, seq: int) -> float:
         attention = (2 if self.causal else 4) * self.layers * batch * seq * seq * self.attn_width
@@ -243,7 +257,8 @@ def _inference_batch(step: Step) -> None:
     decode = 0.0
     if w.new_tokens:
         kv_mean = step.estimate.at_peak.get("kv_cache", 0) * (seq + w.new_tokens / 2) / (seq + w.new_tokens)
-        memory_s = (step.state_bytes("parameters") + kv_mean) / step.hbm_bytes_per_s
+        weights = step.state_bytes("parameters") * c.shape.weights_read_fraction(batch, step.estimate.num_parameters)
+        memory_s = (weights + kv_mean) / step.hbm_bytes_per_s
         flops_s = _compute_s(c.shape.forward_flops(batch, 1) + 4 * c.shape.layers * batch * seq * c.shape.attn_width,
                              gpu, w.precision, None, cost) * factor
         decode = max(memory_s, flops_s) * w.new_tokens
