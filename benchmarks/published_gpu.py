@@ -229,15 +229,20 @@ def bytes_or_dash(value: int | None) -> str:
     return format_bytes(value) if value is not None else "—"
 
 
+def write_results(name: str, totals: dict, records: list[dict], table: Table) -> None:
+    """results/NAME.json and NAME.txt (the table as printed), and the docs that show them."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"summary": totals, "rows": records}, indent=1) + "\n")
+    console = Console(record=True, width=150)
+    console.print(table)
+    (RESULTS / f"{name}.txt").write_text(console.export_text())
+    docs_sync.sync()
+
+
 def main() -> int:
     records = run()
     totals = summary(records)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "published_gpu.json").write_text(json.dumps({"summary": totals, "rows": records}, indent=1) + "\n")
-    console = Console(record=True, width=150)
-    console.print(table_of(records, totals))
-    (RESULTS / "published_gpu.txt").write_text(console.export_text())
-    docs_sync.sync()
+    write_results("published_gpu", totals, records, table_of(records, totals))
     return 0
 
 

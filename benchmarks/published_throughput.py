@@ -12,13 +12,10 @@ analytic estimate.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import docs_sync  # benchmarks/docs_sync.py: the docs show these results
-from published_gpu import GEN, LLAMA_3B, TITAN8B, TITAN_NOTE
-from rich.console import Console
+from published_gpu import GEN, LLAMA_3B, TITAN8B, TITAN_NOTE, write_results
 from rich.markup import escape
 from rich.table import Table
 
@@ -163,13 +160,7 @@ def table_of(records: list[dict], totals: dict) -> Table:
 def main() -> int:
     records = run()
     totals = summary(records)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "published_throughput.json").write_text(json.dumps({"summary": totals, "rows": records}, indent=1)
-                                                       + "\n")
-    console = Console(record=True, width=150)
-    console.print(table_of(records, totals))
-    (RESULTS / "published_throughput.txt").write_text(console.export_text())
-    docs_sync.sync()
+    write_results("published_throughput", totals, records, table_of(records, totals))
     return 0
 
 

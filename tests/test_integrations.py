@@ -46,15 +46,41 @@ def test_trainer_step_is_predicted_before_it_runs_and_measured(tmp_path):
     assert len(lines) == 1 and "measured/predicted" in lines[0]
 
 
+def test_what_cannot_be_predicted_is_reported_and_training_goes_on_with_nothing_left_on_the_model(tmp_path):
+    """Label smoothing makes the Trainer compute the loss outside the model: not predicted, said so; the steps are
+    still measured, the model keeps no hook, and a copy of it never copies the callback (or the optimizer it
+    holds)."""
+    import copy
+
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.integrations.transformers import MemfitCallback
+
+    callback = MemfitCallback(steps=2, log=[].append)
+    model = tiny_llama()
+    data = [{"input_ids": torch.randint(0, 1000, (64,)), "labels": torch.randint(0, 1000, (64,))} for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             label_smoothing_factor=0.1)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 2 and "computes it outside the model" in callback.report["prediction_error"]
+    assert len(callback.report["measured_step_peaks"]) == 2 and not model._forward_pre_hooks
+    hooked, fresh = tiny_llama(), MemfitCallback()
+    fresh.on_train_begin(args, None, None, model=hooked, optimizer=trainer.optimizer)
+    assert len(hooked._forward_pre_hooks) == 1
+    assert [getattr(h, "__name__", None) for h in copy.deepcopy(hooked)._forward_pre_hooks.values()] == ["_no_hook"]
+
+
 def test_a_step_predicted_not_to_fit_is_warned_before_it_runs(tmp_path, monkeypatch):
     from memfit.integrations.transformers import MemfitCallback
 
-    monkeypatch.setattr(watch, "available_ram_bytes", lambda: 1 << 20)   # a machine with 1 MiB of RAM
+    monkeypatch.setattr(watch, "available_ram_bytes", lambda: 1 << 20)   # 1 MiB free beside what training holds
     lines = []
     callback = MemfitCallback(steps=1, log=lines.append)
     train_with_trainer(tmp_path, callback)
     assert callback.report["fits"] is False
-    assert "WARNING" in lines[0] and "1.00 MiB" in lines[0] and "measured" in lines[1]
+    assert "WARNING" in lines[0] and "of this machine's free RAM" in lines[0] and "measured" in lines[1]
 
 
 LIGHTNING = [name for name in ("lightning.pytorch", "pytorch_lightning")
@@ -113,8 +139,9 @@ def test_lightning_step_is_predicted_before_it_runs_and_measured(package):
 def test_lightning_manual_optimization_is_reported_not_predicted_and_training_goes_on():
     from memfit.integrations.lightning import MemfitCallback
 
+    pytest.importorskip("lightning.pytorch")
     callback = MemfitCallback(steps=1, log=[].append)
-    trainer = fit(LIGHTNING[0], callback, manual=True)
+    trainer = fit("lightning.pytorch", callback, manual=True)
     assert trainer.global_step == 3
     assert "manual optimization" in callback.report["prediction_error"]
     assert callback.report["predicted_peak_bytes"] is None and callback.report["measured_peak_bytes"] > 0

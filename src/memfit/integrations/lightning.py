@@ -79,19 +79,30 @@ class MemfitCallback(*_callback_bases()):
             self.watch.begin_step(pl_module, optimizer, batch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        # the optimizer steps at the end of each accumulation window, and on an epoch's last batch
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch:
             self.watch.end_step()
 
     def on_train_end(self, trainer, pl_module):
         self.watch.finish()
 
+    def on_exception(self, trainer, pl_module, exception):
+        self.watch.finish()   # the profiler a CPU measurement runs must not outlive the run
+
     def _predict(self, trainer, pl_module, batch, optimizer) -> None:
         if not pl_module.automatic_optimization:
-            self.watch.predicted = True
-            self.report["prediction_error"] = ("manual optimization runs its own backward through the Trainer; "
-                                               "memfit predicts automatic optimization only")
+            self.watch.not_predicted("manual optimization runs its own backward through the Trainer; memfit "
+                                     "predicts automatic optimization only")
+            return
+        strategy = type(trainer.strategy).__name__
+        if strategy not in ("SingleDeviceStrategy", "DDPStrategy"):
+            self.watch.not_predicted(f"{strategy} shards or splits the model: memfit predicts a single process's "
+                                     "step here (estimate the sharded run with `memfit estimate`)")
             return
         notes = []
+        if strategy == "DDPStrategy":
+            notes.append("predicted as one process: DDP's gradient buckets (one more copy of the gradients) are not "
+                         "in the prediction")
         if len(trainer.optimizers) > 1:
             notes.append(f"{len(trainer.optimizers)} optimizers: predicted with the first")
         step = lightning_step(trainer.accumulate_grad_batches, trainer.gradient_clip_val,

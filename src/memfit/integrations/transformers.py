@@ -12,10 +12,12 @@ gradient accumulation and clipping, in the Trainer's order (transformers 5.24 `T
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 
+from memfit.core.errors import MemfitError
 from memfit.core.precision import autocast_precision
 from memfit.integrations.watch import StepWatch
 
@@ -32,12 +34,43 @@ def trainer_precision(args) -> str | None:
 
 
 def loss_of(outputs) -> torch.Tensor:
-    """The loss a model returns: `outputs["loss"]` (a ModelOutput or dict), else the first output."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, dict) and outputs.get("loss") is not None:
-        return outputs["loss"]
-    return outputs[0]
+    """The loss a model returns: `outputs["loss"]` (a ModelOutput or dict), else its first output if a scalar."""
+    if isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    else:
+        loss = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise MemfitError("the model returned no loss: the Trainer computes it outside the model here (label "
+                          "smoothing, compute_loss_func or a compute_loss of your own), which memfit does not "
+                          "predict")
+    return loss
+
+
+class _FirstForward:
+    """The forward pre-hook on the user's model. It holds the callback weakly, and a copy of the model (memfit's
+    meta copy, an EMA copy, a pickle) gets a hook that does nothing: the callback and the live optimizer it holds
+    are never copied with the model."""
+
+    def __init__(self, callback: MemfitCallback) -> None:
+        self.callback = weakref.ref(callback)
+
+    def __call__(self, module, args, kwargs):
+        callback = self.callback()
+        return callback._before_forward(module, args, kwargs) if callback is not None else None
+
+    def __deepcopy__(self, memo):
+        return _no_hook
+
+    def __reduce__(self):
+        return _no_hook_factory, ()
+
+
+def _no_hook(module, args, kwargs):
+    return None
+
+
+def _no_hook_factory():
+    return _no_hook
 
 
 def trainer_step(accumulation: int, max_grad_norm: float | None) -> Callable:
@@ -65,17 +98,20 @@ class MemfitCallback(TrainerCallback):
         self.watch = StepWatch("transformers.Trainer", steps=steps, log=log)
         self._hook = None
         self._step_open = False
-        self._model = self._optimizer = self._args = None
+        self._optimizer = self._args = None
 
     @property
     def report(self) -> dict:
         return self.watch.report
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._args, self._model = args, model
+        if self.watch.meter is not None and self.watch.meter.running:   # a run before this one stopped mid-step
+            self.watch.finish()
+        self._remove_hook()
+        self._args = args
         self._optimizer = getattr(optimizer, "optimizer", optimizer)   # accelerate's AcceleratedOptimizer wraps it
-        if model is not None and self._hook is None:
-            self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        if model is not None and self.watch.measuring:
+            self._hook = model.register_forward_pre_hook(_FirstForward(self), with_kwargs=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_open = True   # the next forward is the step's first: measure from there
@@ -94,16 +130,24 @@ class MemfitCallback(TrainerCallback):
             return
         self._step_open = False
         batch = kwargs if kwargs else args
+        sharded = "DeepSpeed" if self._args.deepspeed else "FSDP" if self._args.fsdp else None
+        if sharded and not self.watch.predicted:
+            self.watch.not_predicted(f"the Trainer runs {sharded}: memfit predicts a single process's step here "
+                                     "(estimate the sharded run with `memfit estimate --world-size N`)")
         if not self.watch.predicted:
             notes = ()
+            if self._args.world_size > 1:
+                notes += ("predicted as one process: DDP's gradient buckets (one more copy of the gradients) are not "
+                          "in the prediction",)
             if args and kwargs:
-                notes = ("the model was called with positional and keyword arguments: predicted with the keywords",)
+                notes += ("the model was called with positional and keyword arguments: predicted with the keywords",)
             self.watch.predict(module, batch, optimizer=self._optimizer, precision=trainer_precision(self._args),
                                step=trainer_step(self._args.gradient_accumulation_steps, self._args.max_grad_norm),
                                notes=notes)
         self.watch.begin_step(module, self._optimizer, batch)
 
     def _remove_hook(self) -> None:
+        self._step_open = False
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

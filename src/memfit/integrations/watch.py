@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import precision_of_model
 from memfit.core.units import format_bytes
-from memfit.measurement.live_step import StepPeakMeter, training_tensors
+from memfit.measurement.live_step import StepPeakMeter, storage_bytes, training_tensors
 from memfit.measurement.run import available_ram_bytes
 from memfit.specs.hardware import gpu_of_device
 
@@ -56,8 +57,15 @@ class StepWatch:
         self.predicted = True
         device = device_of(model)
         gpu = gpu_of_device(str(device)) if device.type == "cuda" else None
-        self.report.update(device=str(device), precision=precision)
         self.report["notes"] += list(notes)
+        weights = precision_of_model(model)
+        if precision is not None and weights.param_dtype != torch.float32:   # autocast over half weights: as they are
+            self.report["notes"].append(f"the weights are {weights.name}: autocast computes in them as they are")
+            precision = None
+        self.report.update(device=str(device), precision=precision)
+        if optimizer is None:
+            self._failed("prediction_error", "the trainer has no optimizer: memfit predicts training steps with one")
+            return
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # the framework's own warnings, raised again in the fake run
@@ -71,7 +79,11 @@ class StepWatch:
             return
         self.report.update(predicted_peak_bytes=result.peak_bytes, predicted_phase=result.peak_phase,
                            predicted_reserved_bytes=result.reserved_bytes, method=result.method)
-        capacity = (gpu.memory_bytes, gpu.name) if gpu is not None else (available_ram_bytes(), "this machine's RAM")
+        # a CPU's free RAM excludes what the training already holds (its weights, states): add it back
+        held = 0 if gpu is not None else storage_bytes(training_tensors(model, optimizer))
+        free = available_ram_bytes()
+        capacity = (gpu.memory_bytes, gpu.name) if gpu is not None else (
+            None if free is None else free + held, "this machine's free RAM")
         if capacity[0] is not None:
             self.report["fits"] = result.peak_bytes <= capacity[0]
             if not self.report["fits"]:
@@ -79,20 +91,31 @@ class StepWatch:
                          f", more than the {format_bytes(capacity[0])} of {capacity[1]}: expect an out-of-memory "
                          "error (`memfit plan` finds a configuration that fits)")
 
+    def not_predicted(self, why: str) -> None:
+        """No prediction for this run (the steps are still measured): `why` goes in the report."""
+        self.predicted = True
+        self._failed("prediction_error", why)
+
     def begin_step(self, model: nn.Module, optimizer, batch=None) -> None:
         if not self.measuring or (self.meter is not None and self.meter.running):
             return
         self.meter = self.meter or StepPeakMeter(device_of(model))
         try:
             self.meter.start(training_tensors(model, optimizer, batch))
-        except Exception as exc:  # reported, never raised
+        except Exception as exc:  # reported, never raised; and not tried again
             self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
+            self.finish()
 
     def end_step(self) -> None:
         if self.meter is None or not self.meter.running:
             return
         peaks = self.report["measured_step_peaks"]
-        peaks.append(self.meter.stop())
+        try:
+            peaks.append(self.meter.stop())
+        except Exception as exc:  # reported, never raised
+            self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
+            self.finish()
+            return
         self.report["measured_peak_bytes"] = max(peaks)
         if self.meter.reserved_bytes is not None:
             self.report["measured_reserved_bytes"] = max(self.report.get("measured_reserved_bytes") or 0,
@@ -104,9 +127,12 @@ class StepWatch:
         """Log the one line (once): the prediction beside what the first steps measured."""
         if self.finished:
             return
-        if self.meter is not None and self.meter.running:   # training stopped inside a step
-            self.meter.stop()
         self.finished = True
+        if self.meter is not None and self.meter.running:   # training stopped inside a step
+            try:
+                self.meter.stop()
+            except Exception as exc:  # reported, never raised
+                self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
         predicted, measured = self.report["predicted_peak_bytes"], self.report["measured_peak_bytes"]
         if predicted and measured:
             self.report["measured/predicted"] = measured / predicted

@@ -86,6 +86,7 @@ def accelerate_config(plan, workload) -> str:
     import yaml  # a requirement of transformers
 
     settings, not_expressed = _from_techniques("accelerate", workload)
+    _with_engine("accelerate", workload, settings, not_expressed)
     world = workload.world_size
     config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU" if world > 1 else "NO",
               "mixed_precision": "no", "num_machines": num_nodes(world), "num_processes": world, "machine_rank": 0,
@@ -102,10 +103,26 @@ def accelerate_config(plan, workload) -> str:
 
 def lightning_arguments(plan, workload) -> dict:
     settings, not_expressed = _from_techniques("lightning", workload)
+    _with_engine("lightning", workload, settings, not_expressed)
     nodes = num_nodes(workload.world_size)
     kwargs = {"accelerator": "gpu", "devices": workload.world_size // nodes, "num_nodes": nodes,
               "accumulate_grad_batches": plan.grad_accum, **settings}
     return {"trainer_arguments": kwargs, "batch_size": plan.micro_batch, "not_expressed": not_expressed}
+
+
+def _with_engine(tool: str, workload, settings: dict, not_expressed: list[dict]) -> None:
+    """The workload's own settings that are not techniques: DeepSpeed's engine and its ZeRO stage (with its
+    precision, which a DeepSpeed workload's techniques do not carry), and ZeRO-1 over DDP."""
+    if workload.engine == "deepspeed":
+        engine = ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": workload.zero_stage}}
+                  if tool == "accelerate" else {"strategy": f"deepspeed_stage_{workload.zero_stage}"})
+        for technique in workload.field_techniques:   # the precision: DeepSpeed runs it itself
+            if technique.workload_field == "precision":
+                _merge(engine, technique.export(tool, workload).settings)
+        _merge(settings, engine)
+    elif workload.zero_stage == 1:
+        not_expressed.append({"setting": "--zero 1", "how": "wrap the optimizer in torch.distributed.optim."
+                                                            "ZeroRedundancyOptimizer in your training script"})
 
 
 def _from_techniques(tool: str, workload) -> tuple[dict, list[dict]]:
@@ -129,7 +146,7 @@ def _merge(into: dict, more: dict) -> None:
     for key, value in more.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
-        elif key == "stage" and key in into:
+        elif key in ("stage", "zero_stage") and key in into:
             into[key] = max(into[key], value)
         elif key == "strategy" and key in into:
             into[key] = max(into[key], value, key=len)

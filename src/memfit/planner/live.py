@@ -2,9 +2,10 @@
 
 The planner sizes thousands of configurations with the analytic estimator, which models an architecture from its
 transformer config; a live model brings its own (`model.config`). It is written to a config.json in the system's
-temporary folder and planned like any config file (the plan names that file), with the batch's size and sequence
-length. The live object itself is not used: the plan's runs build the architecture again from the config. A custom
-nn.Module without a transformer config is refused with the way to try techniques on it (`memfit.estimate`).
+temporary folder (the user's own) and planned like any config file (the plan names that file), with the batch's
+size and sequence length (the first tensor's first two dimensions). The live object itself is not used: the plan's
+runs build the architecture again from the config. A custom nn.Module without a transformer config is refused with
+the way to try techniques on it (`memfit.estimate`); so is a PEFT wrapper, whose config is its base model's.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def live_request(model: nn.Module, batch, *, gpu, **fields) -> PlanRequest:
                           "memfit.estimate(model, batch, techniques=[...]) (traced).")
     if gpu is None:
         raise MemfitError("memfit.plan(model, batch, gpu=...): name the GPU to plan for (memfit gpus lists them).")
+    if hasattr(model, "peft_config"):
+        raise MemfitError("a PEFT-wrapped model's config is its base model's: plan model.get_base_model() (with "
+                          "allow='lossy' the planner tries adapters itself).")
     batch_size, seq_len = batch_shape(describe_batch(batch))
     if fields.get("task", "train") == "train":
         fields.setdefault("global_batch", batch_size)
@@ -43,10 +47,10 @@ def live_request(model: nn.Module, batch, *, gpu, **fields) -> PlanRequest:
 def write_config(config: dict) -> str:
     """`config` as a config.json in the temporary folder, named by its content; its path."""
     text = json.dumps(config, indent=1, sort_keys=True, default=str)
-    folder = os.path.join(tempfile.gettempdir(), "memfit-live-configs")
-    os.makedirs(folder, exist_ok=True)
+    folder = os.path.join(tempfile.gettempdir(), f"memfit-live-configs-{os.getuid()}")   # this user's own
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, hashlib.sha1(text.encode()).hexdigest()[:16] + ".json")
-    if not os.path.exists(path):
-        with open(path, "w") as fh:
-            fh.write(text)
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".part", delete=False) as fh:
+        fh.write(text)
+    os.replace(fh.name, path)   # whole or not at all, whoever else writes the same config
     return path

@@ -112,7 +112,7 @@ class Checkpointing(Technique):
         if tool == "hf-trainer":
             return Export({"activation_checkpointing": True,
                            "activation_checkpointing_kwargs": {"use_reentrant": False}})
-        if tool == "accelerate" and workload.with_trait("shards-weights"):
+        if tool == "accelerate" and workload.with_trait("offloads-shards"):   # FSDP2: its fsdp_config
             return Export({"fsdp_config": {"fsdp_activation_checkpointing": True}})
         return Export({}, "enable it in the model (model.gradient_checkpointing_enable() for a transformers model)")
 

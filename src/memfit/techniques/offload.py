@@ -78,7 +78,7 @@ class CpuOffload(Technique):
     search_axis = "offload"
 
     def export(self, tool, workload) -> Export | None:
-        sharded = workload.with_trait("shards-weights") is not None   # FSDP2's CPUOffloadPolicy
+        sharded = workload.with_trait("offloads-shards") is not None   # FSDP2: its CPUOffloadPolicy
         if tool == "deepspeed":   # ZeRO-Offload: at least stage 1 (the optimizer states are partitioned to offload)
             return Export({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
                                                                                     "pin_memory": True}}})
@@ -87,7 +87,8 @@ class CpuOffload(Technique):
                 "distributed_type": "DEEPSPEED",
                 "deepspeed_config": {"zero_stage": 1, "offload_optimizer_device": "cpu"}})
         if tool == "lightning":   # Lightning registers no stage-1 offload: stage 2 is the same on one GPU
-            return Export({"strategy": "fsdp_cpu_offload" if sharded else "deepspeed_stage_2_offload"})
+            stage = max(2, workload.zero_stage)
+            return Export({"strategy": "fsdp_cpu_offload" if sharded else f"deepspeed_stage_{stage}_offload"})
         return None
 
     @classmethod
