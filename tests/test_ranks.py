@@ -20,7 +20,9 @@ SAME_RESULTS = [(("ddp",), 0), ((), 1), (("fsdp2",), 0), (("fsdp2", "cpu-offload
 # post-backward (8 MiB above the trace; what holds it was not pinned down): either is accepted.
 FSDP2_ROOT_GROUP_BYTES = (2 * 4096 * 256 + 256) * 4
 DEEPSPEED = {**SHAPE, "world_size": 2, "engine": "deepspeed", "precision": "bf16-mixed"}
-DEEPSPEED_CASES = [(1, ()), (2, ()), (3, ()), (2, ("cpu-offload",)), (3, ("cpu-offload",)), (2, ("checkpointing",))]
+# ZeRO-1, ZeRO-Offload and more DeepSpeed rows, with their host RAM, are measured in
+# benchmarks/technique_table_distributed.py: compiling DeepSpeed's CPU Adam for them costs the suite a minute and a half
+DEEPSPEED_CASES = [(2, ()), (3, ())]
 
 
 def _ranks_workload(techniques, zero):
@@ -101,17 +103,13 @@ def test_data_parallel_results_equal_one_process(techniques, zero, losses, on_ra
 @pytest.mark.xdist_group("ranks")
 @pytest.mark.parametrize("zero,techniques", DEEPSPEED_CASES)
 def test_deepspeed_engine_on_two_real_ranks(zero, techniques, on_ranks):
-    """DeepSpeed's ZeRO optimizers (and ZeRO-Offload) run on 2 gloo ranks; the analytic model of its states
-    and buffers against the measured peak, and the host RAM offload needs. A 1M-element reduction bucket
-    (2 MB) keeps the bucket from dominating the peak (see the default-bucket test)."""
+    """DeepSpeed's ZeRO optimizers run on 2 gloo ranks; the analytic model of its states and buffers against the
+    measured peak. A 1M-element reduction bucket (2 MB) keeps the bucket from dominating the peak (see the
+    default-bucket test)."""
     run = on_ranks[0][zero, techniques]
     assert len(run.extra["rank_peak_bytes"]) == 2
     assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
-    if "cpu-offload" in techniques:    # float32 masters, moments and gradients: 16 bytes per parameter / N
-        assert run.host_bytes >= 16 * run.num_parameters // 2
-        assert rel(run.extra["estimates"]["analytic"]["host_bytes"], run.host_bytes) < 0.10
-    else:
-        assert run.host_bytes == 0
+    assert run.host_bytes == 0
 
 
 @pytest.mark.distributed
