@@ -3,9 +3,10 @@
 The planner sizes thousands of configurations with the analytic estimator, which models an architecture from its
 transformer config; a live model brings its own (`model.config`). It is written to a config.json in the system's
 temporary folder (the user's own) and planned like any config file (the plan names that file), with the batch's
-size and sequence length (the first tensor's first two dimensions). The live object itself is not used: the plan's
-runs build the architecture again from the config. A custom nn.Module without a transformer config is refused with
-the way to try techniques on it (`memfit.estimate`); so is a PEFT wrapper, whose config is its base model's.
+size and sequence length (the first tensor's first two dimensions; for a vision model, its image side). The live
+object itself is not used: the plan's runs build the architecture again from the config. A custom nn.Module
+without a transformer config is refused with the way to try techniques on it (`memfit.estimate`); so is a PEFT
+wrapper, whose config is its base model's.
 """
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ def live_request(model: nn.Module, batch, *, gpu, **fields) -> PlanRequest:
     if hasattr(model, "peft_config"):
         raise MemfitError("a PEFT-wrapped model's config is its base model's: plan model.get_base_model() (with "
                           "allow='lossy' the planner tries adapters itself).")
-    batch_size, seq_len = batch_shape(describe_batch(batch))
+    description = describe_batch(batch)
+    batch_size, seq_len = batch_shape(description)
+    if hasattr(config, "image_size"):   # a vision model's sequence length is its image side, in pixels
+        first = description if description[0] == "tensor" else None
+        seq_len = first[1][-1] if first is not None else config.image_size
     if fields.get("task", "train") == "train":
         fields.setdefault("global_batch", batch_size)
     else:
