@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from published_gpu import GEN, LLAMA_3B, TITAN8B, TITAN_NOTE, write_results
+from published_gpu import GEN, TITAN8B, TITAN_NOTE, TT3B, write_results
 from rich.markup import escape
 from rich.table import Table
 
@@ -28,7 +28,6 @@ from memfit.techniques.resolve import resolve
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-TT3B = dict(model=LLAMA_3B, task="train", batch_size=2, seq_len=4096, precision="bf16", optimizer_impl="foreach")
 TT3B_TOKENS = 2 * 4096
 CAPPED = "the source's A100s are power-capped at 330 W (about 1.7 TB/s measured); memfit's A100 is the data sheet's"
 INT4 = "torchao's int4 weight-only (groups of 64) predicted as bitsandbytes NF4 (4-bit weights either way)"

@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.core.precision import autocast_precision
-from memfit.integrations.watch import StepWatch
+from memfit.integrations.watch import UNDER_DDP, StepWatch
 
 # Lightning's mixed precisions -> the dtype they autocast to (the others: the dtype the weights already have)
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -101,12 +100,10 @@ class MemfitCallback(*_callback_bases()):
             return
         notes = []
         if strategy == "DDPStrategy":
-            notes.append("predicted as one process: DDP's gradient buckets (one more copy of the gradients) are not "
-                         "in the prediction")
+            notes.append(UNDER_DDP)
         if len(trainer.optimizers) > 1:
             notes.append(f"{len(trainer.optimizers)} optimizers: predicted with the first")
         step = lightning_step(trainer.accumulate_grad_batches, trainer.gradient_clip_val,
                               trainer.gradient_clip_algorithm)
-        dtype = AUTOCAST_DTYPES.get(str(trainer.precision))
         self.watch.predict(pl_module, batch, optimizer=optimizer, step=step, notes=tuple(notes),
-                           precision=autocast_precision(dtype).name if dtype is not None else None)
+                           autocast_dtype=AUTOCAST_DTYPES.get(str(trainer.precision)))

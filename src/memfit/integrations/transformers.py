@@ -18,8 +18,7 @@ from collections.abc import Callable
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import autocast_precision
-from memfit.integrations.watch import StepWatch
+from memfit.integrations.watch import UNDER_DDP, StepWatch
 
 try:
     from transformers import TrainerCallback
@@ -27,10 +26,9 @@ except ImportError as exc:  # transformers is one of memfit's own requirements; 
     raise ImportError("memfit.integrations.transformers needs transformers (pip install transformers)") from exc
 
 
-def trainer_precision(args) -> str | None:
-    """memfit's precision for TrainingArguments' bf16/fp16 (autocast; None: the weights' own dtype)."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    return autocast_precision(dtype).name if dtype is not None else None
+def trainer_autocast_dtype(args) -> torch.dtype | None:
+    """The dtype TrainingArguments' bf16/fp16 autocast to (None: no mixed precision)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
 def loss_of(outputs) -> torch.Tensor:
@@ -137,11 +135,11 @@ class MemfitCallback(TrainerCallback):
         if not self.watch.predicted:
             notes = ()
             if self._args.world_size > 1:
-                notes += ("predicted as one process: DDP's gradient buckets (one more copy of the gradients) are not "
-                          "in the prediction",)
+                notes += (UNDER_DDP,)
             if args and kwargs:
                 notes += ("the model was called with positional and keyword arguments: predicted with the keywords",)
-            self.watch.predict(module, batch, optimizer=self._optimizer, precision=trainer_precision(self._args),
+            self.watch.predict(module, batch, optimizer=self._optimizer,
+                               autocast_dtype=trainer_autocast_dtype(self._args),
                                step=trainer_step(self._args.gradient_accumulation_steps, self._args.max_grad_norm),
                                notes=notes)
         self.watch.begin_step(module, self._optimizer, batch)

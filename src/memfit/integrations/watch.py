@@ -17,11 +17,15 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import precision_of_model
+from memfit.core.precision import autocast_precision, precision_of_model
 from memfit.core.units import format_bytes
 from memfit.measurement.live_step import StepPeakMeter, storage_bytes, training_tensors
 from memfit.measurement.run import available_ram_bytes
 from memfit.specs.hardware import gpu_of_device
+
+# a note for a trainer running DistributedDataParallel: its step is predicted as one process's
+UNDER_DDP = ("predicted as one process: DDP's gradient buckets (one more copy of the gradients) are not in the "
+             "prediction")
 
 
 def _to_stderr(line: str) -> None:
@@ -48,10 +52,10 @@ class StepWatch:
     def measuring(self) -> bool:
         return not self.finished and len(self.report["measured_step_peaks"]) < self.steps
 
-    def predict(self, model: nn.Module, batch, *, optimizer, precision: str | None, step: Callable,
+    def predict(self, model: nn.Module, batch, *, optimizer, autocast_dtype: torch.dtype | None, step: Callable,
                 notes: tuple[str, ...] = ()) -> None:
-        """memfit's traced estimate of `step` on `model` and `batch`, before the first step; warns when the
-        step is predicted not to fit the device."""
+        """memfit's traced estimate of `step` on `model` and `batch`, before the first step (under the trainer's
+        mixed precision, `autocast_dtype`, if any); warns when the step is predicted not to fit the device."""
         from memfit.estimators import estimate
 
         self.predicted = True
@@ -59,6 +63,7 @@ class StepWatch:
         gpu = gpu_of_device(str(device)) if device.type == "cuda" else None
         self.report["notes"] += list(notes)
         weights = precision_of_model(model)
+        precision = autocast_precision(autocast_dtype).name if autocast_dtype is not None else None
         if precision is not None and weights.param_dtype != torch.float32:   # autocast over half weights: as they are
             self.report["notes"].append(f"the weights are {weights.name}: autocast computes in them as they are")
             precision = None
@@ -71,11 +76,8 @@ class StepWatch:
                 warnings.simplefilter("ignore")   # the framework's own warnings, raised again in the fake run
                 result = estimate(model, batch, optimizer=optimizer, step=step, precision=precision, gpu=gpu,
                                   method="traced")
-        except MemfitError as exc:
-            self._failed("prediction_error", str(exc))
-            return
         except Exception as exc:  # a callback never stops training: say what failed
-            self._failed("prediction_error", f"{type(exc).__name__}: {exc}")
+            self._failed("prediction_error", exc)
             return
         self.report.update(predicted_peak_bytes=result.peak_bytes, predicted_phase=result.peak_phase,
                            predicted_reserved_bytes=result.reserved_bytes, method=result.method)
@@ -103,7 +105,7 @@ class StepWatch:
         try:
             self.meter.start(training_tensors(model, optimizer, batch))
         except Exception as exc:  # reported, never raised; and not tried again
-            self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
+            self._failed("measurement_error", exc)
             self.finish()
 
     def end_step(self) -> None:
@@ -113,7 +115,7 @@ class StepWatch:
         try:
             peaks.append(self.meter.stop())
         except Exception as exc:  # reported, never raised
-            self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
+            self._failed("measurement_error", exc)
             self.finish()
             return
         self.report["measured_peak_bytes"] = max(peaks)
@@ -132,7 +134,7 @@ class StepWatch:
             try:
                 self.meter.stop()
             except Exception as exc:  # reported, never raised
-                self._failed("measurement_error", f"{type(exc).__name__}: {exc}")
+                self._failed("measurement_error", exc)
         predicted, measured = self.report["predicted_peak_bytes"], self.report["measured_peak_bytes"]
         if predicted and measured:
             self.report["measured/predicted"] = measured / predicted
@@ -144,5 +146,8 @@ class StepWatch:
         ratio = f" (measured/predicted {self.report['measured/predicted']:.3f})" if predicted and measured else ""
         self.log(f"memfit: training step peak on {self.report.get('device', '?')}: {said}, {seen}{ratio}")
 
-    def _failed(self, key: str, message: str) -> None:
-        self.report[key] = message.splitlines()[0] if message else key
+    def _failed(self, key: str, why: str | BaseException) -> None:
+        """Report a failure in one line (memfit's own errors as they read, others with their type)."""
+        if isinstance(why, BaseException) and not isinstance(why, MemfitError):
+            why = f"{type(why).__name__}: {why}"
+        self.report[key] = str(why).splitlines()[0] if str(why) else key

@@ -44,25 +44,22 @@ class StepPeakMeter:
         self.on_cuda = self.device.type == "cuda"
         self._profiler = None
         self._baseline = 0
+        self.running = False
         self.reserved_bytes: int | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._profiler is not None or self._baseline < 0
 
     def start(self, tensors: Iterable[torch.Tensor]) -> None:
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._baseline = -1   # marks the CUDA meter as running
-            return
-        self._baseline = storage_bytes(tensors)
-        self._profiler = profiler.start_profiler()
+        else:
+            self._baseline = storage_bytes(tensors)
+            self._profiler = profiler.start_profiler()
+        self.running = True
 
     def stop(self) -> int:
+        self.running = False
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
-            self._baseline = 0
             self.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
             return torch.cuda.max_memory_allocated(self.device)
         prof, self._profiler = self._profiler, None

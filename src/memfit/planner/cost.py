@@ -89,7 +89,7 @@ class ModelShape:
         batch reads a few; a prefill, all)."""
         if not self.experts or not num_parameters:
             return 1.0
-        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** tokens) / self.experts
+        touched = 1 - (1 - self.top_k / self.experts) ** tokens   # the fraction of the experts read
         return (num_parameters - self.expert_params * (1 - touched)) / num_parameters
 
     def forward_flops(self, batch: int, seq: int) -> float:
