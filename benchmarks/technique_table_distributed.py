@@ -1,7 +1,8 @@
 """The technique table's last two families, measured side by side: distributed training and memory partitioning.
 
 Distributed (seed technique 8, and DeepSpeed's ZeRO): each layout trains tiny-llama on 2 real ranks (torchrun, gloo,
-this CPU), every rank on the same micro-batch as the one-process baseline: the highest per-rank peak of a real step
+this CPU; FSDP2 x tensor parallel on a 2 x 2 mesh on 4), every rank on the same micro-batch as the one-process
+baseline: the highest per-rank peak of a real step
 (CPU allocator, via `memfit measure`) with memfit's traced and analytic predictions beside it (DeepSpeed's engine
 has no trace: analytic only), host RAM, the median step time over a short run on the bundled text against one
 process's (gloo on one machine's CPU: communication is memory copies, not a network), and the loss after that run
@@ -45,7 +46,7 @@ from memfit.techniques.resolve import resolve  # noqa: E402
 
 MODEL, BATCH, SEQ, LR = "tiny-llama", 4, 256, 1e-3
 DEEPSPEED = {"engine": "deepspeed", "precision": "bf16-mixed", "reduce_bucket": 1_000_000}
-LAYOUTS = [   # (row label, the workload's fields on 2 ranks)
+LAYOUTS = [   # (row label, the workload's fields; on 2 ranks unless they say otherwise)
     ("ddp", {"techniques": ("ddp",)}),
     ("ddp + ZeRO-1 (ZeroRedundancyOptimizer)", {"zero_stage": 1}),
     ("fsdp2", {"techniques": ("fsdp2",)}),
@@ -53,6 +54,8 @@ LAYOUTS = [   # (row label, the workload's fields on 2 ranks)
     ("fsdp2 + cpu-offload", {"techniques": ("fsdp2", "cpu-offload")}),
     ("tensor-parallel", {"techniques": ("tensor-parallel",)}),
     ("pipeline-parallel (1f1b, 2 micro-batches)", {"techniques": ("pipeline-parallel",)}),
+    ("fsdp2 × tensor-parallel:size=2 (2-D mesh, 4 ranks: 4 processes on this CPU)",
+     {"techniques": ("fsdp2", "tensor-parallel:size=2"), "world_size": 4}),
     ("DeepSpeed ZeRO-1 (bf16)", {**DEEPSPEED, "zero_stage": 1}),
     ("DeepSpeed ZeRO-2 (bf16)", {**DEEPSPEED, "zero_stage": 2}),
     ("DeepSpeed ZeRO-3 (bf16)", {**DEEPSPEED, "zero_stage": 3}),
@@ -67,8 +70,8 @@ ALLOCATOR = ("expandable-segments", "release-cache")
 
 def layout_rows(steps: int, console: Console) -> list[dict]:
     """The one-process baseline and every layout: measured peaks, predictions, step times, losses."""
-    workloads = [resolve(Workload(model=MODEL, task="train", batch_size=BATCH, seq_len=SEQ, world_size=2, **fields))
-                 for _, fields in LAYOUTS]
+    workloads = [resolve(Workload(model=MODEL, task="train", batch_size=BATCH, seq_len=SEQ,
+                                  **{"world_size": 2, **fields})) for _, fields in LAYOUTS]
     baseline = resolve(Workload(model=MODEL, task="train", batch_size=BATCH, seq_len=SEQ))
     bf16_baseline = resolve(Workload(model=MODEL, task="train", batch_size=BATCH, seq_len=SEQ, precision="bf16-mixed"))
     started = time.perf_counter()
@@ -76,7 +79,7 @@ def layout_rows(steps: int, console: Console) -> list[dict]:
     deepspeed = [i for i, w in enumerate(workloads) if w.engine == "deepspeed"]
     measured = dict(zip(pytorch, measure_many([workloads[i] for i in pytorch], estimates=("traced", "analytic"))))
     measured |= dict(zip(deepspeed, measure_many([workloads[i] for i in deepspeed], estimates=("analytic",))))
-    console.print(f"[dim]measured {len(workloads)} layouts on 2 ranks: {time.perf_counter() - started:.0f} s[/dim]")
+    console.print(f"[dim]measured {len(workloads)} layouts on their ranks: {time.perf_counter() - started:.0f} s[/dim]")
     trained = train_ranks_runs(workloads, steps=steps, lr=LR)
     console.print(f"[dim]trained them {steps} steps: {time.perf_counter() - started:.0f} s[/dim]")
     batches = text_batches(batch_size=BATCH, seq_len=SEQ, num_batches=steps)
@@ -117,7 +120,8 @@ def partitioning_rows() -> list[dict]:
 
 def render(rows: list[dict], partitioning: list[dict], steps: int) -> list[Table]:
     base = rows[0]
-    layouts = Table(title=f"distributed layouts on 2 gloo ranks (this CPU): {MODEL}, micro-batch {BATCH} × seq {SEQ} "
+    layouts = Table(title=f"distributed layouts on 2 gloo ranks, the 2-D mesh on 4 (this CPU): {MODEL}, "
+                          f"micro-batch {BATCH} × seq {SEQ} "
                           f"per rank, {steps} training steps; the highest per-rank peak", title_justify="left")
     for column in ("layout", "ranks", "peak / rank", "peak Δ", "host RAM (analytic)", "traced / measured",
                    "analytic / measured", "step time ×", "loss after", "loss Δ"):

@@ -375,7 +375,7 @@ def test_bad_input_is_one_error_and_changes_nothing():
     for techniques, fragment in ((("pipeline-parallel:microbatches=3",), "does not split into 3"),
                                  (("pipeline-parallel:microbatches=1",), "at least as many micro-batches"),
                                  (("pipeline-parallel:schedule=zb",), "1f1b, gpipe"),
-                                 (("pipeline-parallel", "fsdp2"), "no 2-D mesh")):
+                                 (("pipeline-parallel", "fsdp2"), "the one 2-D mesh memfit runs")):
         with pytest.raises(MemfitError, match=fragment):
             ResolvedWorkload(model="tiny-llama", batch_size=4, world_size=2, techniques=techniques)
     with pytest.raises(MemfitError, match="ties its embeddings"):

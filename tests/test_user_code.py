@@ -1,5 +1,6 @@
 """The user's own code: model factories named as a file or a module in the current folder, and the user's own step
 (`--step`), traced and measured as it runs. Each test writes its code into a folder of its own, as a user would."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,30 @@ class Decoder(nn.Module):
 
 def build():
     return Decoder()
+
+
+def deep():
+    return Decoder(layers=8)
+
+
+class Stacked(nn.Module):
+    """Eight residual MLP blocks in one list."""
+
+    def __init__(self, vocab=512, dim=64, layers=8):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                  nn.Linear(4 * dim, dim)) for _ in range(layers))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def stacked():
+    return Stacked()
 
 
 def tied():
@@ -337,3 +362,43 @@ def test_a_live_transformers_model_is_planned_from_its_config():
     assert [p["peak_bytes"] for p in live.to_json()["plans"]] == [p["peak_bytes"] for p in named.to_json()["plans"]]
     with pytest.raises(MemfitError, match="a PlanRequest carries its GPU"):
         memfit.plan(memfit.PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090")), gpu="rtx-4090")
+
+
+def test_a_custom_model_is_planned_with_the_traced_estimator(user_folder, capsys):
+    """`memfit plan ./userdec.py:build --inputs ...`: every configuration sized by traces (cut to the model's first
+    blocks and extrapolated in depth, as for a transformer config), the step timed from the FLOPs PyTorch's counter
+    counts on a fake forward; plan 1's figures are the traced estimate of its own workload."""
+    from memfit.cli.main import main
+    from memfit.estimators.flops import forward_flops_per_token
+    from memfit.planner.search import device_bytes
+    from memfit.techniques.resolve import ResolvedWorkload as Resolved
+
+    code = main(["plan", "./userdec.py:build", "--inputs", "./userdec.py:tokens", "--gpu", "t4", "--seq-len", "64",
+                 "--global-batch", "1", "--top", "1", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["feasible"] and data["search"]["estimator"] == "traced"
+    best = data["plans"][0]
+    assert best["sources"]["memory"] == "traced" and best["time_parts_s"]["compute"] > 0
+    again = estimate(Resolved.from_json(best["workload"]), method="traced", gpu="t4")
+    assert device_bytes(again) == best["peak_bytes"]
+    linear_weights = sum(p.numel() for n, p in torch.nn.Module.named_parameters(
+        resolve_source("./userdec.py:build", "./userdec.py:tokens").build(device="meta", dtype=torch.float32))
+        if n.endswith("weight") and p.dim() == 2 and not n.startswith("emb"))
+    counted = forward_flops_per_token(_workload(batch_size=1, seq_len=64))
+    assert 2 * linear_weights <= counted < 2 * linear_weights * 1.5   # the matmuls, and attention's on 64 tokens
+
+
+def test_a_custom_model_cut_to_its_first_blocks_is_traced_as_the_whole(user_folder):
+    """A custom module's repeated blocks are traced at 2, 3 and 4 of them and extrapolated, as a transformer's: the
+    full trace's figures. Blocks kept in parallel lists (qkv[i], mlp[i]) are cut together; their trace does not
+    step block by block, the check says so, and the whole model is traced instead."""
+    from memfit.specs.model_source import block_stacks
+
+    for factory, parallel in (("stacked", False), ("deep", True)):
+        workload = ResolvedWorkload(model=f"./userdec.py:{factory}", inputs="./userdec.py:tokens", batch_size=2,
+                                    seq_len=64)
+        depth, stacks = block_stacks(workload.source.build(device="meta", dtype=torch.float32))
+        assert depth == 8 and len(stacks) == (2 if parallel else 1)
+        short, full = estimate(workload, method="traced"), estimate(workload, method="traced", full_trace=True)
+        assert any(("extrapolation check failed" if parallel else "extrapolated") in n for n in short.notes)
+        assert (short.peak_bytes, short.at_peak) == (full.peak_bytes, full.at_peak)

@@ -22,12 +22,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "(instead of a model and flags)")
     parser.add_argument("--plan-index", type=int, default=0, metavar="K", help="which plan of the file (default 0, "
                                                                                "the best)")
-    parser.add_argument("--step", metavar="MODULE:FUNCTION",
-                        help="your own step: package.module:function or path/file.py:function, called as "
-                             "fn(model, batch, optimizer) (optimizer None for --task inference); traced and measured "
-                             "as it runs")
-    parser.add_argument("--inputs", help="package.module:function(batch_size, seq_len) returning the batch "
-                                         "(needed for a custom module)")
+    add_user_code_arguments(parser)
     parser.add_argument("--task", default="train", help=f"one of {', '.join(TASKS)} (default train)")
     parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size (default 1)")
     parser.add_argument("--seq-len", type=int, default=None,
@@ -49,6 +44,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-t", "--technique", action="append", default=[], dest="techniques", metavar="NAME[:k=v,...]",
                         help="apply a memory technique (repeatable; see `memfit techniques`)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def add_user_code_arguments(parser: argparse.ArgumentParser) -> None:
+    """--step and --inputs: the user's own step and a custom module's batch."""
+    parser.add_argument("--step", metavar="MODULE:FUNCTION",
+                        help="your own step: package.module:function or path/file.py:function, called as "
+                             "fn(model, batch, optimizer) (optimizer None for --task inference); traced and measured "
+                             "as it runs")
+    parser.add_argument("--inputs", help="package.module:function(batch_size, seq_len) returning the batch "
+                                         "(needed for a custom module)")
 
 
 def workload_from(args: argparse.Namespace) -> ResolvedWorkload:

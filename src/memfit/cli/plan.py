@@ -7,7 +7,13 @@ import sys
 
 from rich.console import Console
 
-from memfit.cli.common import check_output_path, command_line, output_console, print_json
+from memfit.cli.common import (
+    add_user_code_arguments,
+    check_output_path,
+    command_line,
+    output_console,
+    print_json,
+)
 from memfit.core.errors import MemfitError
 from memfit.core.units import parse_bytes
 from memfit.planner import PlanRequest, plan
@@ -21,7 +27,10 @@ from memfit.specs.instances import Instance, get_instance, instance_catalog, par
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="find the fastest combination of techniques that fits your GPUs")
-    parser.add_argument("model", help="catalog name (memfit models) or a Hugging Face config.json / folder")
+    parser.add_argument("model", help="catalog name (memfit models), a Hugging Face config.json / folder or hub id, "
+                                      "or package.module:function / path/file.py:function returning an nn.Module "
+                                      "(planned with the traced estimator)")
+    add_user_code_arguments(parser)
     parser.add_argument("--gpu", help="target GPU (memfit gpus); --instance implies it")
     parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (default 1, or all of --instance's; "
                                                                "up to 8 share a node)")
@@ -67,7 +76,8 @@ def request_from(args: argparse.Namespace, instance: Instance | None = None) -> 
         raise MemfitError("memfit plan needs --gpu (memfit gpus) or --instance (memfit instances).")
     gpu = get_gpu(args.gpu) if args.gpu else instance.gpu
     return PlanRequest(
-        model=args.model, gpu=gpu, task=args.task, seq_len=args.seq_len, global_batch=args.global_batch,
+        model=args.model, inputs=args.inputs, step=args.step, gpu=gpu, task=args.task, seq_len=args.seq_len,
+        global_batch=args.global_batch,
         batch_size=args.batch_size, new_tokens=args.new_tokens,
         num_gpus=args.gpus if args.gpus is not None else instance.gpus if instance else 1,
         host_ram_bytes=parse_bytes(args.host_ram) if args.host_ram is not None

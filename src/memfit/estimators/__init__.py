@@ -1,10 +1,12 @@
 """Estimators: traced (the real step on fake tensors) and analytic (closed forms)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import analytic_estimate
+from memfit.estimators.analytic import count_parameters as analytic_parameters
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import GPU, get_gpu
@@ -26,6 +28,14 @@ def methods_for(workload: Workload) -> tuple[str, ...]:
     if not workload.source.is_hf or workload.with_trait("traced-only") or workload.step is not None:
         return ("traced",)
     return ("traced", "analytic")
+
+
+def count_parameters(workload: Workload) -> int:
+    """The parameters of the workload's model (from its config's closed forms, else built on the meta device)."""
+    workload = resolve(workload)
+    if workload.source.is_hf:
+        return analytic_parameters(workload)
+    return sum(p.numel() for p in workload.source.build(device="meta", dtype=torch.float32).parameters())
 
 
 def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto", gpu: GPU | str | None = None,

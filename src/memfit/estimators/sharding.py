@@ -3,9 +3,9 @@
 Bytes on one rank = sum over categories of weight[c] * bytes[c] / divisor, in integers, so that a
 sharded timeline can be re-peaked exactly. Stage 1 shards optimizer states (and the optimizer
 step's temporaries, key "optimizer_temporaries"), stage 2 also gradients, stage 3 also parameters,
-each over `world_size` ranks; a layout that shards like ZeRO-3 declares it (`zero_stage`). Data parallel
-(stages 0 and 1 with the PyTorch engine) adds its gradient buckets in the analytic engine itself; a trace of
-a layout over ranks runs it for real.
+each over the data-parallel ranks (`world_size`, or on a 2-D mesh the groups a split layout leaves); a layout
+that shards like ZeRO-3 declares it (`zero_stage`). Data parallel (stages 0 and 1 with the PyTorch engine) adds
+its gradient buckets in the analytic engine itself; a trace of a layout over ranks runs it for real.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def ranks_to_estimate(workload: ResolvedWorkload, method: str) -> tuple[list[int
 def state_weights(workload: ResolvedWorkload, *, traced: bool = False) -> tuple[dict[str, int], int, list[str]]:
     """`traced`: a trace of a layout over ranks (ddp, fsdp2, tensor-parallel) runs rank 0's real step, so it
     needs no weights."""
-    n = workload.world_size
+    n = workload.data_parallel_size   # on a 2-D mesh the states shard over the data-parallel axis only
     weights = {name: n for name in CATEGORIES}
     notes: list[str] = []
     ones = {name: 1 for name in CATEGORIES}
-    if (n == 1 or workload.task != "train" or (workload.layout and traced)
+    if (workload.world_size == 1 or workload.task != "train" or (workload.layout and traced)
             or workload.engine == "deepspeed"):   # the analytic estimator shards DeepSpeed's states itself
         return ones, 1, notes
     stage = effective_zero_stage(workload)

@@ -167,8 +167,16 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     depths = None if whole else extrapolation_depths(source.num_layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
-    if depths:
+    if depths and not source.is_hf:   # a custom module cut to its first blocks may not run (a forward that counts them)
+        try:
+            runs = {n: _trace_once(workload, gpu, n) for n in depths}
+        except Exception as exc:   # the whole model is traced below, and raises what is really wrong
+            notes.append(f"the first {depths[0]} blocks alone did not run ({type(exc).__name__}); traced every "
+                         "layer instead")
+            depths = None
+    elif depths:
         runs = {n: _trace_once(workload, gpu, n) for n in depths}
+    if depths:
         try:
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
             host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, source.num_layers)

@@ -33,7 +33,7 @@ from memfit.techniques.resolve import resolve
 def measure_ranks_many(workloads: Sequence[Workload]) -> list[MemoryEstimate]:
     """Each workload measured on its ranks: the rank with the highest peak, every rank's peak beside it."""
     measured = []
-    for workload, per_rank in zip(workloads, _run_jobs([(w, {"job": "measure"}) for w in workloads])):
+    for workload, per_rank in zip(workloads, run_rank_jobs([(w, {"job": "measure"}) for w in workloads])):
         results = [MemoryEstimate.from_json(r) for r in per_rank]
         top = max(results, key=lambda r: r.peak_bytes)
         top.extra["rank_peak_bytes"] = [r.peak_bytes for r in results]
@@ -51,10 +51,10 @@ def train_ranks_many(workloads: Sequence[Workload], *, steps: int, lr: float | N
 
 def train_ranks_runs(workloads: Sequence[Workload], *, steps: int, lr: float | None = None) -> list[list[dict]]:
     """`train_ranks_many`, with each rank's step times: {"losses": [...], "step_seconds": [...]} per rank."""
-    return _run_jobs([(w, {"job": "train", "steps": steps, "lr": lr}) for w in workloads])
+    return run_rank_jobs([(w, {"job": "train", "steps": steps, "lr": lr}) for w in workloads])
 
 
-def _run_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
+def run_rank_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
     """Each job's result on every rank, in the jobs' order: one launch per world size."""
     for offload in {bool(resolve(w).with_trait("host-optimizer")) for w, _ in jobs if w.engine == "deepspeed"}:
         build_deepspeed_ops(offload=offload)

@@ -12,7 +12,8 @@ Each technique adds its own terms through two hooks (techniques/base.py): `cost_
 compute by its step-time factor (assumed, see `memfit techniques`); `cost_overhead` adds the seconds it spends
 beside the compute (collectives, host copies, a host optimizer step). The collectives are the formulas below:
 ring collectives move 2 (N - 1) / N of the bytes (all-reduce) or (N - 1) / N (all-gather, reduce-scatter) at
-the GPU's interconnect bandwidth (NVLink: half the bidirectional figure; beyond one node: NETWORK_GBPS),
+the GPU's interconnect bandwidth (NVLink: half the bidirectional figure; a collective over more than one node:
+the network's share per GPU, CostModel.network_gbps — the instance's own network when a plan is for one),
 overlapped with compute where the technique's hook says so. DeepSpeed's engine (not a technique) uses the
 same: ZeRO-3 gathers like a sharded layout, ZeRO-1/2 all-reduce the gradients like data parallel.
 The constants (CostModel) are assumed for GPUs; a CostModel measured on the target replaces them (the oracle
@@ -28,6 +29,7 @@ from memfit.core.precision import get_precision
 from memfit.estimators.analytic import offload_host_bytes
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.flops import forward_flops_per_token
 from memfit.specs.hardware import GPU
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -48,6 +50,7 @@ class CostModel:
     comm_overlap: float = 0.8    # fraction of the compute that hides collectives
     copy_overlap: float = 0.8    # fraction that hides host <-> device copies (a GPU's copy engines; a CPU has none)
     optimizer_s_per_param: tuple[tuple[str, float], ...] = ()   # measured step seconds per parameter, by optimizer
+    network_gbps: float = NETWORK_GBPS   # GB/s per GPU between nodes (PlanRequest takes an instance's own)
     source: str = "assumed"
 
 
@@ -65,9 +68,13 @@ class ModelShape:
     expert_params: int = 0   # a mixture of experts: the experts' parameters, all layers
     experts: int = 0
     top_k: int = 0
+    counted_flops_per_token: float = 0.0   # a custom model: its forward's FLOPs counted on a fake copy (no shape)
 
     @classmethod
     def of(cls, workload: ResolvedWorkload, num_parameters: int) -> ModelShape:
+        if not workload.source.is_hf:   # a custom model: what PyTorch's FLOP counter counts
+            return cls(layers=0, hidden=0, attn_width=0, vocab=0, active_params=num_parameters, causal=False,
+                       counted_flops_per_token=forward_flops_per_token(workload))
         _, spec = registry.family_of(workload.source)
         hidden = getattr(spec, "hidden", None) or spec.d_model
         heads = spec.heads
@@ -93,6 +100,8 @@ class ModelShape:
         return (num_parameters - self.expert_params * (1 - touched)) / num_parameters
 
     def forward_flops(self, batch: int, seq: int) -> float:
+        if self.counted_flops_per_token:
+            return self.counted_flops_per_token * batch * seq
         attention = (2 if self.causal else 4) * self.layers * batch * seq * seq * self.attn_width
         return 2 * self.active_params * batch * seq + attention
 
@@ -134,13 +143,19 @@ class Step:
     redo_s: float = 0.0      # its recompute
     parts: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def link_bytes_per_s(self) -> float:
+    def group_link_bytes_per_s(self, ranks: int) -> float:
+        """A collective over `ranks` consecutive GPUs: their own links within one node; beyond it, the network
+        between the nodes bounds it."""
         per_direction = (self.gpu.interconnect_gbps / 2 if self.gpu.interconnect.startswith("nvlink")
                          else self.gpu.interconnect_gbps)
-        if self.num_gpus > GPUS_PER_NODE:
-            per_direction = min(per_direction, NETWORK_GBPS)
+        if ranks > GPUS_PER_NODE:
+            per_direction = min(per_direction, self.cost.network_gbps)
         return per_direction * LINK_EFFICIENCY * 1e9
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """A collective over every GPU."""
+        return self.group_link_bytes_per_s(self.num_gpus)
 
     @property
     def pcie_bytes_per_s(self) -> float:
@@ -173,20 +188,27 @@ class Step:
     def sharded_gathers_s(self, gathers: int) -> float:
         """A sharded layout's collectives (FSDP2, ZeRO-3): `gathers` all-gathers of the parameters and one
         reduce-scatter of the gradients per micro-step, overlapped with its compute."""
-        n = self.workload.world_size
+        n = self.workload.data_parallel_size   # on a 2-D mesh: the groups a split layout leaves
         full_params = self.state_bytes("parameters") * n
         per_micro = (gathers + 1) * (n - 1) / n * full_params / self.link_bytes_per_s
         return max(0.0, per_micro - self.cost.comm_overlap * (self.work_s + self.redo_s)) * self.accum
 
     def gradient_all_reduce_s(self, gradient_bytes: float) -> float:
         """Data parallel (DDP, ZeRO-1/2): one all-reduce of the gradients per step, overlapped with backward."""
-        n = self.workload.world_size
+        n = self.workload.data_parallel_size
         all_reduce = 2 * (n - 1) / n * gradient_bytes / self.link_bytes_per_s
         return max(0.0, all_reduce - self.cost.comm_overlap * self.backward_share(self.work_s))
 
     def activation_host_bytes(self) -> int:
-        """Host bytes the step's saved activations take (the host bytes beyond an offloaded optimizer's)."""
-        return max(0, self.estimate.host_bytes - sum(offload_host_bytes(self.workload)))
+        """Host bytes the step's saved activations take (the host bytes beyond an offloaded optimizer's: its closed
+        form for a transformer config; for a custom model, float32 master weights, gradients and AdamW's two states,
+        16 bytes per parameter at most)."""
+        w = self.workload
+        if w.source.is_hf:
+            held = sum(offload_host_bytes(w))
+        else:
+            held = 16 * self.estimate.num_parameters if w.with_trait("host-optimizer") else 0
+        return max(0, self.estimate.host_bytes - held)
 
     def add(self, part: str, seconds: float) -> None:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
@@ -272,7 +294,6 @@ def timing(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, cost:
     batch (inference), and the tokens per second per GPU that makes (generated tokens when it decodes)."""
     timed = step_time(workload, estimate, gpu, grad_accum=1, num_gpus=workload.world_size, cost=cost)
     n = workload.world_size
-    replicas = workload.layout.layout_shape(n)[1] if workload.layout is not None else n   # each its own batch
-    tokens = workload.batch_size * (workload.new_tokens or workload.effective_seq_len) * replicas
+    tokens = workload.batch_size * (workload.new_tokens or workload.effective_seq_len) * workload.data_parallel_size
     return {"step_time_s": round(timed.total_s, 6), "tokens_per_second_per_gpu": round(tokens / timed.total_s / n, 3),
             "time_parts_s": {k: round(v, 6) for k, v in timed.parts.items()}, "time_source": cost.source}

@@ -5,8 +5,8 @@ transformer config; a live model brings its own (`model.config`). It is written 
 temporary folder (the user's own) and planned like any config file (the plan names that file), with the batch's
 size and sequence length (the first tensor's first two dimensions; for a vision model, its image side). The live
 object itself is not used: the plan's runs build the architecture again from the config. A custom nn.Module
-without a transformer config is refused with the way to try techniques on it (`memfit.estimate`); so is a PEFT
-wrapper, whose config is its base model's.
+without a transformer config is refused with the ways out (plan it by its factory, traced; or `memfit.estimate`);
+so is a PEFT wrapper, whose config is its base model's.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ def live_request(model: nn.Module, batch, *, gpu, **fields) -> PlanRequest:
     """The PlanRequest for `model` (with a transformers `config`) and its `batch`; `fields` are PlanRequest's."""
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
-        raise MemfitError(f"memfit.plan sizes configurations with the analytic estimator, which needs a transformer "
-                          f"config; {type(model).__name__} has none (no `model.config`): try techniques on it with "
-                          "memfit.estimate(model, batch, techniques=[...]) (traced).")
+        raise MemfitError(f"memfit.plan of a live model plans its transformer config; {type(model).__name__} has none "
+                          "(no `model.config`): plan the module by its factory (PlanRequest(model='package.module:"
+                          "function', inputs=...), planned with the traced estimator), or try techniques on it with "
+                          "memfit.estimate(model, batch, techniques=[...]).")
     if gpu is None:
         raise MemfitError("memfit.plan(model, batch, gpu=...): name the GPU to plan for (memfit gpus lists them).")
     if hasattr(model, "peft_config"):

@@ -1,7 +1,6 @@
 """`plan`: search, cost, rank, and say why when nothing fits."""
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -10,7 +9,7 @@ from torch import nn
 
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
-from memfit.estimators.analytic import count_parameters
+from memfit.estimators import count_parameters
 from memfit.estimators.effects import describe, measured_accuracy
 from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, step_time
@@ -19,9 +18,8 @@ from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, change_of, estimate_for, lower_bound_estimate, risk_of
 from memfit.specs.instances import usual_host_ram
-from memfit.specs.workload import Workload
 from memfit.techniques.base import CHANGES
-from memfit.techniques.resolve import ResolvedWorkload, all_techniques, resolve, without_technique
+from memfit.techniques.resolve import ResolvedWorkload, all_techniques, without_technique
 
 
 def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[str], None] | None = None,
@@ -42,7 +40,6 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
         raise MemfitError("a PlanRequest carries its GPU, batch and settings; pass them to the PlanRequest, or pass a "
                           "live model and its batch.")
     started = time.perf_counter()
-    _require_analytic(request)
     search = Search(request, progress)
     accepted = search.workloads()
     num_parameters = count_parameters(accepted[0][1]) if accepted else 0
@@ -63,7 +60,11 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
                                 min(p.time.total_s for p in feasible) * (1 + request.speed_margin))):
             break
         search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
-        result = search.evaluate(candidate, workload, per_replica)
+        try:
+            result = search.evaluate(candidate, workload, per_replica)
+        except MemfitError as exc:   # a combination only its estimate finds impossible (pruned heads that do not split)
+            search.rejected[str(exc)] += 1
+            continue
         result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
         timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
                           num_gpus=candidate.num_gpus, cost=request.cost)
@@ -91,7 +92,7 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
 
 
 def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
-    """What each technique of the plan saves: the analytic peak without it, minus the plan's (same batch)."""
+    """What each technique of the plan saves: the peak without it, minus the plan's (same batch and estimator)."""
     workload = chosen.workload(request)
     rows = []
     for technique in all_techniques(workload):
@@ -101,7 +102,7 @@ def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
             without = estimate_for(request, without_technique(workload, technique))
         except MemfitError:   # the plan needs it (e.g. its rules): no saving to compare
             continue
-        rows.append(describe(technique, without=without, with_it=chosen.estimate) | {"method": "analytic"})
+        rows.append(describe(technique, without=without, with_it=chosen.estimate) | {"method": without.method})
     return rows
 
 
@@ -257,13 +258,3 @@ def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> Non
         search.progress(f"tracing plan {index + 1}/{len(plans)}")
         traced = traced_estimate(chosen.workload(request), None if request.on_cpu else request.gpu)
         chosen.estimate.extra["traced_peak_bytes"] = traced.peak_bytes + traced.overhead_bytes
-
-
-def _require_analytic(request: PlanRequest) -> None:
-    factory = ":" in request.model and not os.path.exists(request.model)   # module:function or path/file.py:function
-    is_hf = not factory and resolve(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
-                                             new_tokens=request.new_tokens)).source.is_hf
-    if not is_hf:
-        raise MemfitError(f"memfit plan sizes thousands of configurations with the analytic estimator, which needs "
-                          f"a transformer config; {request.model!r} is a custom module: try techniques on it with "
-                          "`memfit estimate ... -t NAME` (traced).")

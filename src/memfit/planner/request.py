@@ -4,7 +4,7 @@ Validated at construction: every bad value is a MemfitError naming it, the rule 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memfit.core.errors import MemfitError, closest, require_positive_int
 from memfit.planner.cost import ASSUMED, GPUS_PER_NODE, CostModel
@@ -25,6 +25,8 @@ DEFAULT_SPEED_MARGIN = 0.10
 class PlanRequest:
     model: str
     gpu: GPU
+    inputs: str | None = None   # a custom model's batch: module:function(batch_size, seq_len), as for estimate
+    step: str | None = None     # the user's own training step (module:function(model, batch, optimizer))
     task: str = "train"
     seq_len: int | None = None
     global_batch: int | None = None      # train: sequences per optimizer step over all GPUs (default: one per GPU)
@@ -56,6 +58,8 @@ class PlanRequest:
             if self.task != "train":
                 raise MemfitError("--global-batch is the training batch per optimizer step; for --task inference "
                                   "pass --batch-size.")
+        if self.step is not None and self.task != "train":
+            raise MemfitError("--step is the user's own training step; drop it for --task inference.")
         if self.new_tokens and self.task != "inference":
             raise MemfitError(f"--new-tokens {self.new_tokens} only applies to --task inference.")
         if self.allow not in ALLOW:
@@ -78,6 +82,9 @@ class PlanRequest:
             raise MemfitError("--host-ram must not be negative.")
         if self.instance is not None:
             self._check_instance(self.instance)
+            if self.instance.network_gbps:   # its network between machines, shared by its GPUs (Gbit/s -> GB/s)
+                object.__setattr__(self, "cost", replace(
+                    self.cost, network_gbps=self.instance.network_gbps / 8 / self.instance.gpus))
 
     def _check_instance(self, instance: Instance) -> None:
         if self.gpu.name != instance.gpu.name:
@@ -112,7 +119,8 @@ class PlanRequest:
         return self.instance.usd_per_hour * -(-self.num_gpus // self.instance.gpus)
 
     def to_json(self) -> dict:
-        return {"model": self.model, "gpu": self.gpu.name, "task": self.task, "seq_len": self.seq_len,
+        return {"model": self.model, "inputs": self.inputs, "step": self.step, "gpu": self.gpu.name,
+                "task": self.task, "seq_len": self.seq_len,
                 "instance": self.instance.name if self.instance else None,
                 "global_batch": self.sequences if self.task == "train" else None, "batch_size": self.batch_size,
                 "new_tokens": self.new_tokens, "num_gpus": self.num_gpus, "host_ram_bytes": self.host_ram_bytes,

@@ -33,6 +33,12 @@ class PlanResult:
     def feasible(self) -> bool:
         return bool(self.plans)
 
+    @property
+    def memory_method(self) -> str:
+        """The estimator the search sized plans with: analytic (a transformer config), traced (a custom model or the
+        user's own step)."""
+        return self.evaluated[0].estimate.method if self.evaluated else "analytic"
+
     def plan_json(self, index: int) -> dict:
         chosen = self.plans[index]
         estimate = chosen.estimate
@@ -47,7 +53,8 @@ class PlanResult:
             "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
             "headroom_bytes": self.request.gpu.memory_bytes - chosen.device_bytes,
             "peak_phase": estimate.peak_phase, "time_parts_s": {k: round(v, 6) for k, v in chosen.time.parts.items()},
-            "ppl_increase": chosen.ppl_increase, "sources": {"memory": "analytic", "time": self.request.cost.source},
+            "ppl_increase": chosen.ppl_increase,
+            "sources": {"memory": estimate.method, "time": self.request.cost.source},
             "workload": chosen.workload(self.request).to_json(),
         }
         if estimate.reserved_bytes is not None:   # a GPU target: what the plan's fit was judged on
@@ -68,6 +75,7 @@ class PlanResult:
                 "suggestions": self.suggestions, "warnings": self.warnings, "tradeoff": self.tradeoff,
                 "request": self.request.to_json(),
                 "search": {"candidates_sized": len(self.evaluated), "estimates": self.num_estimates,
+                           "estimator": self.memory_method,
                            "rejected_by_rules": sum(self.rejected.values()), "elapsed_s": round(self.elapsed_s, 3)}}
 
 

@@ -1,6 +1,7 @@
 """The search: the fastest (or smallest) configuration whose predicted per-GPU peak fits.
 
-For each candidate (space.py) the analytic estimator (milliseconds) sizes the step at the smallest
+For each candidate (space.py) the analytic estimator (milliseconds; for a custom module or the user's own step,
+which it cannot run, the traced estimator, and no workload is estimated twice) sizes the step at the smallest
 micro-batch; a candidate that fits there is sized at the next micro-batch too, the peak taken as linear
 in the micro-batch between them (activations grow with it, model states do not), the largest
 micro-batch predicted to fit is estimated exactly, and stepped down until it does. Gradient accumulation
@@ -9,19 +10,22 @@ the allocator's simulated reserve (gpu_overhead.py) <= device memory x (1 - marg
 (expandable segments) changes the reserve, so a plan that only fits that way gets it (space.allocator_options).
 
 With the `fastest` objective candidates are tried in order of a FLOPs-only lower bound on their step
-time, and the search stops once that bound is slower than the plans already found. Nothing is traced
-unless asked (`verify_traced`).
+time, and the search stops once that bound is slower than the plans already found. A transformer config's
+plans are traced only when asked (`verify_traced`).
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memfit.core.categories import zero_categories
 from memfit.core.errors import MemfitError
+from memfit.estimators import methods_for
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, StepTime
 from memfit.planner.request import PlanRequest
 from memfit.planner.space import Candidate, allocator_options, candidates
@@ -59,8 +63,12 @@ class Evaluated:
 
 
 def estimate_for(request: PlanRequest, workload: ResolvedWorkload) -> MemoryEstimate:
-    """The analytic estimate for the request's target (the GPU's kernels and overheads, or this CPU's)."""
-    return analytic_estimate(workload, None if request.on_cpu else request.gpu)
+    """The estimate for the request's target (the GPU's kernels and overheads, or this CPU's): analytic for a
+    transformer config, traced for a custom model or the user's own step (what the analytic model cannot run)."""
+    gpu = None if request.on_cpu else request.gpu
+    if "analytic" in methods_for(workload):
+        return analytic_estimate(workload, gpu)
+    return traced_estimate(workload, gpu)
 
 
 def divisors(n: int) -> list[int]:
@@ -79,14 +87,18 @@ class Search:
         self.rejected: Counter[str] = Counter()
         self.evaluated: list[Evaluated] = []
         self.num_estimates = 0
-        self.base = resolve(Workload(model=request.model, task=request.task, seq_len=request.seq_len,
-                                     new_tokens=request.new_tokens))
+        self.base = resolve(Workload(model=request.model, inputs=request.inputs, task=request.task,
+                                     seq_len=request.seq_len, new_tokens=request.new_tokens))
+        self._estimates: dict[str, MemoryEstimate] = {}   # by workload: a trace is not made twice
         self.allocator_options = allocator_options(request, self.base)
 
     # ---- one candidate -----------------------------------------------------------------------
     def _estimate(self, workload: ResolvedWorkload) -> MemoryEstimate:
-        self.num_estimates += 1
-        return estimate_for(self.request, workload)
+        key = json.dumps(workload.to_json(), sort_keys=True)
+        if key not in self._estimates:
+            self.num_estimates += 1
+            self._estimates[key] = estimate_for(self.request, workload)
+        return self._estimates[key]
 
     def _sized(self, candidate: Candidate, micro_batch: int, estimate: MemoryEstimate,
                per_replica: int) -> Evaluated:

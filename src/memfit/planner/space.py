@@ -43,8 +43,9 @@ class Candidate:
     implied: tuple[str, ...] = field(default=(), compare=False)   # techniques the workload adds by itself
 
     def workload(self, request: PlanRequest, micro_batch: int) -> ResolvedWorkload:
-        return resolve(Workload(model=request.model, task=request.task, batch_size=micro_batch,
-                                seq_len=request.seq_len, new_tokens=request.new_tokens, precision=self.precision,
+        return resolve(Workload(model=request.model, inputs=request.inputs, step=request.step, task=request.task,
+                                batch_size=micro_batch, seq_len=request.seq_len, new_tokens=request.new_tokens,
+                                precision=self.precision,
                                 optimizer=self.optimizer, world_size=self.world_size, zero_stage=self.zero_stage,
                                 engine=self.engine, techniques=self.techniques))
 
@@ -86,8 +87,9 @@ def _precisions(request: PlanRequest, values: list[str]) -> list[str]:
 
 def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
     """How the GPUs are used, each a partial candidate (precision filled in later): one device; or over N, the
-    workload's own data parallel (with ZeRO-1), DeepSpeed's ZeRO stages, replicas serving apart, and the layout
-    techniques' values."""
+    workload's own data parallel (with ZeRO-1), DeepSpeed's ZeRO stages, replicas serving apart, the layout
+    techniques' values, and the pairs of them that share a 2-D mesh (tensor parallel within groups of GPUs, a
+    sharding layout across the groups)."""
     n = request.num_gpus
     if n == 1:
         return [Candidate("fp32")]
@@ -98,10 +100,18 @@ def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
         layouts += [Candidate("fp32", world_size=n, zero_stage=stage, data_parallel=n) for stage in (0, 1)]
         layouts += [Candidate("fp32", world_size=n, zero_stage=stage, engine="deepspeed", data_parallel=n)
                     for stage in (1, 2, 3)]
-    for spec in techniques:
-        world_size, data_parallel, batch_multiple = parse_technique(spec).layout_shape(n)
+    parsed = {spec: parse_technique(spec) for spec in techniques}
+    for spec, technique in parsed.items():
+        if 1 < technique.model_ranks(n) < n:
+            continue   # splits each copy of the model over part of the GPUs: paired below with a layout across them
+        world_size, data_parallel, batch_multiple = technique.layout_shape(n)
         layouts.append(Candidate("fp32", techniques=(spec,), world_size=world_size, data_parallel=data_parallel,
                                  batch_multiple=batch_multiple))
+    for (split, splitting), (across, technique) in itertools.permutations(parsed.items(), 2):
+        if splitting.shares_mesh_with(technique):   # a 2-D mesh: one splits within groups, the other spans them
+            world_size, data_parallel, batch_multiple = splitting.layout_shape(n)
+            layouts.append(Candidate("fp32", techniques=(split, across), world_size=world_size,
+                                     data_parallel=data_parallel, batch_multiple=batch_multiple))
     return layouts
 
 

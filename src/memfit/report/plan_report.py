@@ -50,8 +50,8 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         best = result.plan_json(0)
         parts = ", ".join(f"{name} {_seconds(value)}" for name, value in best["time_parts_s"].items() if value)
         console.print(f"[dim]plan 1's step: {parts} (cost model: assumed constants, planner/cost.py); peak per GPU "
-                      f"is the analytic tensor peak {format_bytes(best['tensor_peak_bytes'])} + the caching "
-                      "allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
+                      f"is the {best['sources']['memory']} tensor peak {format_bytes(best['tensor_peak_bytes'])} + the "
+                      "caching allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
         if result.tradeoff:
             console.print(f"[dim]{result.tradeoff}[/dim]")
         for warning in result.warnings:
@@ -61,7 +61,8 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         if result.request.host_ram_bytes is None and any(p.host_ram_bytes for p in result.plans):
             console.print("[dim]host RAM was not checked: pass --host-ram to rule out plans your machine cannot "
                           "hold[/dim]")
-    console.print(f"[dim]searched {len(result.evaluated)} configurations ({result.num_estimates} analytic estimates, "
+    console.print(f"[dim]searched {len(result.evaluated)} configurations ({result.num_estimates} "
+                  f"{result.memory_method} estimates, "
                   f"{sum(result.rejected.values())} combinations refused by the composition rules) in "
                   f"{result.elapsed_s:.1f} s[/dim]")
 

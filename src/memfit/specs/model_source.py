@@ -145,8 +145,10 @@ class ModelSource:
 
     @property
     def num_layers(self) -> int | None:
+        if self.kind == "live":   # a custom module: its repeated blocks (block_stacks), counted on a meta build
+            return block_stacks(_build_custom(self.kind, self.factory, "meta", torch.float32))[0] or None
         if not self.is_hf:
-            return None
+            return _custom_depth(self.factory)
         key = _layer_key(self.hf_config)
         return self.hf_config.get(key) if key else None
 
@@ -192,15 +194,11 @@ class ModelSource:
             with torch.device(device):
                 model = cls._from_config(config, dtype=dtype)
             return model
-        if self.kind == "live":   # a meta copy of the user's object: nothing model-sized, the object untouched
-            model = meta_copy(lookup(self.factory))
-            return model.to(dtype=dtype) if dtype != torch.float32 else model
-        fn = import_callable(self.factory, "model factory")
-        with torch.device(device):
-            model = call_user(fn, self.factory, "model factory")
-        if not isinstance(model, nn.Module):
-            raise MemfitError(f"model factory {self.factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
-        return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
+        model = _build_custom(self.kind, self.factory, device, dtype)
+        if num_layers is not None:   # the first blocks only: the estimators extrapolate in depth from a few
+            for stack in block_stacks(model)[1]:
+                del stack[num_layers:]
+        return model
 
     # ---- inputs -------------------------------------------------------------------------
     def make_batch(self, *, batch_size: int, seq_len: int, task: str, dtype: torch.dtype,
@@ -240,6 +238,41 @@ class ModelSource:
         if task == "train" and head in ("causal-lm", "masked-lm", "seq2seq-lm"):
             batch["labels"] = ids.clone()
         return batch
+
+
+def _build_custom(kind: str, factory: str, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    if kind == "live":   # a meta copy of the user's object: nothing model-sized, the object untouched
+        model = meta_copy(lookup(factory))
+        return model.to(dtype=dtype) if dtype != torch.float32 else model
+    fn = import_callable(factory, "model factory")
+    with torch.device(device):
+        model = call_user(fn, factory, "model factory")
+    if not isinstance(model, nn.Module):
+        raise MemfitError(f"model factory {factory!r} returned {type(model).__name__}, not a torch.nn.Module.")
+    return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
+
+
+def block_stacks(model: nn.Module) -> tuple[int, list[nn.ModuleList]]:
+    """A custom module's repeated blocks: the outermost nn.ModuleLists of one module type, at least two long, of the
+    longest length L — (L, every such list, so that parallel lists such as `self.attn[i]`,
+    `self.mlp[i]` are cut together); (0, []) when there are none. Lists inside a block (experts, heads) are not
+    counted."""
+    lists, inside = [], set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+            lists.append(module)
+            inside.update(id(m) for child in module for m in child.modules())
+    if not lists:
+        return 0, []
+    depth = max(len(stack) for stack in lists)
+    return depth, [stack for stack in lists if len(stack) == depth]
+
+
+@lru_cache(maxsize=64)
+def _custom_depth(factory: str) -> int | None:
+    return block_stacks(_build_custom("factory", factory, "meta", torch.float32))[0] or None
 
 
 def _layer_key(hf_config: dict) -> str | None:

@@ -58,6 +58,9 @@ class StepSetup:
     states_on_host: bool = False      # gradient shards, optimizer states and the step live in host RAM
     optimizer_wrapper: OptimizerWrapper | None = None   # a technique that changes when the step runs (in backward)
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
+    # a 2-D device mesh ("dp", "tp") a technique that splits each block over part of the ranks built; a sharding
+    # technique shards over its "dp" axis (None: every layout runs over all the ranks)
+    mesh: Any = None
     pipeline: Any = None              # a pipeline schedule that runs each step's micro-batches itself
     scheduler: Any = None             # the user's LR scheduler, on `optimizer` (apply_)
     phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts

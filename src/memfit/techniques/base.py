@@ -37,7 +37,7 @@ CHANGES = {
 # What a technique can declare it is (`traits`), so that another can declare a rule against it without naming it:
 # a new sharding technique that declares "dtensor" meets every rule written against DTensor parameters.
 TRAITS = {
-    "layout": "lays the model out over the ranks (one per workload)",
+    "layout": "lays the model out over the ranks (one per workload, or two that share a 2-D mesh)",
     "dtensor": "turns the parameters into DTensor shards",
     "shards-weights": "leaves each rank a part of the weights (sharded, split or staged)",
     "splits-linears": "splits every linear over the ranks with plans for nn.Linear (the step mixes DTensors and "
@@ -49,6 +49,8 @@ TRAITS = {
     "host-optimizer": "moves the optimizer and its states to host RAM",
     "steps-in-backward": "steps the optimizer inside backward, each parameter as its gradient is complete (which "
                          "frees it)",
+    "shards-on-mesh": "shards over the data-parallel axis of a 2-D device mesh when another technique splits the "
+                      "model over the other axis",
     "offloads-shards": "keeps its shards, their gradients and the optimizer states in host RAM when offload is asked "
                        "for (it takes the offload over)",
     "subclass-weights": "turns weights into tensor subclasses (quantized codes)",
@@ -198,6 +200,16 @@ class Technique:
     def conflicts(self) -> Mapping[str, tuple[str, str]]:
         """This configuration's rules (`conflicts_with`, unless a parameter changes them)."""
         return self.conflicts_with
+
+    def shares_mesh_with(self, other: Technique) -> bool:
+        """True when this configuration and `other` lay the model out together on a 2-D device mesh (each over
+        one of its axes), so the rules between two layouts do not apply to them."""
+        return False
+
+    def model_ranks(self, world_size: int) -> int:
+        """Ranks one copy of the model is split over (tensor or pipeline parallel); 1 when each rank holds the
+        whole model or a shard of all of it. The ranks divided by these are the data-parallel copies."""
+        return 1
 
     def oom_fix(self, message, snapshot) -> OomFix | None:
         """A fix read off the OOM message or the memory snapshot alone (no workload given; each may be None), or

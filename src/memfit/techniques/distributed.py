@@ -38,6 +38,10 @@ highest per-rank peak; the traced estimate runs rank 0 in one process with PyTor
           all-reduced. Every rank sees the whole batch. Memory per rank: the blocks' weights, gradients,
           optimizer states and attention/MLP activations / N; the residual stream, the norms, the
           embeddings and the head whole. Training and inference (the KV cache splits by heads too).
+          `size=T` (fewer than the ranks) splits each block over groups of T ranks, and -t fsdp2 shards what
+          each rank holds over the other axis of the 2-D mesh (N/T ranks; torchtitan's FSDP x TP layout:
+          `init_device_mesh((N/T, T), ("dp", "tp"))`, TP within a group of consecutive ranks — one node —, FSDP
+          across the groups). Each of the N/T groups trains its own share of the batch.
 """
 from __future__ import annotations
 
@@ -71,11 +75,11 @@ def _check_data_parallel(name: str, workload) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutTechnique(Technique):
-    """A way to lay the model out over the ranks: one per workload."""
+    """A way to lay the model out over the ranks: one per workload, or two on a 2-D mesh (`shares_mesh_with`)."""
 
     stage = "shard"
-    conflicts_with = {"layout": ("each lays the model out over every rank (memfit has no 2-D mesh yet)",
-                                 "keep one of them")}
+    conflicts_with = {"layout": ("each lays the model out over every rank (the one 2-D mesh memfit runs is "
+                                 "-t tensor-parallel:size=T with -t fsdp2)", "keep one of them")}
     deepspeed_conflict = ("wraps the model itself (ZeRO data parallel)", "drop -t {other}")
     search_axis = "layout"
 
@@ -189,7 +193,7 @@ MP_MODES = ("policy", "autocast")
 class Fsdp2(LayoutTechnique):
     name = "fsdp2"
     risk = "numerical"
-    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward", "offloads-shards"})
+    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward", "offloads-shards", "shards-on-mesh"})
     zero_stage = 3
     summary = ("fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks; "
                "reshard=false keeps each block gathered from its forward to its backward (ZeRO-2-like)")
@@ -246,8 +250,11 @@ class Fsdp2(LayoutTechnique):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         require_process_group(self.name)
-        with unset_fake_temporarily():   # the mesh reads real values
-            mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
+        if setup.mesh is not None:   # a 2-D mesh: shard over its data-parallel axis
+            mesh = setup.mesh["dp"]
+        else:
+            with unset_fake_temporarily():   # the mesh reads real values
+                mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
         options = {"mesh": mesh, "reshard_after_forward": self.reshard}
         gathered = self.mixed_dtype(setup.precision)
         if gathered is not None:   # bf16 all-gathers and compute, float32 gradient reduction: no autocast left
@@ -286,35 +293,59 @@ ROWWISE = ("o_proj", "down_proj")                                   # input feat
 @dataclass(frozen=True, kw_only=True)
 class TensorParallel(LayoutTechnique):
     name = "tensor-parallel"
+    stage = "split"
     traits = frozenset({"layout", "dtensor", "shards-weights", "splits-linears"})
     risk = "numerical"      # each rank sums a part of every row-parallel matmul; the all-reduce adds them
-    summary = "Megatron-style tensor parallel (DTensor): attention heads and MLP channels split over the ranks"
+    summary = ("Megatron-style tensor parallel (DTensor): attention heads and MLP channels split over the ranks; "
+               "size=T over groups of T ranks with -t fsdp2 sharding across the groups (2-D mesh)")
     # the norms and embeddings stay plain tensors beside the DTensor weights, and torch.optim's foreach and fused
     # kernels take a list of one kind (PyTorch's foreach default on CUDA fails on it)
     needs_optimizer_impl = "for-loop"
+    size: int = 0   # ranks each block is split over; 0: all of them
 
     @classmethod
     def search_values(cls, request, workload):
-        return [cls.name] if request.num_gpus > 1 else []
+        """Over every GPU; from 16 GPUs (two nodes and more) also within each node of 8 or a half of it, with a
+        sharding layout across them (the planner pairs it: planner/space.py)."""
+        n = request.num_gpus
+        if n < 2:
+            return []
+        meshes = [f"{cls.name}:size={t}" for t in (4, 8) if n >= 16 and n % t == 0 and request.task == "train"]
+        return [cls.name] + meshes
+
+    def split(self, world_size: int) -> int:
+        return self.size or world_size
+
+    def model_ranks(self, world_size: int) -> int:
+        return self.split(world_size)
+
+    def shares_mesh_with(self, other) -> bool:
+        return self.size > 0 and "shards-on-mesh" in other.traits
 
     def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
-        return num_gpus, 1, 1   # every rank sees the whole batch
+        return num_gpus, num_gpus // self.split(num_gpus), 1   # each group of `size` ranks sees its share of the batch
 
     def cost_compute(self, compute) -> None:
-        compute.split = compute.world_size
+        compute.split = self.split(compute.world_size)
 
-    def analytic_spec(self, spec, workload):   # one rank's blocks: its share of the heads and MLP channels
-        n = workload.world_size
+    def analytic_spec(self, spec, workload):
+        """One rank's blocks: its share of the heads and MLP channels (of what the techniques before it left: pruning
+        may leave counts that do not split, which the real run would refuse too)."""
+        n = self.split(workload.world_size)
+        for what, count in (("attention heads", spec.heads), ("key/value heads", spec.kv_heads),
+                            ("MLP channels", spec.intermediate)):
+            if count % n:
+                raise MemfitError(f"-t {self.name}: the {count} {what} left do not split over {n} ranks.")
         return dataclasses.replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n,
                                    intermediate=spec.intermediate // n)
 
     def cost_overhead(self, step) -> None:
-        """Every block all-reduces its attention and MLP outputs (not overlapped: the next op waits): in training
-        4 per block (forward and backward), 2 more with recompute; in inference 2 per block for the prefill
-        and for every decoded token."""
+        """Every block all-reduces its attention and MLP outputs within its group (not overlapped: the next op
+        waits): in training 4 per block (forward and backward), 2 more with recompute; in inference 2 per block
+        for the prefill and for every decoded token. A group within one node talks over the node's own links."""
         w, c = step.workload, step.compute
-        n, layers, hidden = w.world_size, c.shape.layers, c.shape.hidden
-        per_token = 2 * (n - 1) / n * hidden * step.activation_bytes / step.link_bytes_per_s
+        n, layers, hidden = self.split(w.world_size), c.shape.layers, c.shape.hidden
+        per_token = 2 * (n - 1) / n * hidden * step.activation_bytes / step.group_link_bytes_per_s(n)
         if w.task == "train":
             step.add("communication", (4 + (2 if c.recompute else 0)) * layers * per_token * c.tokens * step.accum)
             return
@@ -324,6 +355,17 @@ class TensorParallel(LayoutTechnique):
 
     def check(self, workload) -> None:
         check_split_over_ranks(self.name, workload, "the q/k/v/o and gate/up/down projections")
+        n, t = workload.world_size, self.split(workload.world_size)
+        if self.size:
+            if self.size < 2 or n % self.size or self.size >= n:
+                raise MemfitError(f"-t {self.name}:size={self.size} splits each block over groups of that many "
+                                  f"ranks: it must be at least 2, below --world-size {n} and divide it (or drop "
+                                  "size= to split over every rank).")
+            partner = workload.layout
+            if partner is None or not self.shares_mesh_with(partner):
+                raise MemfitError(f"-t {self.name}:size={self.size} over {n} ranks leaves {n // self.size} copies of "
+                                  "the model to train side by side: add a sharding layout over them (-t fsdp2, "
+                                  "torchtitan's 2-D mesh), or drop size= to split over every rank.")
         if workload.optimizer_impl in ("foreach", "fused"):
             raise MemfitError(f"-t {self.name} leaves the norms and embeddings plain tensors beside DTensor weights, "
                               f"and --optimizer-impl {workload.optimizer_impl} takes a list of one kind; use "
@@ -333,8 +375,8 @@ class TensorParallel(LayoutTechnique):
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         for what, count in (("attention heads", heads), ("key/value heads", kv_heads),
                             ("MLP channels", intermediate)):
-            if count % workload.world_size:
-                raise MemfitError(f"-t {self.name}: {count} {what} do not split over {workload.world_size} ranks.")
+            if count % t:
+                raise MemfitError(f"-t {self.name}: {count} {what} do not split over {t} ranks.")
 
     def apply_(self, setup: StepSetup) -> None:
         import torch.distributed as dist
@@ -343,8 +385,14 @@ class TensorParallel(LayoutTechnique):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         require_process_group(self.name)
-        with unset_fake_temporarily():
-            mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
+        n = dist.get_world_size()
+        with unset_fake_temporarily():   # the mesh reads real values
+            if self.size:   # groups of `size` consecutive ranks split each block; the sharding layout spans them
+                setup.mesh = init_device_mesh(setup.device_type, (n // self.size, self.size),
+                                              mesh_dim_names=("dp", "tp"))
+                mesh = setup.mesh["tp"]
+            else:
+                mesh = init_device_mesh(setup.device_type, (n,))
         for _, block in repeated_blocks(setup.model):
             plan = {name: ColwiseParallel() if name.rsplit(".", 1)[-1] in COLWISE else RowwiseParallel()
                     for name, _ in block.named_modules() if name.rsplit(".", 1)[-1] in COLWISE + ROWWISE}

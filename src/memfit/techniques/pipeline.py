@@ -55,6 +55,9 @@ class PipelineParallel(LayoutTechnique):
     def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
         return num_gpus, 1, self.microbatches   # the micro-batch splits into the schedule's micro-batches
 
+    def model_ranks(self, world_size: int) -> int:
+        return world_size
+
     depth_linear = False   # each stage holds other blocks
 
     def analytic_layers(self, num_layers: int, rank: int, workload) -> int:

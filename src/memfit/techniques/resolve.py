@@ -70,8 +70,21 @@ class ResolvedWorkload(Workload):
 
     @property
     def layout(self) -> Technique | None:
-        """The technique that lays the model out over the ranks (data parallel, sharded, split), if any."""
-        return self.with_trait("layout")
+        """The technique that lays the model out over the ranks (data parallel, sharded, split), if any. On a 2-D
+        mesh, the one across the data-parallel axis (the other splits each copy of the model over part of the
+        ranks)."""
+        return next((t for t in self.technique_configs if "layout" in t.traits
+                     and t.model_ranks(self.world_size) in (1, self.world_size)), None)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Copies of the model the ranks hold, each training its own share of the batch: the ranks over those one
+        copy is split over (a tensor-parallel group, the pipeline's stages). Sharded states are split this many
+        ways."""
+        split = 1
+        for technique in self.technique_configs:
+            split *= technique.model_ranks(self.world_size)
+        return max(1, self.world_size // split)
 
     @property
     def runs_on_ranks(self) -> bool:

@@ -33,6 +33,8 @@ ORDER: tuple[tuple[str, str], ...] = (
                     "for checkpointing before they are sharded (torchtitan's order)"),
     ("offload", "what lives in host RAM is settled before sharding: FSDP2 takes its CPU offload policy when it "
                 "shards the blocks"),
+    ("split", "tensor parallel splits each block's linears before they are sharded: on a 2-D mesh FSDP2 then shards "
+              "what each rank holds over the data-parallel axis (torchtitan's order: TP, then FSDP)"),
     ("shard", "blocks are sharded (or the model replicated) after checkpointing wraps them, so each block's "
               "all-gather surrounds its recompute too"),
     ("optimizer", "the optimizer is built last, over the parameters as the steps above left them"),
@@ -72,7 +74,8 @@ def check_rules(techniques: list[Technique], workload: ResolvedWorkload | None) 
     for technique in techniques:
         for key, (reason, fix) in technique.conflicts().items():
             for other in techniques:
-                if other is not technique and (other.name == key or key in other.traits):
+                if (other is not technique and (other.name == key or key in other.traits)
+                        and not technique.shares_mesh_with(other) and not other.shares_mesh_with(technique)):
                     names = " + ".join(sorted((technique.name, other.name)))
                     raise MemfitError(f"{names}: {reason.format(other=other.name)}; {fix.format(other=other.name)}.")
         if workload is not None and workload.engine == "deepspeed" and technique.deepspeed_conflict:

@@ -25,6 +25,9 @@ def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
     family, spec = registry.family_of(workload.source)
     model_dtype = engine_dtype(get_precision(workload.precision).param_dtype)
     one_process = one_process_host_optimizer(workload)
+    if not one_process:   # the sharding wrapper's shards of what this rank holds (on a 2-D mesh: its split)
+        for technique in workload.technique_configs:
+            spec = technique.analytic_spec(spec, workload)
     e = Engine(Policy("float32" if one_process else model_dtype, None, "cpu", train=True))
     e.set_phase("setup")
     family.declare_params(e, spec, workload.source.num_layers)
@@ -38,7 +41,7 @@ def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
         cast = e.new(max(p.numel for p in trainable), model_dtype)
         del cast
     step = e.peaks[("optimizer", "pre")].total - persistent
-    ranks = 1 if one_process else workload.world_size
+    ranks = 1 if one_process else workload.data_parallel_size
     return -(-persistent // ranks), -(-step // ranks)
 
 

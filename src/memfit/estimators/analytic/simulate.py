@@ -136,7 +136,7 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
             del loss, relabelled
     e.set_phase("optimizer")
     # the step runs on this rank's shard (ZeRO-1/2, or a layout that shards like ZeRO-3)
-    shards = workload.world_size if effective_zero_stage(workload) >= 1 else 1
+    shards = workload.data_parallel_size if effective_zero_stage(workload) >= 1 else 1
     # host steps: host.py; DeepSpeed's fused Adam; a step in backward ran there
     if not workload.with_trait("host-optimizer") and not deepspeed and not in_backward:
         step_temporaries(e, workload, impl, shards=shards)
