@@ -417,3 +417,16 @@ def test_torchtitans_8b_pretraining_on_eight_h100s_of_96_gb():
     result = plan(PlanRequest(model="llama-3.1-8b", gpu=h100, num_gpus=8, seq_len=8192, global_batch=16, top=1),
                   brief=True)
     assert result.feasible and result.plan_json(0)["peak_bytes"] <= h100.memory_bytes
+
+
+def test_pruned_heads_that_do_not_split_over_tensor_parallel_are_refused_not_a_crash():
+    """Structured pruning leaves 3 of tiny-llama's 4 key/value heads, which 4 tensor-parallel ranks cannot split (the
+    config the rules check still has 4): the estimate finds it, and the search counts the combination as refused."""
+    from memfit.planner.search import Search
+    from memfit.planner.space import Candidate
+
+    search = Search(PlanRequest(model="tiny-llama", gpu=get_gpu("a100-80gb"), num_gpus=4, seq_len=128,
+                                global_batch=4, allow="lossy"))
+    candidate = Candidate("bf16", techniques=("tensor-parallel", "prune-structured:ratio=0.25"), world_size=4)
+    assert search.evaluate(candidate, candidate.workload(search.request, 1), 4) is None
+    assert any("do not split over 4 ranks" in reason for reason in search.rejected)

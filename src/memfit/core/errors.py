@@ -9,6 +9,11 @@ class MemfitError(Exception):
     """A user error: the message names the user's value, the rule, and a way out."""
 
 
+class ImpossibleCombination(MemfitError):
+    """Techniques that only an estimate finds do not go together (pruned heads that do not split over the ranks):
+    the planner counts the combination as refused and goes on."""
+
+
 def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """A 'did you mean' fragment for an unknown `name`, or '' when nothing is close."""
     matches = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.5)

@@ -23,12 +23,8 @@ def real_data_decisions():
         # Training without a cache: HF checks position ids for packed sequences; memfit's are one
         # arange per row, so the real run finds none and keeps SDPA's is_causal fast path.
         patches.append((masking, "find_packed_sequence_indices", lambda position_ids: None))
-    from torch.distributed.device_mesh import DeviceMesh
-    # A 2-D mesh's axes (DeviceMesh.__getitem__) and FSDP2 over a tensor-parallel block (it joins the two meshes,
-    # DeviceMesh._concatenate) build each mesh's rank tensor and find this rank in it: real values, built and read
-    # as the real run does (under the trace's modes the rank is not found and every shard comes out empty)
-    patches.append((DeviceMesh, "_concatenate", staticmethod(_with_real_tensors(DeviceMesh._concatenate))))
-    patches.append((DeviceMesh, "__getitem__", _with_real_tensors(DeviceMesh.__getitem__)))
+    if torch.distributed.is_available():
+        patches += _device_mesh_patches()
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -37,6 +33,16 @@ def real_data_decisions():
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+
+
+def _device_mesh_patches() -> list:
+    """A 2-D mesh's axes (DeviceMesh.__getitem__) and FSDP2 over a tensor-parallel block (it joins the two meshes,
+    DeviceMesh._concatenate) build each mesh's rank tensor and find this rank in it: real values, built and read as
+    the real run does (under the trace's modes the rank is not found and every shard comes out empty)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return [(DeviceMesh, "_concatenate", staticmethod(_with_real_tensors(DeviceMesh._concatenate))),
+            (DeviceMesh, "__getitem__", _with_real_tensors(DeviceMesh.__getitem__))]
 
 
 def _with_real_tensors(fn):

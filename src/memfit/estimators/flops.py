@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.estimators.traced import build_fake
+from memfit.specs.user_code import cache_key
 from memfit.specs.workload import Workload
 from memfit.steps.train import call_model
 from memfit.techniques.resolve import resolve
@@ -22,9 +23,11 @@ COUNTED_BATCH = 2   # sequences in the counted forward (a batch of one may take 
 
 
 def forward_flops_per_token(workload: Workload) -> float:
-    """FLOPs of one forward of `workload`'s model per token of its batch (float32 weights, no techniques)."""
+    """FLOPs of one forward of `workload`'s model per token of its batch (float32 weights, no techniques); where the
+    model cannot be called on its batch directly (a user's step that unpacks the batch itself), 2 FLOPs per
+    parameter per token, the dense-model rule."""
     workload = resolve(workload)
-    return _counted(workload.model, workload.inputs, workload.task, workload.effective_seq_len)
+    return _counted(cache_key(workload.model), cache_key(workload.inputs), workload.task, workload.effective_seq_len)
 
 
 @functools.lru_cache(maxsize=32)
@@ -35,6 +38,9 @@ def _counted(model: str, inputs: str | None, task: str, seq_len: int) -> float:
     counter = FlopCounterMode(display=False)
     with fake_mode:
         batch = plain.source.make_batch(batch_size=COUNTED_BATCH, seq_len=seq_len, task=task, dtype=torch.float32)
-        with torch.no_grad(), counter:
-            call_model(module, batch)
+        try:
+            with torch.no_grad(), counter:
+                call_model(module, batch)
+        except Exception:   # the step feeds the model itself: the dense-model rule
+            return 2.0 * sum(p.numel() for p in module.parameters())
     return counter.get_total_flops() / (COUNTED_BATCH * seq_len)

@@ -202,12 +202,14 @@ class Step:
     def activation_host_bytes(self) -> int:
         """Host bytes the step's saved activations take (the host bytes beyond an offloaded optimizer's: its closed
         form for a transformer config; for a custom model, float32 master weights, gradients and AdamW's two states,
-        16 bytes per parameter at most)."""
+        16 bytes per parameter at most, this rank's shard of them when a sharding layout keeps them)."""
         w = self.workload
         if w.source.is_hf:
             held = sum(offload_host_bytes(w))
+        elif w.with_trait("host-optimizer"):
+            held = 16 * self.estimate.num_parameters // (w.data_parallel_size if w.with_trait("offloads-shards") else 1)
         else:
-            held = 16 * self.estimate.num_parameters if w.with_trait("host-optimizer") else 0
+            held = 0
         return max(0, self.estimate.host_bytes - held)
 
     def add(self, part: str, seconds: float) -> None:

@@ -60,10 +60,8 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
                                 min(p.time.total_s for p in feasible) * (1 + request.speed_margin))):
             break
         search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
-        try:
-            result = search.evaluate(candidate, workload, per_replica)
-        except MemfitError as exc:   # a combination only its estimate finds impossible (pruned heads that do not split)
-            search.rejected[str(exc)] += 1
+        result = search.evaluate(candidate, workload, per_replica)
+        if result is None:
             continue
         result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
         timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
@@ -183,6 +181,8 @@ def _lossy_alternative(request: PlanRequest) -> list[str]:
         if risk_of(workload) != "lossy":
             continue
         sized = search.evaluate(candidate, workload, per_replica)
+        if sized is None:
+            continue
         if best is None or (sized.fits, -sized.device_bytes) > (best.fits, -best.device_bytes):
             best = sized   # the smallest that fits, else the smallest
     if best is None:

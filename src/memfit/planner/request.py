@@ -26,7 +26,7 @@ class PlanRequest:
     model: str
     gpu: GPU
     inputs: str | None = None   # a custom model's batch: module:function(batch_size, seq_len), as for estimate
-    step: str | None = None     # the user's own training step (module:function(model, batch, optimizer))
+    step: str | None = None     # the user's own step: module:function(model, batch, optimizer), as for estimate
     task: str = "train"
     seq_len: int | None = None
     global_batch: int | None = None      # train: sequences per optimizer step over all GPUs (default: one per GPU)
@@ -58,8 +58,6 @@ class PlanRequest:
             if self.task != "train":
                 raise MemfitError("--global-batch is the training batch per optimizer step; for --task inference "
                                   "pass --batch-size.")
-        if self.step is not None and self.task != "train":
-            raise MemfitError("--step is the user's own training step; drop it for --task inference.")
         if self.new_tokens and self.task != "inference":
             raise MemfitError(f"--new-tokens {self.new_tokens} only applies to --task inference.")
         if self.allow not in ALLOW:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memfit.core.categories import zero_categories
-from memfit.core.errors import MemfitError
+from memfit.core.errors import ImpossibleCombination, MemfitError
 from memfit.estimators import methods_for
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
@@ -123,8 +123,16 @@ class Search:
         return Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, added,
                          fits=short is None, short=short)
 
-    def evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated:
-        """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does)."""
+    def evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated | None:
+        """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does); None when its
+        estimate finds the combination impossible (counted as refused)."""
+        try:
+            return self._evaluate(candidate, workload, per_replica)
+        except ImpossibleCombination as exc:
+            self.rejected[str(exc)] += 1
+            return None
+
+    def _evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated:
         if workload.with_trait("steps-in-backward"):   # it cannot accumulate: one micro-batch is the whole batch
             whole = workload if per_replica == candidate.batch_multiple else candidate.workload(self.request,
                                                                                                   per_replica)

@@ -21,7 +21,7 @@ from torch import nn
 from memfit.core.errors import MemfitError, closest
 from memfit.specs.hub import hub_config, looks_like_hub_id
 from memfit.specs.live import batch_like, is_live, lookup, meta_copy
-from memfit.specs.user_code import call_user, import_callable, is_file_spec
+from memfit.specs.user_code import cache_key, call_user, import_callable, is_file_spec
 
 # The head a Hugging Face class carries decides the inputs and the loss.
 HEADS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "base")
@@ -148,7 +148,7 @@ class ModelSource:
         if self.kind == "live":   # a custom module: its repeated blocks (block_stacks), counted on a meta build
             return block_stacks(_build_custom(self.kind, self.factory, "meta", torch.float32))[0] or None
         if not self.is_hf:
-            return _custom_depth(self.factory)
+            return _custom_depth(cache_key(self.factory))
         key = _layer_key(self.hf_config)
         return self.hf_config.get(key) if key else None
 
@@ -253,21 +253,28 @@ def _build_custom(kind: str, factory: str, device: str | torch.device, dtype: to
 
 
 def block_stacks(model: nn.Module) -> tuple[int, list[nn.ModuleList]]:
-    """A custom module's repeated blocks: the outermost nn.ModuleLists of one module type, at least two long, of the
-    longest length L — (L, every such list, so that parallel lists such as `self.attn[i]`,
+    """A custom module's repeated blocks: the outermost nn.ModuleLists of alike blocks (`_signature`), at least two
+    long, of the longest length L — (L, every such list, so that parallel lists such as `self.attn[i]`,
     `self.mlp[i]` are cut together); (0, []) when there are none. Lists inside a block (experts, heads) are not
     counted."""
     lists, inside = [], set()
     for module in model.modules():
         if id(module) in inside:
             continue
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({_signature(m) for m in module}) == 1:
             lists.append(module)
             inside.update(id(m) for child in module for m in child.modules())
     if not lists:
         return 0, []
     depth = max(len(stack) for stack in lists)
     return depth, [stack for stack in lists if len(stack) == depth]
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What makes two blocks alike: their type and every parameter's and buffer's name, shape and dtype (stages of
+    growing width are not repeats)."""
+    tensors = [*block.named_parameters(), *block.named_buffers()]
+    return type(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
 
 
 @lru_cache(maxsize=64)

@@ -26,6 +26,14 @@ def is_file_spec(spec: str) -> bool:
     return spec.partition(":")[0].endswith(".py")
 
 
+def cache_key(spec: str | None) -> str | None:
+    """`spec` as a key that names one function wherever the process runs from (a file spec's absolute path)."""
+    if spec is None or not is_file_spec(spec):
+        return spec
+    path, _, name = spec.rpartition(":")
+    return f"{os.path.abspath(path)}:{name}"
+
+
 def import_callable(spec: str | None, what: str) -> Callable:
     """The function `spec` names, or a one-line MemfitError saying what is wrong."""
     if is_live(spec):

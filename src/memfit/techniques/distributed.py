@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import ImpossibleCombination, MemfitError
 from memfit.core.precision import Precision, get_precision
 from memfit.steps.host import note_category, note_host
 from memfit.steps.setup import StepSetup
@@ -335,7 +335,7 @@ class TensorParallel(LayoutTechnique):
         for what, count in (("attention heads", spec.heads), ("key/value heads", spec.kv_heads),
                             ("MLP channels", spec.intermediate)):
             if count % n:
-                raise MemfitError(f"-t {self.name}: the {count} {what} left do not split over {n} ranks.")
+                raise ImpossibleCombination(f"-t {self.name}: the {count} {what} left do not split over {n} ranks.")
         return dataclasses.replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n,
                                    intermediate=spec.intermediate // n)
 
