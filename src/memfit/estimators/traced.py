@@ -164,7 +164,8 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         weights = {**weights, "paged": 0}
     # a step not linear in depth (pipeline stages split the blocks by rank) is traced at full depth
     whole = timeline or full_trace or not all(t.depth_linear for t in workload.technique_configs)
-    depths = None if whole else extrapolation_depths(source.num_layers, source.layer_period)
+    layers = source.num_layers   # a live custom module counts its blocks on a meta copy: once
+    depths = None if whole else extrapolation_depths(layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
     if depths and not source.is_hf:   # a custom module cut to its first blocks may not run (a forward that counts them)
@@ -179,12 +180,12 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     if depths:
         try:
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
-            host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, source.num_layers)
+            host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, layers)
             paged_bytes = extrapolate_host({n: {"paged": r.trace.paged_bytes()} for n, r in runs.items()},
-                                           source.num_layers)
-            regions = extrapolate(samples, source.num_layers)
+                                           layers)
+            regions = extrapolate(samples, layers)
             sampled_depth = depths[-1]
-            notes.append(f"traced {', '.join(map(str, depths))} of {source.num_layers} layers and "
+            notes.append(f"traced {', '.join(map(str, depths))} of {layers} layers and "
                          "extrapolated (linear in depth, checked exactly on the third trace)")
             run = runs[depths[-1]]
         except NotLinear as exc:
@@ -218,7 +219,7 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
         estimate.paged_bytes = paged_bytes
         add_gpu_overheads(estimate, gpu, workload, run.trace.allocations(weights, divisor), sampled_depth)
     if modules:
-        estimate.modules = module_rows(run.trace, run.model, run.stacks, source.num_layers)
+        estimate.modules = module_rows(run.trace, run.model, run.stacks, layers)
     if timeline:
         estimate.timeline = timeline_of(run.trace)
     estimate.elapsed_s = time.perf_counter() - started

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, closest
+from memfit.specs.blocks import alike_lists
 from memfit.specs.hub import hub_config, looks_like_hub_id
 from memfit.specs.live import batch_like, is_live, lookup, meta_copy
 from memfit.specs.user_code import cache_key, call_user, import_callable, is_file_spec
@@ -257,13 +258,7 @@ def block_stacks(model: nn.Module) -> tuple[int, list[nn.ModuleList]]:
     long, of the longest length L — (L, every such list, so that parallel lists such as `self.attn[i]`,
     `self.mlp[i]` are cut together); (0, []) when there are none. Lists inside a block (experts, heads) are not
     counted."""
-    lists, inside = [], set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({_signature(m) for m in module}) == 1:
-            lists.append(module)
-            inside.update(id(m) for child in module for m in child.modules())
+    lists = alike_lists(model, key=_signature)
     if not lists:
         return 0, []
     depth = max(len(stack) for stack in lists)

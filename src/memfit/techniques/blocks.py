@@ -6,6 +6,7 @@ import re
 from torch import nn
 
 from memfit.core.errors import MemfitError
+from memfit.specs.blocks import alike_lists
 
 
 def repeated_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[int, nn.Module]]:
@@ -22,13 +23,7 @@ def repeated_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[
             raise MemfitError(f"blocks={pattern!r} matches no module of {type(model).__name__}; "
                               "module names look like 'model.layers.0'.")
         return list(enumerate(found))
-    found, inside = [], []
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in inside):
-            continue
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(c) for c in module}) == 1:
-            found += list(enumerate(module))
-            inside.append(name)
+    found = [item for stack in alike_lists(model) for item in enumerate(stack)]
     if not found:
         raise MemfitError(f"{type(model).__name__} has no ModuleList of repeated blocks; name the blocks with "
                           "blocks=REGEX (e.g. -t checkpointing:blocks='encoder\\.layer\\.\\d+').")

@@ -332,10 +332,7 @@ class TensorParallel(LayoutTechnique):
         """One rank's blocks: its share of the heads and MLP channels (of what the techniques before it left: pruning
         may leave counts that do not split, which the real run would refuse too)."""
         n = self.split(workload.world_size)
-        for what, count in (("attention heads", spec.heads), ("key/value heads", spec.kv_heads),
-                            ("MLP channels", spec.intermediate)):
-            if count % n:
-                raise ImpossibleCombination(f"-t {self.name}: the {count} {what} left do not split over {n} ranks.")
+        self._check_split(spec.heads, spec.kv_heads, spec.intermediate, n, ImpossibleCombination, " left")
         return dataclasses.replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n,
                                    intermediate=spec.intermediate // n)
 
@@ -371,12 +368,15 @@ class TensorParallel(LayoutTechnique):
                               f"and --optimizer-impl {workload.optimizer_impl} takes a list of one kind; use "
                               "--optimizer-impl for-loop.")
         config = workload.source.config()
-        heads, intermediate = config.num_attention_heads, config.intermediate_size
+        heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        for what, count in (("attention heads", heads), ("key/value heads", kv_heads),
-                            ("MLP channels", intermediate)):
-            if count % t:
-                raise MemfitError(f"-t {self.name}: {count} {what} do not split over {t} ranks.")
+        self._check_split(heads, kv_heads, config.intermediate_size, t, MemfitError)
+
+    def _check_split(self, heads: int, kv_heads: int, intermediate: int, ranks: int, error: type[MemfitError],
+                     left: str = "") -> None:
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads), ("MLP channels", intermediate)):
+            if count % ranks:
+                raise error(f"-t {self.name}: the {count} {what}{left} do not split over {ranks} ranks.")
 
     def apply_(self, setup: StepSetup) -> None:
         import torch.distributed as dist
