@@ -6,10 +6,12 @@ further run of the stack, e.g. each decode step). Layers in the middle are never
 layer j's memory is c + s*j, so its maximum over j sits at the first or last layer. Every region's
 maximum (the total and each category) is then a linear function of the number of layers n, and
 three traces at n = 2p, 3p, 4p both fit the line and check it exactly before it is used (from 2p:
-a first layer may differ from the rest, e.g. T5's, which computes the position bias).
+a first layer may differ from the rest, e.g. T5's, which computes the position bias). A planner that
+checked a step's line at one micro-batch traces only 2p and 4p at its others (traced.reusing_traces).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.core.categories import CATEGORIES, zero_categories
@@ -99,42 +101,44 @@ def region_peaks(trace: Trace, period: int, weights: dict[str, int] | None = Non
 Regions = dict[tuple[str, int], RegionPeak]
 
 
+def _line(samples: dict[int, dict[str, int]], layers: int, what: Callable[[str], str]) -> dict[str, int]:
+    """Values at equally spaced depths (three: the middle one checks the line; two: a line already checked at
+    another micro-batch, traced.reusing_traces), each extended to `layers` depth; `what(name)` names one in errors."""
+    (n1, first), *_, (n3, last) = points = sorted(samples.items())
+    intervals = len(points) - 1
+    if (n3 - n1) % intervals or (layers - n1) % ((n3 - n1) // intervals):
+        raise NotLinear(f"depths {', '.join(str(n) for n, _ in points)} -> {layers} are not on one grid")
+    steps = (layers - n1) // ((n3 - n1) // intervals)
+    predicted = {}
+    for name, value in first.items():
+        rise = last[name] - value
+        if rise % intervals or any(x[name] != value + rise // intervals * i for i, (_, x) in enumerate(points)):
+            raise NotLinear(f"{what(name)}: {', '.join(str(x[name]) for _, x in points)}")
+        predicted[name] = value + rise // intervals * steps
+    return predicted
+
+
 def extrapolate(samples: dict[int, Regions], layers: int) -> Regions:
-    """From region peaks at three equally spaced depths, the region peaks at `layers` depth."""
-    (n1, a), (n2, b), (n3, c) = sorted(samples.items())
-    if n2 - n1 != n3 - n2 or (layers - n1) % (n2 - n1):
-        raise NotLinear(f"depths {n1}, {n2}, {n3} -> {layers} are not on one grid")
-    if set(a) != set(b) or set(b) != set(c):
+    """From region peaks at equally spaced depths (see _line), the region peaks at `layers` depth."""
+    regions = list(samples.values())
+    if any(set(r) != set(regions[0]) for r in regions):
         raise NotLinear("the step's structure changes with depth")
-    steps = (layers - n1) // (n2 - n1)
     result = {}
-    for key in a:
-        vectors = []
-        for attr in ("at_max", "category_max"):
-            x1, x2, x3 = getattr(a[key], attr), getattr(b[key], attr), getattr(c[key], attr)
-            predicted = {}
-            for name in CATEGORIES:
-                slope = x2[name] - x1[name]
-                if x2[name] + slope != x3[name]:
-                    raise NotLinear(f"{attr}[{name}] in {key}: {x1[name]}, {x2[name]}, {x3[name]}")
-                predicted[name] = x1[name] + slope * steps
-            vectors.append(predicted)
-        result[key] = RegionPeak(a[key].phase, vectors[0], vectors[1])
+    for key, region in regions[0].items():
+        vectors = [_line({n: getattr(r[key], attr) for n, r in samples.items()}, layers,
+                         lambda name, attr=attr, key=key: f"{attr}[{name}] in {key}")
+                   for attr in ("at_max", "category_max")]
+        result[key] = RegionPeak(region.phase, vectors[0], vectors[1])
     return result
 
 
 def extrapolate_host(samples: dict[int, dict[str, int]], layers: int) -> int:
-    """Host RAM (offload) at `layers` depth: each phase's peak from its values at the three depths,
-    checked like the region peaks, then the largest (the phase that holds the most changes with depth)."""
-    (n1, a), (n2, b), (_, c) = sorted(samples.items())
-    if set(a) != set(b) or set(b) != set(c):
+    """Host RAM (offload) at `layers` depth: each phase's peak extended as the region peaks are (see _line), then the
+    largest (the phase that holds the most changes with depth)."""
+    phases = list(samples.values())
+    if any(set(p) != set(phases[0]) for p in phases):
         raise NotLinear("the step's phases change with depth")
-    predicted = []
-    for phase in a:
-        if b[phase] + (b[phase] - a[phase]) != c[phase]:
-            raise NotLinear(f"host RAM in {phase}: {a[phase]}, {b[phase]}, {c[phase]}")
-        predicted.append(a[phase] + (b[phase] - a[phase]) * (layers - n1) // (n2 - n1))
-    return max(predicted, default=0)
+    return max(_line(samples, layers, lambda phase: f"host RAM in {phase}").values(), default=0)
 
 
 def peak_of(regions: dict[tuple[str, int], RegionPeak]) -> tuple[RegionPeak, dict[str, int], dict[str, int]]:

@@ -11,9 +11,12 @@ kernel is probed (kernel_probe.py).
 """
 from __future__ import annotations
 
+import gc
+import json
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -21,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
+from memfit.estimators.batch_interpolation import NotInterpolable, interpolate
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 from memfit.estimators.extrapolate import (
@@ -44,6 +48,7 @@ from memfit.specs.workload import Workload
 from memfit.steps.hooks import tensors_in
 from memfit.steps.optim import device_default_impl
 from memfit.steps.runner import run_workload
+from memfit.techniques.base import parse_technique
 from memfit.techniques.compose import prepare_step
 from memfit.techniques.resolve import ResolvedWorkload, resolve
 
@@ -57,6 +62,7 @@ class _Run:
     stacks: list[nn.ModuleList]
     probed: set = field(default_factory=set)     # CPU kernels whose scratch was probed
     skipped: set = field(default_factory=set)    # CPU kernels too large to probe
+    read_off: tuple[int, int] | None = None      # the micro-batches it was interpolated from (not traced)
 
 
 def repeated_stacks(model: nn.Module, num_layers: int | None) -> list[nn.ModuleList]:
@@ -96,6 +102,70 @@ def shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
             if param is not None:
                 slots.setdefault(id(param), []).append((module, name))
     return [group for group in slots.values() if len(group) > 1]
+
+
+KEPT_WORKLOADS = 8   # reusing_traces keeps the traces of this many workloads (a candidate's, in the planner)
+
+
+@dataclass
+class _Kept:
+    """What reusing_traces keeps of one workload (its micro-batch and allocator settings left out)."""
+
+    runs: dict[tuple[int | None, int, int], _Run] = field(default_factory=dict)   # by (depth, rank, micro-batch)
+    depth_checked_at: int | None = None   # the micro-batch at which its line in depth was checked on a third trace
+
+
+_kept: OrderedDict[str, _Kept] | None = None
+
+
+@contextmanager
+def reusing_traces():
+    """While open, traced estimates keep their traces: a workload traced at two micro-batches is read at a third off
+    them (batch_interpolation.py); once its peak was checked linear in depth at one micro-batch, the others trace the
+    shallowest and deepest of the three depths only (the middle one is the check); and a workload that differs only
+    in allocator settings (which leave its tensors alone) is not traced again. The planner opens it around a search,
+    which sizes each candidate's micro-batches in turn."""
+    global _kept
+    outer, _kept = _kept, OrderedDict()
+    try:
+        yield
+    finally:
+        _kept = outer
+
+
+def _kept_for(workload: ResolvedWorkload, gpu: GPU | None) -> _Kept | None:
+    if _kept is None:
+        return None
+    plain = workload.to_json()
+    plain.pop("batch_size")
+    plain["techniques"] = [t for t in plain["techniques"] if "allocator-only" not in parse_technique(t).traits]
+    key = json.dumps([plain, gpu.name if gpu else None], sort_keys=True)
+    kept = _kept.pop(key, None) or _Kept()
+    _kept[key] = kept   # the most recent last
+    while len(_kept) > KEPT_WORKLOADS:
+        _kept.popitem(last=False)
+    return kept
+
+
+def _trace(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None, rank: int = 0,
+           kept: _Kept | None = None) -> _Run:
+    """The step's trace at this depth and rank: traced, or read off what `kept` holds (reusing_traces)."""
+    if kept is None:
+        return _trace_once(workload, gpu, num_layers, rank)
+    batch, runs = workload.batch_size, kept.runs
+    if (num_layers, rank, batch) in runs:
+        return runs[num_layers, rank, batch]
+    traced = sorted(m for (n, r, m), run in runs.items() if (n, r) == (num_layers, rank) and run.read_off is None)
+    if len(traced) >= 2:
+        (a, b), same = traced[:2], (num_layers, rank)
+        try:
+            trace = interpolate(runs[(*same, a)].trace, a, runs[(*same, b)].trace, b, batch)
+            runs[num_layers, rank, batch] = replace(runs[(*same, b)], trace=trace, read_off=(a, b))
+            return runs[num_layers, rank, batch]
+        except NotInterpolable:
+            pass
+    runs[num_layers, rank, batch] = _trace_once(workload, gpu, num_layers, rank)
+    return runs[num_layers, rank, batch]
 
 
 def _trace_once(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None, rank: int = 0) -> _Run:
@@ -151,9 +221,26 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@contextmanager
+def older_objects_frozen():
+    """A trace collects garbage between its warm-up and measured steps (steps/runner.py); objects older than the
+    estimate are left out of those collections (gc.freeze), which would otherwise scan every object the process
+    holds: a quarter of a trace's time once torch and transformers are imported. They are unfrozen after."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: bool = False,
                     modules: bool = False, timeline: bool = False) -> MemoryEstimate:
-    workload = resolve(workload)
+    with older_objects_frozen():
+        return _traced_estimate(resolve(workload), gpu, full_trace=full_trace, modules=modules, timeline=timeline)
+
+
+def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace: bool, modules: bool,
+                     timeline: bool) -> MemoryEstimate:
     if workload.engine != "pytorch":
         raise MemfitError("--method traced runs PyTorch's own step; --engine deepspeed is modelled by "
                           "--method analytic.")
@@ -168,15 +255,19 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
     depths = None if whole else extrapolation_depths(layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
+    kept = _kept_for(workload, gpu)
+    checked_at = kept.depth_checked_at if kept else None
+    if depths and checked_at is not None:
+        depths = [depths[0], depths[-1]]
     if depths and not source.is_hf:   # a custom module cut to its first blocks may not run (a forward that counts them)
         try:
-            runs = {n: _trace_once(workload, gpu, n) for n in depths}
+            runs = {n: _trace(workload, gpu, n, kept=kept) for n in depths}
         except Exception as exc:   # the whole model is traced below, and raises what is really wrong
             notes.append(f"the first {depths[0]} blocks alone did not run ({type(exc).__name__}); traced every "
                          "layer instead")
             depths = None
     elif depths:
-        runs = {n: _trace_once(workload, gpu, n) for n in depths}
+        runs = {n: _trace(workload, gpu, n, kept=kept) for n in depths}
     if depths:
         try:
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
@@ -185,13 +276,17 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
                                            layers)
             regions = extrapolate(samples, layers)
             sampled_depth = depths[-1]
-            notes.append(f"traced {', '.join(map(str, depths))} of {layers} layers and "
-                         "extrapolated (linear in depth, checked exactly on the third trace)")
+            check = (f"checked exactly on a third depth at micro-batch {checked_at}" if checked_at is not None
+                     else "checked exactly on the middle one")
+            notes.append(f"traced {', '.join(map(str, depths))} of {layers} layers and extrapolated (linear in depth, "
+                         f"{check})")
             run = runs[depths[-1]]
+            if kept and checked_at is None:
+                kept.depth_checked_at = workload.batch_size
         except NotLinear as exc:
             notes.append(f"extrapolation check failed ({exc}); traced every layer instead")
     if regions is None:
-        runs = [_trace_once(workload, gpu, None, rank) for rank in ranks_to_estimate(workload, "traced")[0]]
+        runs = [_trace(workload, gpu, None, rank, kept) for rank in ranks_to_estimate(workload, "traced")[0]]
         by_rank = [region_peaks(r.trace, WHOLE_RUN, weights) for r in runs]
         highest = max(range(len(runs)), key=lambda i: peak_of(by_rank[i])[0].total)
         run, regions = runs[highest], by_rank[highest]
@@ -200,6 +295,9 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
             notes.append(f"traced each of {len(runs)} ranks; rank {highest} has the highest peak")
         host_bytes = max(run.trace.host_peaks().values())
         paged_bytes = run.trace.paged_bytes()
+    if run.read_off:
+        notes.append(f"every allocation read off the traces at micro-batches {run.read_off[0]} and {run.read_off[1]} "
+                     "(each the same or in proportion to the micro-batch: batch_interpolation.py)")
     if run.probed:
         notes.append("CPU kernel scratch probed on real tensors of the same shapes: " + ", ".join(sorted(run.probed)))
     if run.skipped:

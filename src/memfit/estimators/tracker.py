@@ -51,6 +51,7 @@ class _Storage:
     dtype: str = ""
     host: bool = False            # kept in host RAM by an offload technique (not device memory)
     paged: bool = False           # CUDA unified memory on a GPU (a paged optimizer's state), outside the allocator
+    raw_nbytes: int = 0           # before rounding (batch_interpolation.py rebuilds a trace from these)
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Trace:
     start: int = 0                          # events before this index are the warm-up step
     block_marks: list[tuple[int, str, int, int, str]] = field(default_factory=list)
     # (event index, phase, stack, layer, "start" | "end"): where each repeated layer ran
+    raw_deltas: list[int] = field(default_factory=list)   # each event's change before rounding
+    round_to: int = 1
 
     def category_of(self, storage: _Storage) -> str:
         if storage.category:
@@ -196,6 +199,8 @@ class MemoryTracker(TraceMode):
         self.start = 0
         self._recording = False
         self._size: dict[int, int] = {}      # storages resized in place (FSDP2 frees by resizing to 0)
+        self._raw_size: dict[int, int] = {}  # the same, before rounding
+        self.raw_deltas: list[int] = []
 
     # ---- the step's hooks -----------------------------------------------------------------
     def phase(self, name: str) -> None:
@@ -272,17 +277,18 @@ class MemoryTracker(TraceMode):
         index = self._by_storage.get(storage)
         if index is not None:
             return index
-        nbytes = storage.nbytes()
+        raw = nbytes = storage.nbytes()
         if self.round_to > 1:
             nbytes = -(-nbytes // self.round_to) * self.round_to if nbytes else 0
         index = len(self.storages)
         module = next((m for m in reversed(self._module_stack) if m is not None), None)
         self.storages.append(_Storage(nbytes, self._phase, module, -1 if born == -1 else len(self.events),
                                       op=op, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                                      host=in_host_region()))
+                                      host=in_host_region(), raw_nbytes=raw))
         self._by_storage[storage] = index
         if born != -1:
             self.events.append((index, nbytes))
+            self.raw_deltas.append(raw)
         self._refs.append(weakref.ref(storage, lambda _ref, i=index: self._free(i)))
         return index
 
@@ -292,17 +298,19 @@ class MemoryTracker(TraceMode):
         storage = self.storages[index]
         storage.died = len(self.events)
         self.events.append((index, -self._size.pop(index, storage.nbytes)))
+        self.raw_deltas.append(-self._raw_size.pop(index, storage.raw_nbytes))
 
     def _resized(self, storage, nbytes: int) -> None:
         index = self._by_storage.get(storage)
         if index is None:
             return
-        if self.round_to > 1:
-            nbytes = -(-nbytes // self.round_to) * self.round_to
-        delta = nbytes - self._size.get(index, self.storages[index].nbytes)
-        if delta:
-            self._size[index] = nbytes
-            self.events.append((index, delta))
+        raw_before = self._raw_size.get(index, self.storages[index].raw_nbytes)
+        if nbytes == raw_before:
+            return
+        rounded = -(-nbytes // self.round_to) * self.round_to
+        self.events.append((index, rounded - self._size.get(index, self.storages[index].nbytes)))
+        self.raw_deltas.append(nbytes - raw_before)
+        self._size[index], self._raw_size[index] = rounded, nbytes
 
     def live_bytes(self) -> int:
         """Bytes of the tracked storages alive now, host and device."""
@@ -359,7 +367,8 @@ class MemoryTracker(TraceMode):
         return super().__exit__(*exc)
 
     def trace(self) -> Trace:
-        return Trace(self.storages, list(self.events), list(self.phase_marks), self.start, list(self.block_marks))
+        return Trace(self.storages, list(self.events), list(self.phase_marks), self.start, list(self.block_marks),
+                     list(self.raw_deltas), self.round_to)
 
 
 def _first_grad_tensor(value) -> torch.Tensor | None:

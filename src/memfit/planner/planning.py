@@ -10,13 +10,15 @@ from torch import nn
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
 from memfit.estimators import count_parameters
+from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.effects import describe, measured_accuracy
-from memfit.estimators.traced import traced_estimate
+from memfit.estimators.traced import reusing_traces, traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, step_time
 from memfit.planner.live import live_request
+from memfit.planner.parallel import forked, sizing
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
-from memfit.planner.search import Evaluated, Search, change_of, estimate_for, lower_bound_estimate, risk_of
+from memfit.planner.search import Evaluated, Search, change_of, lower_bound_estimate, risk_of
 from memfit.specs.instances import usual_host_ram
 from memfit.techniques.base import CHANGES
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, without_technique
@@ -39,6 +41,12 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
     elif batch is not None or gpu is not None or fields:
         raise MemfitError("a PlanRequest carries its GPU, batch and settings; pass them to the PlanRequest, or pass a "
                           "live model and its batch.")
+    with reusing_traces():
+        return _plan(request, progress=progress, explore_all=explore_all, verify_traced=verify_traced, brief=brief)
+
+
+def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explore_all: bool, verify_traced: bool,
+          brief: bool) -> PlanResult:
     started = time.perf_counter()
     search = Search(request, progress)
     accepted = search.workloads()
@@ -54,24 +62,16 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
         ordered.append((bound, candidate, workload, per_replica, ppl))
     ordered.sort(key=lambda item: item[0])
     feasible: list[Evaluated] = []
-    for index, (bound, candidate, workload, per_replica, ppl) in enumerate(ordered):
-        if (request.objective == "fastest" and not explore_all and len(feasible) >= request.top
-                and bound > max(sorted(p.time.total_s for p in feasible)[request.top - 1],
-                                min(p.time.total_s for p in feasible) * (1 + request.speed_margin))):
-            break
-        search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
-        result = search.evaluate(candidate, workload, per_replica)
-        if result is None:
-            continue
-        result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
-        timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
-                          num_gpus=candidate.num_gpus, cost=request.cost)
-        result.time = timed
-        tokens = request.sequences * (request.new_tokens or workload.effective_seq_len)
-        result.throughput = tokens / timed.total_s / candidate.num_gpus
-        if result.fits:
-            feasible.append(result)
-        search.evaluated.append(result)
+    with sizing(search, [item[1:4] for item in ordered]) as sized:
+        for index, (bound, candidate, workload, _, ppl) in enumerate(ordered):
+            if (request.objective == "fastest" and not explore_all and len(feasible) >= request.top
+                    and bound > max(sorted(p.time.total_s for p in feasible)[request.top - 1],
+                                    min(p.time.total_s for p in feasible) * (1 + request.speed_margin))):
+                break
+            search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
+            result = sized(index)
+            if result is not None:
+                _time(result, request, workload, ppl, search, feasible)
     ordered = rank(feasible, request.objective, request.speed_margin)
     ranked = ordered[:request.top]
     if verify_traced:
@@ -82,25 +82,44 @@ def plan(request: PlanRequest | nn.Module, batch=None, *, progress: Callable[[st
         result.warnings = host_ram_warnings(request, ranked[0])
         result.tradeoff = tradeoff(ordered, request)
         if not brief:
-            result.savings = [technique_savings(ranked[0], request)]   # the best plan's (a few estimates each)
+            result.savings = [technique_savings(ranked[0], search)]   # the best plan's
     else:
         result.reason, result.suggestions = why_nothing_fits(request, search, suggest=not brief)
     result.elapsed_s = time.perf_counter() - started
     return result
 
 
-def technique_savings(chosen: Evaluated, request: PlanRequest) -> list[dict]:
-    """What each technique of the plan saves: the peak without it, minus the plan's (same batch and estimator)."""
-    workload = chosen.workload(request)
-    rows = []
-    for technique in all_techniques(workload):
-        if "layout" in technique.traits:   # how the GPUs are used, not a saving on them
-            continue
+def _time(result: Evaluated, request: PlanRequest, workload: ResolvedWorkload, ppl: float | None, search: Search,
+          feasible: list[Evaluated]) -> None:
+    """A sized candidate's risk, change to training and step time; kept (and among the feasible when it fits)."""
+    result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
+    timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
+                      num_gpus=result.candidate.num_gpus, cost=request.cost)
+    result.time = timed
+    tokens = request.sequences * (request.new_tokens or workload.effective_seq_len)
+    result.throughput = tokens / timed.total_s / result.candidate.num_gpus
+    if result.fits:
+        feasible.append(result)
+    search.evaluated.append(result)
+
+
+def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
+    """What each technique of the plan saves: the peak without it, minus the plan's (same batch and estimator; on
+    every core, parallel.py)."""
+    workload = chosen.workload(search.request)
+    techniques = [t for t in all_techniques(workload) if "layout" not in t.traits]   # how the GPUs are used
+
+    def without(index: int) -> MemoryEstimate | None:
         try:
-            without = estimate_for(request, without_technique(workload, technique))
+            return search.estimate(without_technique(workload, techniques[index]))
         except MemfitError:   # the plan needs it (e.g. its rules): no saving to compare
-            continue
-        rows.append(describe(technique, without=without, with_it=chosen.estimate) | {"method": without.method})
+            return None
+
+    rows = []
+    with forked(without, len(techniques)) as estimate:
+        for index, technique in enumerate(techniques):
+            if (other := estimate(index)) is not None:
+                rows.append(describe(technique, without=other, with_it=chosen.estimate) | {"method": other.method})
     return rows
 
 

@@ -2,9 +2,12 @@
 
 For each candidate (space.py) the analytic estimator (milliseconds; for a custom module or the user's own step,
 which it cannot run, the traced estimator, and no workload is estimated twice) sizes the step at the smallest
-micro-batch; a candidate that fits there is sized at the next micro-batch too, the peak taken as linear
-in the micro-batch between them (activations grow with it, model states do not), the largest
-micro-batch predicted to fit is estimated exactly, and stepped down until it does. Gradient accumulation
+micro-batch; a candidate that fits there is sized at the next micro-batch too, the peak taken as linear in the
+micro-batch between them (activations grow with it, model states do not), the largest micro-batch predicted to fit
+is estimated exactly, and stepped down until it does. A traced search reads those larger micro-batches off its
+traces at the first two (traced.reusing_traces: exact when every allocation keeps its size or grows with the
+micro-batch, which it checks), and starts above one sequence, which takes paths of its own; it sizes one sequence
+only when two do not fit. Candidates are sized on every core (parallel.py). Gradient accumulation
 makes up the rest of the user's global batch. Fit means tensors + CUDA context + cuBLAS workspace +
 the allocator's simulated reserve (gpu_overhead.py) <= device memory x (1 - margin); an allocator technique
 (expandable segments) changes the reserve, so a plan that only fits that way gets it (space.allocator_options).
@@ -87,18 +90,19 @@ class Search:
         self.rejected: Counter[str] = Counter()
         self.evaluated: list[Evaluated] = []
         self.num_estimates = 0
-        self.base = resolve(Workload(model=request.model, inputs=request.inputs, task=request.task,
+        self.base = resolve(Workload(model=request.model, inputs=request.inputs, step=request.step, task=request.task,
                                      seq_len=request.seq_len, new_tokens=request.new_tokens))
-        self._estimates: dict[str, MemoryEstimate] = {}   # by workload: a trace is not made twice
+        self.traces = "analytic" not in methods_for(self.base)   # a custom model or the user's own step
+        self.estimated: dict[str, MemoryEstimate] = {}   # by workload: a trace is not made twice
         self.allocator_options = allocator_options(request, self.base)
 
     # ---- one candidate -----------------------------------------------------------------------
-    def _estimate(self, workload: ResolvedWorkload) -> MemoryEstimate:
+    def estimate(self, workload: ResolvedWorkload) -> MemoryEstimate:
         key = json.dumps(workload.to_json(), sort_keys=True)
-        if key not in self._estimates:
+        if key not in self.estimated:
             self.num_estimates += 1
-            self._estimates[key] = estimate_for(self.request, workload)
-        return self._estimates[key]
+            self.estimated[key] = estimate_for(self.request, workload)
+        return self.estimated[key]
 
     def _sized(self, candidate: Candidate, micro_batch: int, estimate: MemoryEstimate,
                per_replica: int) -> Evaluated:
@@ -109,7 +113,7 @@ class Search:
         only_the_reserve_is_over = device - reserve <= budget < device
         for option in self.allocator_options if only_the_reserve_is_over else ():
             with_option = replace(candidate, techniques=candidate.techniques + (option.spec,))
-            option_estimate = self._estimate(with_option.workload(request, micro_batch))
+            option_estimate = self.estimate(with_option.workload(request, micro_batch))
             if device_bytes(option_estimate) <= budget:
                 estimate, device, added = option_estimate, device_bytes(option_estimate), (option.spec,)
                 break
@@ -136,29 +140,37 @@ class Search:
         if workload.with_trait("steps-in-backward"):   # it cannot accumulate: one micro-batch is the whole batch
             whole = workload if per_replica == candidate.batch_multiple else candidate.workload(self.request,
                                                                                                   per_replica)
-            return self._sized(candidate, per_replica, self._estimate(whole), per_replica)
-        smallest = candidate.batch_multiple
-        first = self._sized(candidate, smallest, self._estimate(workload), per_replica)
-        sizes = [m for m in divisors(per_replica) if m % smallest == 0]
-        if not first.fits or len(sizes) == 1 or self.request.objective == "smallest":
+            return self._sized(candidate, per_replica, self.estimate(whole), per_replica)
+        sizes = [m for m in divisors(per_replica) if m % candidate.batch_multiple == 0]
+        if len(sizes) == 1 or self.request.objective == "smallest":
+            return self._sized(candidate, sizes[0], self.estimate(workload), per_replica)
+        # a traced search starts above one sequence, which takes paths of its own (views where more sequences are
+        # copied): larger micro-batches are read off the traces at two sizes (traced.reusing_traces) that have none
+        low = 1 if sizes[0] == 1 and self.traces else 0
+        first = self._size_at(candidate, sizes[low], per_replica)
+        if not first.fits:
+            return self._sized(candidate, sizes[0], self.estimate(workload), per_replica) if low else first
+        if low + 1 == len(sizes):
             return first
-        second_size = sizes[1]
-        second = self._sized(candidate, second_size, self._estimate(candidate.workload(self.request, second_size)),
-                             per_replica)
+        second = self._size_at(candidate, sizes[low + 1], per_replica)
         if not second.fits:
             return first
-        slope = (second.device_bytes - first.device_bytes) / (second_size - smallest)
+        slope = (second.device_bytes - first.device_bytes) / (second.micro_batch - first.micro_batch)
         room = self.request.budget_bytes - first.device_bytes
-        predicted = [m for m in sizes if slope <= 0 or (m - smallest) * slope <= room]
+        predicted = [m for m in sizes if slope <= 0 or (m - first.micro_batch) * slope <= room]
         best = second
         for size in reversed(predicted[-MAX_VERIFY:]):
-            if size <= second_size:
+            if size <= second.micro_batch:
                 break
-            trial = self._sized(candidate, size, self._estimate(candidate.workload(self.request, size)), per_replica)
+            trial = self._size_at(candidate, size, per_replica)
             if trial.fits:
                 best = trial
                 break
         return best
+
+    def _size_at(self, candidate: Candidate, micro_batch: int, per_replica: int) -> Evaluated:
+        return self._sized(candidate, micro_batch, self.estimate(candidate.workload(self.request, micro_batch)),
+                           per_replica)
 
     # ---- all of them -------------------------------------------------------------------------
     def workloads(self) -> list[tuple[Candidate, ResolvedWorkload, int]]:

@@ -34,6 +34,7 @@ class ExpandableSegments(Technique):
     name = "expandable-segments"
     risk = "lossless"
     stage = "memory"
+    traits = frozenset({"allocator-only"})
     summary = "CUDA allocator segments that grow in place: less fragmentation, a smaller reserve (CUDA only)"
     oom_fixes = ("expandable-segments",)
     search_axis = "allocator"
@@ -69,6 +70,7 @@ class ReleaseCache(Technique):
     name = "release-cache"
     risk = "lossless"
     stage = "memory"
+    traits = frozenset({"allocator-only"})
     summary = "return cached CUDA blocks to the driver between phases (torch.cuda.empty_cache; CUDA only)"
     time_factor = 1.02
 

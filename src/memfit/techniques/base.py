@@ -59,6 +59,8 @@ TRAITS = {
     "replaces-loss": "computes the step's loss itself",
     "shapes-batch": "changes the batch memfit's step feeds the model (truncates it or splits it into windows)",
     "traced-only": "has no analytic model: only a trace (or a run) predicts it (the analytic estimator refuses it)",
+    "allocator-only": "changes only how the caching allocator holds memory: the step's tensors, and so its trace, are "
+                      "the same without it",
 }
 
 

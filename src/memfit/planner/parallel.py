@@ -1,0 +1,100 @@
+"""The planner's estimates on every CPU core: its candidates are independent of each other, and a search spends
+tens of milliseconds per analytic estimate (a 70B model's) and about a second per traced one (a custom model's).
+
+Worker processes are forked from the planner, so they inherit the job and everything it reads (nothing is pickled
+but what they send back). The planner asks for the results in its own order, so a plan is the one one process
+would find; the workers keep computing the items after the one it waits for, work that the search's stopping rule
+may throw away. One process where fork does not exist (Windows, macOS's default), inside a daemonic process (it may
+not have children) and on one core.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.pool
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from memfit.planner.search import Evaluated, Search
+from memfit.planner.space import Candidate
+from memfit.techniques.resolve import ResolvedWorkload
+
+Item = tuple[Candidate, ResolvedWorkload, int]   # a candidate, its smallest workload, sequences per replica
+
+_inherited_job: Callable[[int], Any] | None = None   # in a worker: the job it was forked with
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _start_worker(job: Callable[[int], Any]) -> None:
+    global _inherited_job
+    _inherited_job = job
+    torch.set_num_threads(1)   # one core each: the workers share the machine
+
+
+def _run(index: int) -> Any:
+    return _inherited_job(index)
+
+
+def _can_fork(workers: int) -> bool:
+    return (workers > 1 and "fork" in multiprocessing.get_all_start_methods()
+            and not multiprocessing.current_process().daemon)
+
+
+@contextmanager
+def forked(job: Callable[[int], Any], count: int) -> Iterator[Callable[[int], Any]]:
+    """A function from i to `job(i)` (0 <= i < `count`, asked for in increasing order), computed ahead on every
+    core where this machine allows it, else when asked."""
+    workers = min(usable_cores(), count)
+    if not _can_fork(workers):
+        yield job
+        return
+    pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (job,))
+    pending: dict[int, multiprocessing.pool.AsyncResult] = {}
+    submitted = 0
+
+    def result(index: int) -> Any:
+        nonlocal submitted
+        while True:   # every worker kept busy: the items after `index` are computed while it is
+            while submitted < count and sum(not p.ready() for p in pending.values()) < workers:
+                pending[submitted] = pool.apply_async(_run, (submitted,))
+                submitted += 1
+            if pending[index].ready():
+                return pending.pop(index).get()
+            pending[index].wait(0.05)
+
+    try:
+        yield result
+    finally:
+        pool.terminate()   # items computed ahead that the planner no longer needs
+        pool.join()
+
+
+@contextmanager
+def sizing(search: Search, items: list[Item]) -> Iterator[Callable[[int], Evaluated | None]]:
+    """A function from a candidate's index in `items` to its sizing (search.evaluate), computed ahead on every core
+    (see forked); the estimates a worker made and the refusals it met join the search's."""
+    def size(index: int) -> tuple[Evaluated | None, dict, Counter, int]:
+        known, rejected, made = set(search.estimated), Counter(search.rejected), search.num_estimates
+        result = search.evaluate(*items[index])
+        new = {key: value for key, value in search.estimated.items() if key not in known}
+        return result, new, search.rejected - rejected, search.num_estimates - made
+
+    if not _can_fork(min(usable_cores(), len(items))):
+        yield lambda index: search.evaluate(*items[index])
+        return
+    with forked(size, len(items)) as sized:
+        def merged(index: int) -> Evaluated | None:
+            result, estimates, rejected, made = sized(index)
+            search.estimated.update(estimates)
+            search.rejected.update(rejected)
+            search.num_estimates += made
+            return result
+
+        yield merged
