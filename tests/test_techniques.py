@@ -35,6 +35,7 @@ MODES = [
     (("checkpointing:mode=offload",), ()),
     (("cpu-offload",), ()),
     (("lora",), ()),
+    (("lora:targets=all-linear",), ()),
     (("lora:rank=8,targets=q_proj|k_proj|v_proj|o_proj", "checkpointing", "bf16-mixed"),
      ("checkpointing", "bf16-mixed")),
     (("qlora",), ()),

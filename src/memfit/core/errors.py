@@ -14,6 +14,12 @@ class ImpossibleCombination(MemfitError):
     the planner counts the combination as refused and goes on."""
 
 
+class NotModelled(MemfitError):
+    """A combination the estimator asked has no model of (the analytic model's adapters and quantized linears
+    outside decoder families): the planner counts it as refused and goes on; the message names the method that
+    models it."""
+
+
 def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """A 'did you mean' fragment for an unknown `name`, or '' when nothing is close."""
     matches = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.5)

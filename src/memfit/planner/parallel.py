@@ -5,7 +5,7 @@ Worker processes are forked from the planner, so they inherit the job and everyt
 but what they send back). The planner asks for the results in its own order, so a plan is the one one process
 would find; the workers keep computing the items after the one it waits for, work that the search's stopping rule
 may throw away. One process where fork does not exist (Windows, macOS's default), inside a daemonic process (it may
-not have children) and on one core.
+not have children), once the process has started CUDA (a forked child could not use it) and on one core.
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _run(index: int) -> Any:
 
 def _can_fork(workers: int) -> bool:
     return (workers > 1 and "fork" in multiprocessing.get_all_start_methods()
-            and not multiprocessing.current_process().daemon)
+            and not multiprocessing.current_process().daemon
+            and not torch.cuda.is_initialized())   # a forked child cannot use the CUDA its parent started
 
 
 @contextmanager

@@ -196,14 +196,13 @@ def _lossy_alternative(request: PlanRequest) -> list[str]:
     lossy = replace(request, allow="lossy", top=1, max_ppl_increase=None)
     search = Search(lossy)
     best = None
-    for candidate, workload, per_replica in search.workloads():
-        if risk_of(workload) != "lossy":
-            continue
-        sized = search.evaluate(candidate, workload, per_replica)
-        if sized is None:
-            continue
-        if best is None or (sized.fits, -sized.device_bytes) > (best.fits, -best.device_bytes):
-            best = sized   # the smallest that fits, else the smallest
+    items = [item for item in search.workloads() if risk_of(item[1]) == "lossy"]
+    with sizing(search, items) as size:
+        for index in range(len(items)):
+            sized = size(index)
+            if sized is not None and (best is None or (sized.fits, -sized.device_bytes) > (best.fits,
+                                                                                          -best.device_bytes)):
+                best = sized   # the smallest that fits, else the smallest
     if best is None:
         return []
     if best.fits:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memfit.core.categories import zero_categories
-from memfit.core.errors import ImpossibleCombination, MemfitError
+from memfit.core.errors import ImpossibleCombination, MemfitError, NotModelled
 from memfit.estimators import methods_for
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.breakdown import MemoryEstimate
@@ -129,10 +129,10 @@ class Search:
 
     def evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated | None:
         """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does); None when its
-        estimate finds the combination impossible (counted as refused)."""
+        estimate finds the combination impossible or has no model of it (counted as refused)."""
         try:
             return self._evaluate(candidate, workload, per_replica)
-        except ImpossibleCombination as exc:
+        except (ImpossibleCombination, NotModelled) as exc:
             self.rejected[str(exc)] += 1
             return None
 

@@ -4,7 +4,8 @@
           peft's LoRA (Hu et al., 2021) on the linear layers named by `targets` (the module names'
           last part; default q_proj and v_proj, peft's own default for Llama-style models; on a model
           that is not a transformers one, every linear except the output head, peft's all-linear rule,
-          with the head the linear tied to an embedding, else the last one registered). Each target
+          with the head the linear tied to an embedding, else the last one registered;
+          targets=all-linear asks for that rule on a transformers model too). Each target
           W x becomes W x + (alpha / rank) B A x with A (rank x in) and B (out x rank) trainable and W
           frozen, B starting at zero (the first step's outputs equal the base model's). Every other
           parameter freezes. Memory: no gradients or optimizer states for the frozen weights (often
@@ -33,6 +34,9 @@ from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model,
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+ALL_LINEAR = "all-linear"   # peft's rule: every linear but the output head
+# what the planner tries under --allow lossy (each with its measured perplexity cost, estimators/effects.py)
+SEARCHED_ADAPTERS = ("", ":rank=64", f":targets={ALL_LINEAR}")
 QLORA_DEQUANT = 1.2   # QLoRA's compute against LoRA's: every 4-bit weight dequantized in forward and backward (assumed)
 
 
@@ -62,8 +66,10 @@ class Lora(Technique):
         require_positive_int(self.rank, "-t lora: rank")
         if self.alpha is not None:
             require_positive_int(self.alpha, "-t lora: alpha")
-        if self.targets is not None and not all(re.fullmatch(r"[\w.]+", t) for t in self.targets.split("|")):
-            raise MemfitError(f"-t lora: targets are module names joined by '|', got {self.targets!r}.")
+        if (self.targets not in (None, ALL_LINEAR)
+                and not all(re.fullmatch(r"[\w.]+", t) for t in self.targets.split("|"))):
+            raise MemfitError(f"-t lora: targets are module names joined by '|' (or {ALL_LINEAR}), got "
+                              f"{self.targets!r}.")
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -75,7 +81,12 @@ class Lora(Technique):
 
     @classmethod
     def search_values(cls, request, workload):
-        return [cls.name] if request.task == "train" else []
+        """LoRA at its defaults, at a higher rank, and on every linear (a custom model's default already is)."""
+        if request.task != "train":
+            return []
+        if cls is not Lora or not workload.source.is_hf:
+            return [cls.name]
+        return [cls.name + variant for variant in SEARCHED_ADAPTERS]
 
     def cost_compute(self, compute) -> None:   # frozen weights: backward computes input gradients only
         compute.backward = compute.forward
@@ -92,8 +103,10 @@ class Lora(Technique):
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise MemfitError(f"-t {self.name} needs peft: pip install 'memfit[peft]'.") from None
-        if self.targets is None and not _is_transformers_model(setup.model):
+        if self.targets in (None, ALL_LINEAR) and not _is_transformers_model(setup.model):
             targets = all_linear_but_head(setup.model)
+        elif self.targets == ALL_LINEAR:
+            targets = ALL_LINEAR   # peft's own rule for transformers models
         else:
             names = {name.rsplit(".", 1)[-1] for name, _ in setup.model.named_modules()}
             missing = [t for t in self.target_names if t not in names]

@@ -19,7 +19,7 @@ How these linears compute is in ops.py (the kernel named by each weight's `quant
 """
 from __future__ import annotations
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import NotModelled
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Param
 from memfit.techniques.quantization import BLOCK
@@ -31,7 +31,7 @@ def _module_names(family, what: str) -> dict[str, str]:
     """Hugging Face module names -> the family program's parameter names (decoder families only)."""
     names = getattr(family, "MODULE_NAMES", None)
     if names is None:
-        raise MemfitError(f"the analytic model has {what} for decoder families (Llama, Mistral, Qwen2, "
+        raise NotModelled(f"the analytic model has {what} for decoder families (Llama, Mistral, Qwen2, "
                           "...); use --method traced.")
     return names
 
@@ -80,9 +80,9 @@ def fake_quantize_linears(e: Engine, family) -> None:
 
 
 def add_adapters(e: Engine, family, rank: int, targets: tuple[str, ...]) -> None:
-    """`targets`: Hugging Face module names (their last part)."""
+    """`targets`: Hugging Face module names (their last part), or ("all-linear",): every linear of the blocks."""
     names = _module_names(family, "adapters")
-    targets = {names.get(t, t) for t in targets}
+    targets = set(names.values()) if targets == ("all-linear",) else {names.get(t, t) for t in targets}
     for param in list(e.params.values()):
         param.grad, param.frozen = False, True
         if param.name.rsplit(".", 1)[-1] in targets and len(param.shape) == 2:
