@@ -8,8 +8,8 @@ allocation by allocation, before unrounded sizes, and a trace that passes is reb
 rounded as the tracker rounds. Anything else (a size that grows otherwise, a code path that changes, one size
 not a whole number at the new micro-batch) raises NotInterpolable and the step is traced.
 
-The planner sizes each candidate at its two smallest micro-batches and reads larger ones off them
-(traced.reusing_traces); an estimate made this way says so in its notes.
+A traced search sizes each candidate at its two smallest micro-batches above one sequence (a batch of one takes paths
+of its own) and reads larger ones off them (traced.reusing_traces); an estimate made this way says so in its notes.
 """
 from __future__ import annotations
 

@@ -152,20 +152,24 @@ def _trace(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None, 
     """The step's trace at this depth and rank: traced, or read off what `kept` holds (reusing_traces)."""
     if kept is None:
         return _trace_once(workload, gpu, num_layers, rank)
-    batch, runs = workload.batch_size, kept.runs
-    if (num_layers, rank, batch) in runs:
-        return runs[num_layers, rank, batch]
+    key = (num_layers, rank, workload.batch_size)
+    if key not in kept.runs:
+        kept.runs[key] = _read_off(kept.runs, *key) or _trace_once(workload, gpu, num_layers, rank)
+    return kept.runs[key]
+
+
+def _read_off(runs: dict[tuple[int | None, int, int], _Run], num_layers: int | None, rank: int,
+              batch: int) -> _Run | None:
+    """The run at `batch` read off the first two traced at this depth and rank, or None when they cannot be."""
     traced = sorted(m for (n, r, m), run in runs.items() if (n, r) == (num_layers, rank) and run.read_off is None)
-    if len(traced) >= 2:
-        (a, b), same = traced[:2], (num_layers, rank)
-        try:
-            trace = interpolate(runs[(*same, a)].trace, a, runs[(*same, b)].trace, b, batch)
-            runs[num_layers, rank, batch] = replace(runs[(*same, b)], trace=trace, read_off=(a, b))
-            return runs[num_layers, rank, batch]
-        except NotInterpolable:
-            pass
-    runs[num_layers, rank, batch] = _trace_once(workload, gpu, num_layers, rank)
-    return runs[num_layers, rank, batch]
+    if len(traced) < 2:
+        return None
+    a, b = (runs[num_layers, rank, m] for m in traced[:2])
+    try:
+        trace = interpolate(a.trace, traced[0], b.trace, traced[1], batch)
+    except NotInterpolable:
+        return None
+    return replace(b, trace=trace, read_off=(traced[0], traced[1]))
 
 
 def _trace_once(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None, rank: int = 0) -> _Run:

@@ -5,7 +5,8 @@ Worker processes are forked from the planner, so they inherit the job and everyt
 but what they send back). The planner asks for the results in its own order, so a plan is the one one process
 would find; the workers keep computing the items after the one it waits for, work that the search's stopping rule
 may throw away. One process where fork does not exist (Windows, macOS's default), inside a daemonic process (it may
-not have children), once the process has started CUDA (a forked child could not use it) and on one core.
+not have children), once the process has started CUDA (a forked child could not use it) and on one core
+(forked_workers).
 """
 from __future__ import annotations
 
@@ -42,18 +43,21 @@ def _run(index: int) -> Any:
     return _inherited_job(index)
 
 
-def _can_fork(workers: int) -> bool:
-    return (workers > 1 and "fork" in multiprocessing.get_all_start_methods()
-            and not multiprocessing.current_process().daemon
-            and not torch.cuda.is_initialized())   # a forked child cannot use the CUDA its parent started
+def forked_workers(count: int) -> int:
+    """How many worker processes `count` items get: 0 (computed in this process) where fork does not exist, in a
+    daemonic process, once CUDA has started (a forked child cannot use it) or on one core."""
+    workers = min(usable_cores(), count)
+    can_fork = ("fork" in multiprocessing.get_all_start_methods() and not multiprocessing.current_process().daemon
+                and not torch.cuda.is_initialized())
+    return workers if workers > 1 and can_fork else 0
 
 
 @contextmanager
 def forked(job: Callable[[int], Any], count: int) -> Iterator[Callable[[int], Any]]:
     """A function from i to `job(i)` (0 <= i < `count`, asked for in increasing order), computed ahead on every
     core where this machine allows it, else when asked."""
-    workers = min(usable_cores(), count)
-    if not _can_fork(workers):
+    workers = forked_workers(count)
+    if not workers:
         yield job
         return
     pool = multiprocessing.get_context("fork").Pool(workers, _start_worker, (job,))
@@ -87,7 +91,7 @@ def sizing(search: Search, items: list[Item]) -> Iterator[Callable[[int], Evalua
         new = {key: value for key, value in search.estimated.items() if key not in known}
         return result, new, search.rejected - rejected, search.num_estimates - made
 
-    if not _can_fork(min(usable_cores(), len(items))):
+    if not forked_workers(len(items)):   # in this process: evaluate adds to the search itself
         yield lambda index: search.evaluate(*items[index])
         return
     with forked(size, len(items)) as sized:

@@ -70,8 +70,11 @@ def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explo
                 break
             search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
             result = sized(index)
-            if result is not None:
-                _time(result, request, workload, ppl, search, feasible)
+            if result is None:
+                continue
+            search.evaluated.append(_timed(result, request, workload, ppl))
+            if result.fits:
+                feasible.append(result)
     ordered = rank(feasible, request.objective, request.speed_margin)
     ranked = ordered[:request.top]
     if verify_traced:
@@ -89,18 +92,15 @@ def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explo
     return result
 
 
-def _time(result: Evaluated, request: PlanRequest, workload: ResolvedWorkload, ppl: float | None, search: Search,
-          feasible: list[Evaluated]) -> None:
-    """A sized candidate's risk, change to training and step time; kept (and among the feasible when it fits)."""
+def _timed(result: Evaluated, request: PlanRequest, workload: ResolvedWorkload, ppl: float | None) -> Evaluated:
+    """A sized candidate with its risk, change to training, step time and throughput."""
     result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
     timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
                       num_gpus=result.candidate.num_gpus, cost=request.cost)
     result.time = timed
     tokens = request.sequences * (request.new_tokens or workload.effective_seq_len)
     result.throughput = tokens / timed.total_s / result.candidate.num_gpus
-    if result.fits:
-        feasible.append(result)
-    search.evaluated.append(result)
+    return result
 
 
 def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from memfit.core.errors import NotModelled
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Param
+from memfit.techniques.adapters import ALL_LINEAR
 from memfit.techniques.quantization import BLOCK
 
 BLOCKS_PER_SCALE = 256   # double quantization: one float32 absmax per 256 blocks
@@ -80,9 +81,9 @@ def fake_quantize_linears(e: Engine, family) -> None:
 
 
 def add_adapters(e: Engine, family, rank: int, targets: tuple[str, ...]) -> None:
-    """`targets`: Hugging Face module names (their last part), or ("all-linear",): every linear of the blocks."""
+    """`targets`: Hugging Face module names (their last part), or (ALL_LINEAR,): every linear of the blocks."""
     names = _module_names(family, "adapters")
-    targets = set(names.values()) if targets == ("all-linear",) else {names.get(t, t) for t in targets}
+    targets = set(names.values()) if targets == (ALL_LINEAR,) else {names.get(t, t) for t in targets}
     for param in list(e.params.values()):
         param.grad, param.frozen = False, True
         if param.name.rsplit(".", 1)[-1] in targets and len(param.shape) == 2:
