@@ -18,9 +18,11 @@ so configurations with more accumulation steps pay extra optimizer steps in the 
 accumulation loop would not, and the planner's cost model (one optimizer step per global step, no fixed
 cost per micro-step) does not count them: one reason it can undervalue a larger micro-batch here.
 
-Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N] [--resume]
+Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N] [--resume | --replan]
 Writes benchmarks/results/planner_oracle.{txt,json} after every case; --resume keeps the cases that file already
-holds for the same workload, budget and steps (a long run can be finished in a later session).
+holds for the same workload, budget and steps (a long run can be finished in a later session); --replan keeps their
+measured configurations and plans again (a change to the planner or its cost model, judged against the same
+measurements: memfit's new plan is read from them, or measured when it is not among them).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from memfit.core.errors import MemfitError  # noqa: E402
 from memfit.core.units import format_bytes  # noqa: E402
 from memfit.estimators.analytic import analytic_estimate  # noqa: E402
 from memfit.estimators.analytic.families import registry  # noqa: E402
+from memfit.estimators.kernels import kernel_profile  # noqa: E402
 from memfit.measurement import measure  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.planner import PlanRequest, plan  # noqa: E402
@@ -54,6 +57,7 @@ from memfit.planner.search import Search, divisors  # noqa: E402
 from memfit.specs.hardware import GPU  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
 from memfit.steps.optim import make_optimizer  # noqa: E402
+from memfit.steps.train import call_model  # noqa: E402
 from memfit.techniques import REGISTRY  # noqa: E402
 from memfit.techniques.resolve import resolve  # noqa: E402
 
@@ -102,11 +106,13 @@ def _seconds(fn, runs: int = 5) -> float:
     return (time.perf_counter() - started) / runs
 
 
-def calibrate(gpu: GPU, hidden: int, seq_len: int, micro_batches: list[int]) -> CostModel:
+def calibrate(gpu: GPU, model: str, hidden: int, seq_len: int, micro_batches: list[int]) -> CostModel:
     """The cost model's constants measured on this CPU, not assumed: the throughput of the model's own
     matmul shape (tokens x hidden @ hidden x 4 hidden) at the smallest and largest micro-batch gives the
     utilisation and the half-utilisation token count; one optimizer step over 2M parameters gives each
-    optimizer's seconds per parameter; the CPU has no copy engine and no interconnect (nothing overlaps)."""
+    optimizer's seconds per parameter; the host's time per kernel is the model's forward over one token (no
+    configuration the oracle measures) over the kernels it launches; the CPU has no copy engine and no
+    interconnect (nothing overlaps), and issues each kernel before running it."""
     def tflops(tokens: int) -> float:
         x, w = torch.randn(tokens, hidden), torch.randn(hidden, 4 * hidden)
         return 2 * tokens * hidden * 4 * hidden / _seconds(lambda: x @ w) / 1e12
@@ -125,9 +131,22 @@ def calibrate(gpu: GPU, hidden: int, seq_len: int, micro_batches: list[int]) -> 
         optimizer = REGISTRY[name]().build(params) if name in REGISTRY else make_optimizer(params, name)
         return _seconds(optimizer.step) / sum(p.numel() for p in params)
 
-    return CostModel(mfu=mfu, tokens_half=int(half), comm_overlap=0.0, copy_overlap=0.0,
+    return CostModel(mfu=mfu, tokens_half=int(half), attention_efficiency=mfu, launch_s=0.0,
+                     host_op_s=host_seconds_per_kernel(model), host_overlaps=False, comm_overlap=0.0,
+                     copy_overlap=0.0,
                      optimizer_s_per_param=tuple((name, per_param(name)) for name in ("adamw", "adamw8bit")),
                      source="measured on this CPU (benchmarks/planner_oracle.py)")
+
+
+def host_seconds_per_kernel(model: str) -> float:
+    """The model's forward over one token of one sequence — the work all but nothing, the time its kernels' issue —
+    over the kernels it launches (counted as the cost model counts them)."""
+    workload = resolve(Workload(model=model, task="inference", batch_size=1, seq_len=1))
+    module = workload.source.build(device="cpu", dtype=torch.float32).eval()
+    batch = workload.source.make_batch(batch_size=1, seq_len=1, task="inference", dtype=torch.float32)
+    with torch.no_grad():
+        seconds = _seconds(lambda: call_model(module, batch), runs=50)
+    return seconds / kernel_profile(workload, (8, 0)).forward.eager_kernels
 
 
 def measured(workload: Workload, batches: list[dict]) -> tuple[int, float]:
@@ -171,13 +190,16 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     return rows
 
 
-def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps: int, console: Console) -> dict:
+def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps: int, console: Console,
+             measured_before: list[dict] | None = None) -> dict:
+    """One case: memfit's plan, and every configuration measured (or, given `measured_before`, those measurements of
+    an earlier run: memfit plans again, the oracle's figures are kept)."""
     plain_workload = resolve(Workload(model=model, task="train", batch_size=global_batch, seq_len=seq_len))
     plain = analytic_estimate(plain_workload)
     budget = int(plain.peak_bytes * fraction)
     gpu = cpu_as_gpu(budget)
     spec = registry.family_of(plain_workload.source)[1]
-    cost = calibrate(gpu, getattr(spec, "hidden", None) or spec.d_model, seq_len, divisors(global_batch))
+    cost = calibrate(gpu, model, getattr(spec, "hidden", None) or spec.d_model, seq_len, divisors(global_batch))
     console.print(f"calibrated: {cost}")
     # speed_margin 0: the oracle checks the cost model's pick of the fastest plan, not the preference for the one
     # that changes training least
@@ -187,8 +209,9 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     chosen = plan(request)
     planning_s = time.perf_counter() - started
     console.print(f"{model} s{seq_len} G{global_batch}, budget {format_bytes(budget)}: planned in {planning_s:.1f} s; "
-                  "measuring every configuration ...")
-    rows = oracle(request, steps, console)
+                  + ("the configurations measured before are kept" if measured_before else
+                     "measuring every configuration ..."))
+    rows = measured_before or oracle(request, steps, console)
     feasible = [r for r in rows if r["fits"]]
     best = min(feasible, key=lambda r: r["step_time_s"]) if feasible else None
     case = {"model": model, "seq_len": seq_len, "global_batch": global_batch, "budget_bytes": budget,
@@ -206,6 +229,13 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
         batches = text_batches(batch_size=top["micro_batch"], seq_len=seq_len, num_batches=steps + 1)
         peak, seconds = measured(workload, batches)
         mine = {"peak_bytes": peak, "step_time_s": seconds * top["grad_accum"], "fits": peak <= budget}
+        if measured_before and best:   # the oracle's best measured again beside it: ratios from one run only
+            again = Search(request).workloads()
+            workload = next(c.workload(request, best["micro_batch"]) for c, _, _ in again
+                            if c.labels() == best["techniques"])
+            batches = text_batches(batch_size=best["micro_batch"], seq_len=seq_len, num_batches=steps + 1)
+            best = case["oracle_best"] = dict(best, step_time_s=measured(workload, batches)[1] * best["grad_accum"],
+                                              measured_again=True)
     case["plan"] = {"techniques": top["techniques"], "micro_batch": top["micro_batch"], "grad_accum": top["grad_accum"],
                     "predicted_peak_bytes": top["peak_bytes"], "predicted_step_time_s": top["step_time_s"],
                     "measured_peak_bytes": mine["peak_bytes"], "measured_step_time_s": mine["step_time_s"],
@@ -231,8 +261,9 @@ def render(cases: list[dict]) -> Table:
             continue
         ok = mine["fits_when_run"] and mine.get("time_vs_oracle", 99) <= 1 + TOLERANCE
         measured = f"{case['configurations_measured']} / {case['feasible']}"
+        again = " (again)" if best and best.get("measured_again") else ""
         table.add_row(name, format_bytes(case["budget_bytes"]), measured,
-                      best_text, f"{best['step_time_s']:.3f} s" if best else "",
+                      best_text, f"{best['step_time_s']:.3f} s{again}" if best else "",
                       f"{' + '.join(mine['techniques'])} {mine['micro_batch']}×{mine['grad_accum']}",
                       f"{format_bytes(mine['predicted_peak_bytes'])} / {format_bytes(mine['measured_peak_bytes'])}",
                       f"{mine['measured_step_time_s']:.3f} s", f"{mine.get('time_vs_oracle', 0):.3f}",
@@ -254,15 +285,20 @@ def main() -> None:
                                                                      f"{len(ZOO)}; each takes 10-30 minutes here)")
     parser.add_argument("--resume", action="store_true", help=f"keep the cases {RESULTS}.json already holds for the "
                                                                   "same workload, budget and steps")
+    parser.add_argument("--replan", action="store_true", help=f"keep the configurations {RESULTS}.json measured for "
+                                                                  "the same workload, budget and steps; plan again")
     args = parser.parse_args()
     console = Console(width=200)
-    command = f"python benchmarks/planner_oracle.py --steps {args.steps} --cases {args.cases}"
+    command = (f"python benchmarks/planner_oracle.py --steps {args.steps} --cases {args.cases}"
+               + (" --replan" if args.replan else ""))
     header = f"{command}\n{platform.platform()}, torch {torch.__version__}, {os.cpu_count()} CPUs\n"
-    done = earlier_cases(args.steps) if args.resume else {}
+    done = earlier_cases(args.steps) if args.resume or args.replan else {}
     cases = []
     for entry in ZOO[:args.cases]:   # the results are written after every case: nothing is lost on a stop
         model, seq_len, global_batch, _ = entry
-        if (model, seq_len, global_batch) in done:
+        if args.replan and (model, seq_len, global_batch) in done:
+            cases.append(run_case(*entry, args.steps, console, done[model, seq_len, global_batch]["configurations"]))
+        elif (model, seq_len, global_batch) in done:
             console.print(f"{model} s{seq_len} G{global_batch}: kept from the earlier run")
             cases.append(done[model, seq_len, global_batch])
         else:

@@ -5,7 +5,8 @@ copied from the shared data) typed in as memfit settings, the cost model's time 
 
 Training rows compare the time of one optimizer step (the source's tokens per GPU per step over its tokens/s per
 GPU); inference rows the time to generate (prompt, then every new token), from the source's generated tokens/s.
-error = predicted / reported − 1, in time. The cost model's GPU constants are `assumed` (planner/cost.py): nothing
+error = predicted / reported − 1, in time. The cost model times the step's counted kernels with its constants
+(planner/cost.py: the matmul rate calibrated on the liger-mlp op benchmark, the rest assumed or published): nothing
 here is fitted to these rows, and a row memfit cannot express yet (float8 linears, context parallel, 2-D meshes,
 op-level kernels) is a miss with its reason. A compiled run is timed with `-t compile`'s cost over the eager step's
 analytic estimate.
@@ -31,13 +32,15 @@ RESULTS = HERE / "results"
 TT3B_TOKENS = 2 * 4096
 CAPPED = "the source's A100s are power-capped at 330 W (about 1.7 TB/s measured); memfit's A100 is the data sheet's"
 INT4 = "torchao's int4 weight-only (groups of 64) predicted as bitsandbytes NF4 (4-bit weights either way)"
+MIXTRAL_INT8 = ("gpt-fast quantizes its own experts to int8; int8-weight-only on transformers' Mixtral quantizes "
+                "nn.Linear layers only, which its fused experts are not (memfit reads them in bf16)")
 SAC_COMPILE = "compile over selective-op checkpointing is refused by memfit: the eager step is timed"
 TP_INFER = ("the source runs compiled with reduce-overhead (CUDA graphs) over a cube mesh; memfit's tensor-parallel "
             "all-reduces cost its NVLink bandwidth")
 
 
 A100_64 = ("64 GPUs over 8 nodes: FSDP2's collectives run at the network's share per GPU (assumed 400 Gb/s) and hide "
-           "behind the compute; the gap is the compute, timed at the assumed MFU of 0.40")
+           "behind the compute")
 
 
 def train(id, step_s, gpu, workload=None, miss=None, notes=()):
@@ -52,7 +55,9 @@ def generate(id, tokens_per_s, gpu, workload=None, miss=None, notes=()):
             "gpu": gpu, "workload": workload, "miss": miss, "notes": list(notes)}
 
 
+GRAPHS = "compile:mode=reduce-overhead"   # gpt-fast's mode; torchao's max-autotune replays CUDA graphs too
 GEN200 = dict(GEN, seq_len=5, new_tokens=200)   # torchao's generate.py: "Hello, my name is", 200 new tokens
+GEN200C = dict(GEN200, techniques=(GRAPHS,))    # ... compiled, as both sources run it
 ROWS = [
     train("tt3b-packed", TT3B_TOKENS / 7075, "a100-80gb", TT3B),
     train("tt3b-compile", TT3B_TOKENS / 8998, "a100-80gb", dict(TT3B, techniques=("compile",))),
@@ -81,22 +86,26 @@ ROWS = [
     train("liger-mlp", 0.03629, "a100-80gb", miss="an op-level benchmark (one MLP forward): memfit times whole steps"),
     train("liger-head-ce", 0.11145, "a100-80gb", miss="an op-level benchmark: memfit times whole steps"),
     generate("gptfast-eager", 25.5, "a100-80gb", dict(GEN200, model="llama-2-7b"),
-             notes=[CAPPED, "eager and CPU-overhead bound: a fixed cost per kernel launch is not modelled yet"]),
-    generate("ao-8b-a100-bf16", 95.64, "a100-80gb", GEN200, notes=[CAPPED]),
-    generate("ao-8b-a100-int8", 153.03, "a100-80gb", dict(GEN200, techniques=("int8-weight-only",)), notes=[CAPPED]),
-    generate("ao-8b-a100-int4", 180.80, "a100-80gb", dict(GEN200, techniques=("bnb-4bit",)), notes=[CAPPED, INT4]),
-    generate("ao-8b-h100-bf16", 126.90, "h100-sxm-80gb", GEN200),
-    generate("ao-8b-h100-int8", 198.85, "h100-sxm-80gb", dict(GEN200, techniques=("int8-weight-only",))),
-    generate("ao-8b-h100-int4", 241.39, "h100-sxm-80gb", dict(GEN200, techniques=("bnb-4bit",)), notes=[INT4]),
+             notes=[CAPPED, "eager and bound by the host issuing kernels: the source's host took about 31 us "
+                           "per kernel, memfit assumes 10 us"]),
+    generate("ao-8b-a100-bf16", 95.64, "a100-80gb", GEN200C, notes=[CAPPED]),
+    generate("ao-8b-a100-int8", 153.03, "a100-80gb", dict(GEN200, techniques=("int8-weight-only", GRAPHS)),
+             notes=[CAPPED]),
+    generate("ao-8b-a100-int4", 180.80, "a100-80gb", dict(GEN200, techniques=("bnb-4bit", GRAPHS)),
+             notes=[CAPPED, INT4]),
+    generate("ao-8b-h100-bf16", 126.90, "h100-sxm-80gb", GEN200C),
+    generate("ao-8b-h100-int8", 198.85, "h100-sxm-80gb", dict(GEN200, techniques=("int8-weight-only", GRAPHS))),
+    generate("ao-8b-h100-int4", 241.39, "h100-sxm-80gb", dict(GEN200, techniques=("bnb-4bit", GRAPHS)),
+             notes=[INT4]),
     *(generate(f"gptfast-tp{n}", speed, "a100-80gb",
-               dict(GEN200, model="llama-2-70b", world_size=n, techniques=("tensor-parallel",)),
+               dict(GEN200, model="llama-2-70b", world_size=n, techniques=("tensor-parallel", GRAPHS)),
                notes=[CAPPED, TP_INFER])
       for n, speed in ((2, 21.32), (4, 38.01), (8, 62.50))),
     generate("gptfast-mixtral-int8", 97.92, "a100-80gb", dict(GEN200, model="mixtral-8x7b",
-                                                              techniques=("int8-weight-only",)),
-             notes=[CAPPED, "the source reads only the two routed experts' weights per token"]),
+                                                              techniques=("int8-weight-only", GRAPHS)),
+             notes=[CAPPED, "the source reads only the two routed experts' weights per token", MIXTRAL_INT8]),
     generate("gptfast-mixtral-tp8", 227.82, "a100-80gb",
-             dict(GEN200, model="mixtral-8x7b", world_size=8, techniques=("tensor-parallel",)),
+             dict(GEN200, model="mixtral-8x7b", world_size=8, techniques=("tensor-parallel", GRAPHS)),
              notes=[CAPPED, TP_INFER, "the source reads only the two routed experts' weights per token"]),
     generate("bloom-accelerate", 1 / 0.23038, "a100-80gb",
              miss="BLOOM-176B is not in memfit's catalog, and accelerate's device_map over 8 GPUs (one busy at a "
@@ -107,7 +116,8 @@ ROWS = [
 def predict(spec: dict) -> dict:
     """The cost model's time for the row's configuration: a compiled run's over the eager step's estimate."""
     gpu, fields = get_gpu(spec["gpu"]), spec["workload"]
-    eager = Workload(**{**fields, "techniques": tuple(t for t in fields.get("techniques", ()) if t != "compile")})
+    eager = Workload(**{**fields, "techniques": tuple(t for t in fields.get("techniques", ())
+                                                      if not t.startswith("compile"))})
     memory = estimate(eager, method="analytic", gpu=gpu)
     timed = timing(resolve(Workload(**fields)), memory, gpu)
     return {"predicted_s": timed["step_time_s"], "time_parts_s": timed["time_parts_s"],
@@ -147,8 +157,9 @@ def seconds(value: float | None) -> str:
 
 
 def table_of(records: list[dict], totals: dict) -> Table:
-    table = Table(title="memfit's step-time model against published GPU speeds (constants assumed, none fitted here; "
-                        "error = predicted / reported − 1, in time)", title_justify="left")
+    table = Table(title="memfit's step-time model against published GPU speeds (the step's kernels counted; constants "
+                        "in planner/cost.py, none fitted to these rows; error = predicted / reported − 1, in time)",
+                  title_justify="left")
     for column in ("row", "GPU", "unit", "reported", "memfit", "error", "notes"):
         table.add_column(column, justify="left" if column in ("row", "GPU", "unit", "notes") else "right")
     for r in records:

@@ -1,4 +1,5 @@
 """memfit plan: known recipes found (or refused with the reason), plans that are what they claim, JSON, CLI."""
+import dataclasses
 import json
 
 import pytest
@@ -213,15 +214,23 @@ def test_verify_traced_rechecks_the_chosen_plans():
 
 
 def test_a_measured_cost_model_replaces_the_assumed_constants():
+    """A cost model measured on the target replaces the assumed constants: its optimizer seconds per parameter, and
+    its matmul rate (halved here: the matmuls' share of the step doubles, nothing else moves)."""
     from memfit.planner.cost import ASSUMED, CostModel, step_time
 
     workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=128)
     gpu = get_gpu("a100-80gb")
     estimate = analytic_estimate(workload, gpu)
-    assumed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1)
-    measured = CostModel(mfu=ASSUMED.mfu / 2, optimizer_s_per_param=(("adamw", 1e-6),), source="measured")
+    device_only = dataclasses.replace(ASSUMED, host_op_s=0.0)   # no host floor: the device's time shows
+    assumed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1, cost=device_only)
+    measured = CostModel(mfu=ASSUMED.mfu / 2, host_op_s=0.0, optimizer_s_per_param=(("adamw", 1e-6),),
+                         source="measured")
     timed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1, cost=measured)
-    assert timed.parts["compute"] == pytest.approx(2 * assumed.parts["compute"])
+    no_matmuls = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1,
+                           cost=dataclasses.replace(device_only, mfu=1e12))
+    matmuls = assumed.parts["compute"] - no_matmuls.parts["compute"]
+    assert matmuls > 0
+    assert timed.parts["compute"] == pytest.approx(assumed.parts["compute"] + matmuls)
     assert timed.parts["optimizer"] == pytest.approx(estimate.num_parameters * 1e-6)
 
 
@@ -258,20 +267,26 @@ def test_torchtunes_8b_full_fine_tune_on_a_4090_with_64_gib_of_host_ram():
     assert any("cannot accumulate gradients" in s and "all 64 sequences" in s for s in demo.suggestions)
 
 
-def test_a_model_that_fits_easily_keeps_float32_weights_and_states_and_the_faster_plan_is_shown(capsys):
-    """tiny-llama fits a 4090 many times over: pure bf16 with 8-bit states is the cost model's fastest by a few
-    percent, and no one would take it for that. Plan 1 is mixed precision with full AdamW; the tradeoff names the
-    faster plan and what it changes. With no speed margin the fastest comes first again."""
-    request = PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3)
-    result = plan(request, brief=True)
+def test_a_model_that_fits_easily_keeps_full_precision_states_and_the_faster_plan_is_shown(capsys):
+    """tiny-llama fits a 4090 many times over and its step is bound by the host issuing kernels: 8-bit AdamW states
+    are the cost model's fastest by under 1 %, and no one would take them for that; plan 1 keeps full AdamW states.
+    Autocast costs this launch-bound step its cast kernels (about a fifth more time than pure bf16): mixed precision
+    is plan 1 once the user allows that much (--speed-margin 25%), and the tradeoff names the faster plan. With no
+    margin the fastest comes first."""
+    def planned(margin):
+        return plan(PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3,
+                                speed_margin=margin), brief=True)
+
+    result = planned(0.05)
     check_plans(result)
-    best = result.plan_json(0)
+    assert result.plan_json(0)["techniques"] == ["bf16"]
+    fastest = planned(0.0)
+    assert "adamw8bit" in " ".join(fastest.plan_json(0)["techniques"])
+    assert fastest.plans[0].time.total_s < result.plans[0].time.total_s < 1.01 * fastest.plans[0].time.total_s
+    mixed = planned(0.25)
+    best = mixed.plan_json(0)
     assert best["training_change"] == "mixed-precision" and best["techniques"] == ["bf16-mixed"]
-    assert "would be" in result.tradeoff and "fewer bits" in result.tradeoff
-    fastest = plan(PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3,
-                               speed_margin=0.0), brief=True)
-    assert fastest.plan_json(0)["training_change"] == "reduced-precision" and fastest.tradeoff is None
-    assert fastest.plans[0].time.total_s < result.plans[0].time.total_s
+    assert "would be" in mixed.tradeoff and "fewer bits" in mixed.tradeoff
 
 
 def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration(capsys, tmp_path):
@@ -286,7 +301,7 @@ def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration
     timed = json.loads(out)
     assert timed["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-4)
     assert timed["tokens_per_second_per_gpu"] == pytest.approx(best["throughput"], rel=1e-3)
-    assert timed["time_source"] == "assumed" and set(timed["time_parts_s"]) >= {"compute", "optimizer"}
+    assert timed["time_source"] == "calibrated and assumed" and set(timed["time_parts_s"]) >= {"compute", "optimizer"}
 
 
 def test_a_vision_model_is_timed_too(capsys):

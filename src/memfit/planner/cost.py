@@ -1,23 +1,27 @@
-"""Step time of a plan on the target GPUs: a roofline cost model, every constant ASSUMED (labelled so).
+"""Step time of a plan on the target GPUs, from the kernels its step launches (constants CALIBRATED where a
+published measurement gives them, ASSUMED elsewhere; each labelled on CostModel).
 
-Training, per micro-step of T = micro_batch x seq tokens:
-  forward FLOPs F = 2 N_active T + 2 L b s^2 d_attn (causal attention, scores and values) [Kaplan et al.,
-  2020; Narayanan et al., 2021]; backward 2F. Compute time is FLOPs / (peak TFLOP/s x mfu x T / (T +
-  tokens_half)): small micro-batches use a GPU less well.
-  The optimizer step is memory-bound: 2x the states + 3x the gradients' bytes at HBM bandwidth.
-Inference: the prefill is compute-bound (as above, forward only); each decoded token reads the weights and
-  the KV cache once (HBM bandwidth) or computes (whichever is slower).
+Training, per micro-step: the model's kernels are counted on a fake copy (estimators/kernels.py): its matmuls'
+FLOPs, its fused attention's FLOPs (causal: half the square) and the bytes every other kernel reads and writes, and
+how many kernels there are, eager or fused by torch.compile. A phase (forward, backward) takes its matmuls at the
+tensor rate x mfu x T / (T + tokens_half) (small micro-batches use a GPU less well), its attention at the fused
+kernels' own share of peak, its bytes at HBM bandwidth, and a gap per kernel; the host issues every kernel (eager
+from Python, or one CUDA-graph launch) ahead of the GPU, so a step is never shorter than the host's part (a small
+model's or a decode step's bound). The techniques' FLOP hooks scale these times (a recompute re-runs that share of
+the forward). The optimizer step is memory-bound: 2x the states + 3x the gradients' bytes at HBM bandwidth.
+Inference: the prefill is the forward as above; each decoded token reads the weights and the KV cache once (HBM
+bandwidth) or computes (whichever is slower), and launches the forward's kernels.
 Each technique adds its own terms through two hooks (techniques/base.py): `cost_compute` changes the FLOPs
-(recompute, frozen weights, the ranks they split over, a pipeline's bubble) and by default multiplies the
-compute by its step-time factor (assumed, see `memfit techniques`); `cost_overhead` adds the seconds it spends
-beside the compute (collectives, host copies, a host optimizer step). The collectives are the formulas below:
-ring collectives move 2 (N - 1) / N of the bytes (all-reduce) or (N - 1) / N (all-gather, reduce-scatter) at
+(recompute, frozen weights, the ranks they split over, a pipeline's bubble, compile's fusion) and by default
+multiplies the compute by its step-time factor (assumed, see `memfit techniques`); `cost_overhead` adds the seconds
+it spends beside the compute (collectives, host copies, a host optimizer step). The collectives are the formulas
+below: ring collectives move 2 (N - 1) / N of the bytes (all-reduce) or (N - 1) / N (all-gather, reduce-scatter) at
 the GPU's interconnect bandwidth (NVLink: half the bidirectional figure; a collective over more than one node:
 the network's share per GPU, CostModel.network_gbps — the instance's own network when a plan is for one),
 overlapped with compute where the technique's hook says so. DeepSpeed's engine (not a technique) uses the
 same: ZeRO-3 gathers like a sharded layout, ZeRO-1/2 all-reduce the gradients like data parallel.
-The constants (CostModel) are assumed for GPUs; a CostModel measured on the target replaces them (the oracle
-benchmark measures its CPU's).
+A CostModel measured on the target replaces the constants (the oracle benchmark measures its CPU's).
+`benchmarks/published_throughput.py` compares the model with published GPU runs (docs/accuracy.md).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from memfit.estimators.analytic import offload_host_bytes
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.flops import forward_flops_per_token
+from memfit.estimators.kernels import KernelProfile, Phase, kernel_profile
 from memfit.specs.hardware import GPU
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -42,16 +47,33 @@ GPUS_PER_NODE = 8          # GPUs share a node's host RAM and NVLink up to this 
 
 @dataclass(frozen=True)
 class CostModel:
-    """The constants that turn FLOPs and bytes into seconds: assumed for GPUs (these defaults), or measured on
-    the device a plan is for (benchmarks/planner_oracle.py calibrates one for its CPU)."""
+    """The constants that turn FLOPs, bytes and kernels into seconds: for GPUs these defaults (each labelled
+    below), or measured on the device a plan is for (benchmarks/planner_oracle.py measures its CPU's)."""
 
-    mfu: float = 0.40            # model FLOPs utilisation of large matmuls
-    tokens_half: int = 512       # tokens per micro-step at which the device runs at half that utilisation
+    # large bf16/fp16 matmuls' share of the data-sheet peak: calibrated on Liger-Kernel's A100 benchmark of a Llama
+    # MLP (published_gpu_throughput.md liger-mlp: 4 x 8192 tokens, 36.3 ms, 0.84 of 312 TFLOP/s less its SiLU's
+    # bytes); cuBLAS's own large-GEMM figures lie at 0.75-0.85 on A100 and H100
+    mfu: float = 0.80
+    tokens_half: int = 512       # tokens per matmul at which it runs at half that utilisation (assumed)
+    # the fused attention kernels' share of the peak, by generation: None takes FlashAttention-2's published
+    # figures (Dao 2023: fwd + bwd up to 0.72 on A100; Shah et al. 2024, FlashAttention-3: 0.35 on H100), which
+    # PyTorch's flash backend is
+    attention_efficiency: float | None = None
+    launch_s: float = 2e-6       # the GPU's gap per kernel (launch latency and tail) (assumed)
+    # the host's time to issue one kernel: PyTorch eager from Python (this project's 2-core CPU dispatches a
+    # transformers Llama's ops at 5.5 us each without CUDA; a CUDA launch adds its own) (assumed)
+    host_op_s: float = 10e-6
+    host_overlaps: bool = True   # the host issues kernels ahead of the device (a GPU); False: one after the other
     comm_overlap: float = 0.8    # fraction of the compute that hides collectives
     copy_overlap: float = 0.8    # fraction that hides host <-> device copies (a GPU's copy engines; a CPU has none)
     optimizer_s_per_param: tuple[tuple[str, float], ...] = ()   # measured step seconds per parameter, by optimizer
     network_gbps: float = NETWORK_GBPS   # GB/s per GPU between nodes (PlanRequest takes an instance's own)
-    source: str = "assumed"
+    source: str = "calibrated and assumed"
+
+    def attention_share(self, gpu: GPU) -> float:
+        if self.attention_efficiency is not None:
+            return self.attention_efficiency
+        return 0.35 if gpu.compute_capability >= (9, 0) else 0.65
 
 
 ASSUMED = CostModel()
@@ -125,6 +147,8 @@ class Compute:
     split: int = 1           # ranks that divide the FLOPs (tensor, pipeline parallel)
     factor: float = 1.0      # step-time factors of the techniques this model does not derive
     bubble: float = 1.0      # a pipeline schedule's stretch
+    fused: bool = False      # pointwise kernels fused (torch.compile): the kernel profile's fused figures
+    graphs: bool = False     # kernels replayed as CUDA graphs: the host launches each phase at once
 
 
 @dataclass
@@ -232,6 +256,34 @@ def _compute_s(flops: float, gpu: GPU, precision: str, tokens: int | None, cost:
     return flops / (_tflops(gpu, precision) * 1e12 * efficiency)
 
 
+def _profile(workload: ResolvedWorkload, gpu: GPU) -> KernelProfile | None:
+    """The micro-step's kernels, counted (estimators/kernels.py); None where the model cannot be run on its own
+    batch (a user's step that feeds it): its FLOPs alone are timed then, at the matmuls' rate."""
+    try:
+        return kernel_profile(workload, gpu.compute_capability)
+    except Exception:   # any failure of the user's code: the FLOP roofline below still holds
+        return None
+
+
+def _phase_s(phase: Phase, step: Step) -> float:
+    """One phase's kernels on the device: matmuls at their rate, fused attention at its own, everything else at
+    the memory's bandwidth, a gap per kernel; the host issues every kernel ahead of the device (a GPU) or before
+    it (a CPU), whichever bounds the phase."""
+    w, gpu, cost, fused = step.workload, step.gpu, step.cost, step.compute.fused
+    gemm = _compute_s(phase.gemm_flops, gpu, w.precision, step.compute.tokens, cost)
+    attention = phase.attention_flops / (_tflops(gpu, w.precision) * 1e12 * cost.attention_share(gpu))
+    memory = (phase.fused_bytes if fused else phase.eager_bytes) / step.hbm_bytes_per_s
+    kernels = phase.fused_kernels if fused else phase.eager_kernels
+    return _with_host(gemm + attention + memory + kernels * cost.launch_s, kernels, step)
+
+
+def _with_host(device_s: float, kernels: int, step: Step) -> float:
+    """The device's time, or the host's to issue its `kernels` (one graph launch when they are CUDA graphs)."""
+    cost = step.cost
+    host_s = (1 if step.compute.graphs else kernels) * cost.host_op_s
+    return max(device_s, host_s) if cost.host_overlaps else device_s + host_s
+
+
 def step_time(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, *, grad_accum: int, num_gpus: int,
               cost: CostModel = ASSUMED) -> StepTime:
     """Seconds per optimizer step (train) or per served batch (inference) of `workload` repeated
@@ -254,11 +306,26 @@ def step_time(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, *,
     return StepTime(sum(step.parts.values()), step.parts)
 
 
+def _micro_step_s(step: Step, profile: KernelProfile | None) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of one micro-step as the techniques' hooks left its FLOPs: the
+    counted kernels' time scaled by the FLOPs the hooks changed (a frozen weight's backward, a recompute), or
+    without a profile the FLOPs at the matmuls' rate."""
+    w, c = step.workload, step.compute
+    base = c.shape.forward_flops(w.batch_size, w.effective_seq_len)
+    if profile is None or not base:
+        def timed(flops: float) -> float:
+            return _compute_s(flops, step.gpu, w.precision, c.tokens, step.cost)
+        return timed(c.forward), timed(c.backward), timed(c.recompute)
+    forward_s, backward_s = _phase_s(profile.forward, step), _phase_s(profile.backward, step)
+    return forward_s * c.forward / base, backward_s * c.backward / (2 * base), forward_s * c.recompute / base
+
+
 def _train_step(step: Step) -> None:
     w, c, cost = step.workload, step.compute, step.cost
     factor = c.factor / c.split
-    step.work_s = _compute_s(c.forward + c.backward, step.gpu, w.precision, c.tokens, cost) * factor * c.bubble
-    step.redo_s = _compute_s(c.recompute, step.gpu, w.precision, c.tokens, cost) * factor * c.bubble
+    forward_s, backward_s, recompute_s = _micro_step_s(step, _profile(w, step.gpu))
+    step.work_s = (forward_s + backward_s) * factor * c.bubble
+    step.redo_s = recompute_s * factor * c.bubble
     step.parts.update(compute=step.work_s * step.accum, recompute=step.redo_s * step.accum, communication=0.0)
     if w.engine == "deepspeed":   # its ZeRO stages: stage 3 gathers like a sharded layout, 1-2 all-reduce
         step.add("communication", step.sharded_gathers_s(2) if w.zero_stage == 3 else
@@ -277,7 +344,8 @@ def _inference_batch(step: Step) -> None:
     w, c, cost, gpu = step.workload, step.compute, step.cost, step.gpu
     seq, batch = w.effective_seq_len, w.batch_size
     factor = c.factor / c.split
-    prefill = _compute_s(c.forward, gpu, w.precision, c.tokens, cost) * factor
+    profile = _profile(w, gpu)
+    prefill = _micro_step_s(step, profile)[0] * factor
     decode = 0.0
     if w.new_tokens:
         kv_mean = step.estimate.at_peak.get("kv_cache", 0) * (seq + w.new_tokens / 2) / (seq + w.new_tokens)
@@ -285,7 +353,8 @@ def _inference_batch(step: Step) -> None:
         memory_s = (weights + kv_mean) / step.hbm_bytes_per_s
         flops_s = _compute_s(c.shape.forward_flops(batch, 1) + 4 * c.shape.layers * batch * seq * c.shape.attn_width,
                              gpu, w.precision, None, cost) * factor
-        decode = max(memory_s, flops_s) * w.new_tokens
+        kernels = 0 if profile is None else profile.forward.fused_kernels if c.fused else profile.forward.eager_kernels
+        decode = _with_host(max(memory_s, flops_s) + kernels * cost.launch_s, kernels, step) * w.new_tokens
     step.work_s = prefill + decode
     step.parts.update(compute=(prefill + decode) * step.accum, communication=0.0, offload=0.0)
 

@@ -49,7 +49,8 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
             console.print(savings_table(result.savings[0]))
         best = result.plan_json(0)
         parts = ", ".join(f"{name} {_seconds(value)}" for name, value in best["time_parts_s"].items() if value)
-        console.print(f"[dim]plan 1's step: {parts} (cost model: assumed constants, planner/cost.py); peak per GPU "
+        console.print(f"[dim]plan 1's step: {parts} (cost model: {best['sources']['time']} constants, "
+                      f"planner/cost.py); peak per GPU "
                       f"is the {best['sources']['memory']} tensor peak {format_bytes(best['tensor_peak_bytes'])} + the "
                       "caching allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
         if result.tradeoff:

@@ -6,6 +6,11 @@
             upcasts, norms and activations between them), and Inductor fuses chains of pointwise ops and
             reductions into kernels whose intermediates never reach memory. The loss, the embeddings and the
             head stay eager. Same results up to rounding (numerical).
+  compile:mode=reduce-overhead
+            the same, its kernels replayed as CUDA graphs (torch.compile's mode): the host launches a step's
+            kernels at once instead of one by one, which is what makes small-batch decoding fast (gpt-fast and
+            torchao's generate run so). A CPU has no CUDA graphs: it runs the default mode there. The graphs'
+            private memory pool is not modelled (a decode step's few activations).
 
 Measured: `memfit measure` runs Inductor for real (its C++ backend on a CPU). Traced (label: modelled): the same
 blocks are compiled under fake tensors with Inductor's decompositions, joint-graph passes and partitioner, so the
@@ -28,6 +33,7 @@ from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
 
+MODES = ("default", "reduce-overhead")
 # ops Inductor lowers to loops it can fuse with their neighbours, besides those tagged pointwise or reduction
 _ALSO_FUSED = {"aten._to_copy.default", "aten.clone.default"}
 
@@ -40,10 +46,19 @@ class Compile(Technique):
     stage = "compile"
     summary = "torch.compile each block: min-cut rematerialisation and fused pointwise kernels save less"
     traits = frozenset({"traced-only"})
+    mode: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise MemfitError(f"-t compile: mode must be one of {', '.join(MODES)}, got {self.mode!r}.")
 
     def estimate_notes(self, workload) -> list[str]:
         return ["torch.compile modelled: Inductor's partitioner run under fake tensors, fused pointwise intermediates "
                 "not counted, Inductor's buffer reuse not modelled"]
+
+    def cost_compute(self, compute) -> None:   # fused pointwise kernels: the kernel profile's fused figures
+        compute.fused = True
+        compute.graphs = self.mode == "reduce-overhead"
 
     def check(self, workload) -> None:
         if any(str(getattr(t, "mode", "")).startswith("selective") for t in workload.technique_configs):
@@ -55,11 +70,13 @@ class Compile(Technique):
 
         fake = any(is_fake(p) for p in setup.model.parameters())
         backend = _traced_backend() if fake else "inductor"
+        on_cuda = any(p.is_cuda for p in setup.model.parameters())
+        options = {"mode": self.mode} if on_cuda and not fake and self.mode != "default" else {}
         compiled = {}   # one compiled forward per block class, the block an input: one graph for all the blocks
         for _, block in repeated_blocks(setup.model):
             kind = type(block)
             if kind not in compiled:
-                compiled[kind] = torch.compile(_own_code(kind.forward), backend=backend)
+                compiled[kind] = torch.compile(_own_code(kind.forward), backend=backend, **options)
             call = functools.partial(compiled[kind], block)
             block.forward = functools.partial(_recompiled_as_needed, call) if fake else call
 

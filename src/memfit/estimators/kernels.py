@@ -1,0 +1,232 @@
+"""The kernels one step launches, counted on a fake copy of the model: what the step-time model turns into seconds.
+
+A step's time on a GPU is not its FLOPs over a utilisation: the matmuls run near the tensor cores' rate, the
+pointwise work between them (norm upcasts, rotary embeddings, activations, residual adds, the loss over the
+vocabulary, and their backward) streams memory, and every kernel costs a launch. How much of each a model has
+is a property of its code, so it is counted, not assumed: the model is built on fake tensors (nothing
+model-sized is allocated) and its forward, and backward when it trains, run under a dispatch mode that records
+every ATen op the GPU would run as a kernel —
+
+  gemms      mm, addmm, bmm, baddbmm, convolutions: their FLOPs (PyTorch's own flop_counter formulas);
+  attention  the fused attention kernels (flash, memory-efficient, cuDNN): their FLOPs, halved for a causal
+             call (the kernels skip the masked half); backward 2.5 times forward (its five matmuls to two);
+  the rest   every other op but views and allocations: the bytes it reads and writes.
+
+As torch.compile runs it, pointwise ops and reductions between two matmuls are one kernel (Inductor's fusion):
+each run of consecutive fusible ops reads what it did not produce itself and writes only what something outside
+the run reads later; the kernels of such a run count once. (Inductor's min-cut partitioner also recomputes cheap
+pointwise work in backward instead of saving it: not modelled, so the compiled figures are an upper bound.)
+
+A transformer is counted at one and two blocks (a period of its repeated layers each), the difference is one
+block's, and the whole stack is the first count plus the rest of the blocks at that rate; a custom model is counted
+whole. Counted once per model, precision, sequence length and GPU generation, at two sequences per batch; a
+micro-batch of b sequences is b / 2 times the FLOPs and bytes and the same kernels.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from memfit.core.precision import get_precision
+from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
+from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
+from memfit.estimators.traced import build_fake
+from memfit.specs.user_code import cache_key
+from memfit.specs.workload import Workload
+from memfit.steps.train import call_model, loss_of
+from memfit.techniques.resolve import ResolvedWorkload, resolve
+
+COUNTED_BATCH = 2   # sequences per counted batch (a batch of one may take other kernels' paths)
+ATTENTION_BACKWARD = 2.5   # a fused attention's backward FLOPs over its forward's (five matmuls to two)
+
+aten = torch.ops.aten
+_GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm, aten.convolution, aten._convolution,
+          aten.convolution_backward}
+_ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+              aten._scaled_dot_product_cudnn_attention, aten._flash_attention_forward,
+              aten._efficient_attention_forward}
+_NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
+              aten.detach, aten.lift_fresh, aten._local_scalar_dense, aten._unsafe_view, aten.alias,
+              aten.set_, aten.resize_}
+_ALSO_FUSED = {aten._to_copy, aten.clone, aten.copy_, aten.fill_, aten.zero_, aten.zeros_like, aten.ones_like,
+               aten.full_like, aten.where}
+
+
+@dataclass
+class Phase:
+    """One phase's kernels (forward or backward) for the counted batch."""
+
+    gemm_flops: float = 0.0
+    attention_flops: float = 0.0
+    eager_bytes: float = 0.0      # what the other kernels read and write, each op its own kernel
+    fused_bytes: float = 0.0      # the same work with pointwise runs fused (torch.compile)
+    eager_kernels: int = 0
+    fused_kernels: int = 0
+
+    def __add__(self, other: Phase) -> Phase:
+        return Phase(*(a + b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
+
+    def __sub__(self, other: Phase) -> Phase:
+        return Phase(*(a - b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
+
+    def times(self, k: float, *, kernels: float = 1.0) -> Phase:
+        """FLOPs and bytes times `k`, kernels times `kernels`."""
+        return Phase(self.gemm_flops * k, self.attention_flops * k, self.eager_bytes * k, self.fused_bytes * k,
+                     round(self.eager_kernels * kernels), round(self.fused_kernels * kernels))
+
+
+@dataclass
+class KernelProfile:
+    """A micro-step's kernels at `batch` sequences of the counted length."""
+
+    forward: Phase
+    backward: Phase = field(default_factory=Phase)
+    batch: int = COUNTED_BATCH
+
+    def at_batch(self, batch: int) -> KernelProfile:
+        k = batch / self.batch
+        return KernelProfile(self.forward.times(k), self.backward.times(k), batch)
+
+
+def kernel_profile(workload: ResolvedWorkload, capability: tuple[int, int]) -> KernelProfile:
+    """The kernels of one micro-step of `workload`'s model (forward, and backward when it trains) at its micro-batch,
+    on a GPU of compute `capability` (which attention kernel runs), in its precision, without its other techniques
+    (they change FLOPs through the cost model's own hooks). Attention-switching techniques are kept."""
+    attention = tuple(t.spec for t in workload.technique_configs if t.search_axis == "attention")
+    profile = _counted(cache_key(workload.model), cache_key(workload.inputs), workload.task,
+                       workload.effective_seq_len, workload.precision, attention, capability)
+    return profile.at_batch(workload.batch_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _counted(model: str, inputs: str | None, task: str, seq_len: int, precision: str, attention: tuple[str, ...],
+             capability: tuple[int, int]) -> KernelProfile:
+    plain = resolve(Workload(model=model, inputs=inputs, task=task, seq_len=seq_len, batch_size=COUNTED_BATCH,
+                             precision=precision, techniques=attention))
+    source = plain.source
+    if not source.is_hf or not source.num_layers:
+        return _count(plain, None, capability)
+    period = source.layer_period
+    one, two = _count(plain, period, capability), _count(plain, 2 * period, capability)
+    blocks = source.num_layers / period - 1
+    return KernelProfile(one.forward + (two.forward - one.forward).times(blocks, kernels=blocks),
+                         one.backward + (two.backward - one.backward).times(blocks, kernels=blocks))
+
+
+def _count(workload: ResolvedWorkload, num_layers: int | None, capability: tuple[int, int]) -> KernelProfile:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake(workload, num_layers, fake_mode)
+    precision = get_precision(workload.precision)
+    counter = _Counter()
+    train = workload.task == "train"
+    with fake_mode, FakeKernelFixes(), real_data_decisions(), CudaKernels(capability, workload.source.attention_kernel):
+        batch = workload.source.make_batch(batch_size=COUNTED_BATCH, seq_len=workload.effective_seq_len,
+                                           task=workload.task, dtype=precision.param_dtype)
+        autocast = CudaAutocast(precision.autocast_dtype) if precision.autocast_dtype else None
+        with torch.set_grad_enabled(train), counter:
+            if autocast:
+                with autocast:
+                    output = call_model(model, batch)
+            else:
+                output = call_model(model, batch)
+            if train:
+                counter.phase = "backward"
+                loss_of(output).backward()
+    return counter.profile()
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.ops: list[tuple[str, str, float, list[tuple[int, int]], list[tuple[int, int]]]] = []
+        self._keep: list = []    # the storages seen, alive until counted (their addresses are their names)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is None or func.namespace != "aten" or func.is_view or packet in _NO_KERNEL:
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if packet in _GEMMS or packet in _ATTENTION:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+            if packet in _ATTENTION and _causal(func, args, kwargs):
+                flops /= 2
+            kind = "attention" if packet in _ATTENTION else "gemm"
+        else:
+            fusible = torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or packet in _ALSO_FUSED
+            kind, flops = ("fusible" if fusible else "other"), 0.0
+        self.ops.append((self.phase, kind, flops, [self._named(t) for t in inputs], [self._named(t) for t in outputs]))
+        return out
+
+    def _named(self, tensor: torch.Tensor) -> tuple[int, int]:
+        storage = tensor.untyped_storage()
+        self._keep.append(storage)
+        nbytes = min(tensor.numel() * tensor.element_size(), storage.nbytes())
+        return StorageWeakRef(storage).cdata, nbytes
+
+    def profile(self) -> KernelProfile:
+        readers: dict[int, list[int]] = {}
+        for index, (_, _, _, inputs, _) in enumerate(self.ops):
+            for name, _ in inputs:
+                readers.setdefault(name, []).append(index)
+        phases = {"forward": Phase(), "backward": Phase()}
+        trains = any(op[0] == "backward" for op in self.ops)
+        run: list[int] = []
+        for index, (phase, kind, flops, inputs, outputs) in enumerate(self.ops):
+            counted = phases[phase]
+            if kind == "gemm":
+                counted.gemm_flops += flops
+            elif kind == "attention":
+                counted.attention_flops += flops
+                if phase == "forward" and trains:   # its backward kernel (not an op of the emulated step)
+                    phases["backward"].attention_flops += ATTENTION_BACKWARD * flops
+            else:
+                counted.eager_bytes += sum(n for _, n in inputs) + sum(n for _, n in outputs)
+            counted.eager_kernels += 1
+            if kind == "fusible" and (not run or self.ops[run[-1]][0] == phase):
+                run.append(index)
+                continue
+            self._close(run, phases, readers)
+            run = [index] if kind == "fusible" else []
+            if kind != "fusible":
+                counted.fused_kernels += 1
+                if kind == "other":
+                    counted.fused_bytes += sum(n for _, n in inputs) + sum(n for _, n in outputs)
+        self._close(run, phases, readers)
+        self._keep.clear()
+        return KernelProfile(phases["forward"], phases["backward"])
+
+    def _close(self, run: list[int], phases: dict[str, Phase], readers: dict[int, list[int]]) -> None:
+        """One fused kernel for the ops `run` indexes: it reads what it did not make, writes what is read after."""
+        if not run:
+            return
+        inside, made, read, written = set(run), set(), {}, {}
+        for index in run:
+            _, _, _, inputs, outputs = self.ops[index]
+            for name, nbytes in inputs:
+                if name not in made:
+                    read[name] = max(read.get(name, 0), nbytes)
+            for name, nbytes in outputs:
+                made.add(name)
+                if any(reader not in inside for reader in readers.get(name, ())):
+                    written[name] = max(written.get(name, 0), nbytes)
+        counted = phases[self.ops[run[0]][0]]
+        counted.fused_bytes += sum(read.values()) + sum(written.values())
+        counted.fused_kernels += 1
+
+
+def _causal(func, args, kwargs) -> bool:
+    schema_names = [a.name for a in func._schema.arguments]
+    values = dict(zip(schema_names, args, strict=False)) | kwargs
+    return bool(values.get("is_causal", False))
+

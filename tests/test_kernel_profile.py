@@ -1,0 +1,82 @@
+"""The kernels a step launches, counted on a fake copy (estimators/kernels.py), and how the cost model times them."""
+import dataclasses
+
+import pytest
+import torch
+
+from memfit import get_gpu
+from memfit.estimators.analytic import analytic_estimate
+from memfit.estimators.kernels import _Counter, kernel_profile
+from memfit.planner.cost import ASSUMED, step_time
+from memfit.techniques.resolve import ResolvedWorkload
+
+
+def test_a_llamas_matmul_flops_are_twice_its_linear_weights_per_token_and_causal_attention_half_the_square():
+    """Counted at one and two blocks and extrapolated: the forward's matmuls are 2 FLOPs per linear weight per token
+    (the head included, the embedding a lookup); causal attention is 2 s d per token per layer (flash skips the masked
+    half of 4 s d); backward doubles the matmuls and runs attention 2.5 times over."""
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=128, precision="bf16")
+    profile = kernel_profile(workload, (9, 0))
+    model = workload.source.build(device="meta", dtype=torch.bfloat16)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    tokens = 4 * 128
+    spec = model.config
+    assert profile.forward.gemm_flops == pytest.approx(2 * linear * tokens)
+    assert profile.backward.gemm_flops == pytest.approx(4 * linear * tokens)
+    causal = 2 * tokens * 128 * spec.hidden_size * spec.num_hidden_layers
+    assert profile.forward.attention_flops == pytest.approx(causal)
+    assert profile.backward.attention_flops == pytest.approx(2.5 * profile.forward.attention_flops)
+    # a micro-batch twice as large: twice the work, the same kernels
+    twice = kernel_profile(dataclasses.replace(workload, batch_size=8), (9, 0))
+    assert twice.forward.eager_bytes == pytest.approx(2 * profile.forward.eager_bytes)
+    assert twice.forward.eager_kernels == profile.forward.eager_kernels
+
+
+def test_fused_pointwise_runs_read_what_they_did_not_make_and_write_what_is_read_later():
+    """x -> mul -> add -> (mm reads the add's output): one fused kernel reads x and y once and writes only the add's
+    output; eager runs two kernels, each reading and writing its own tensors."""
+    counter = _Counter()
+    x, y, w = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+    with counter:
+        z = (x * 2).add(y)
+        z @ w
+    profile = counter.profile().forward
+    size = 64 * 64 * 4
+    assert profile.eager_bytes == 2 * size + (2 * size + size)   # mul: x in, out; add: two in, one out
+    assert profile.fused_bytes == 2 * size + size                # reads x and y, writes z
+    assert (profile.eager_kernels, profile.fused_kernels) == (3, 2)
+    assert profile.gemm_flops == 2 * 64**3
+
+
+def test_a_small_step_is_bound_by_the_host_issuing_its_kernels_and_cuda_graphs_lift_it():
+    """tiny-llama decoding one sequence on an H100: the device's time per token is microseconds, the host's is a
+    launch per kernel — the step is the host's; replayed as CUDA graphs (compile:mode=reduce-overhead) it is the
+    device's, and much shorter. A large model's prefill is the device's either way."""
+    gpu = get_gpu("h100")
+
+    eager_run = ResolvedWorkload(model="tiny-llama", task="inference", batch_size=1, seq_len=16, new_tokens=32,
+                                 precision="bf16")
+    memory = analytic_estimate(eager_run, gpu)   # compile's memory is the traced estimator's: the eager one here
+
+    def timed(workload):
+        return step_time(workload, memory, gpu, grad_accum=1, num_gpus=1)
+
+    eager = timed(eager_run)
+    graphs = timed(dataclasses.replace(eager_run, techniques=("compile:mode=reduce-overhead",)))
+    profile = kernel_profile(ResolvedWorkload(model="tiny-llama", task="inference", batch_size=1, seq_len=16,
+                                              new_tokens=32, precision="bf16"), gpu.compute_capability)
+    assert eager.total_s >= 32 * profile.forward.eager_kernels * ASSUMED.host_op_s
+    assert graphs.total_s < eager.total_s / 3
+
+
+def test_compiled_training_moves_fewer_bytes_through_fewer_kernels():
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=256, precision="bf16")
+    profile = kernel_profile(workload, (8, 0))
+    for phase in (profile.forward, profile.backward):
+        assert phase.fused_bytes < phase.eager_bytes and phase.fused_kernels < phase.eager_kernels
+    gpu = get_gpu("a100-80gb")
+    device_only = dataclasses.replace(ASSUMED, host_op_s=0.0)
+    eager = step_time(workload, analytic_estimate(workload, gpu), gpu, grad_accum=1, num_gpus=1, cost=device_only)
+    compiled = step_time(dataclasses.replace(workload, techniques=("compile",)), analytic_estimate(workload, gpu), gpu,
+                         grad_accum=1, num_gpus=1, cost=device_only)
+    assert compiled.parts["compute"] < eager.parts["compute"]
