@@ -369,7 +369,7 @@ def test_a_custom_model_is_planned_with_the_traced_estimator(user_folder, capsys
     blocks and extrapolated in depth, as for a transformer config), the step timed from the FLOPs PyTorch's counter
     counts on a fake forward; plan 1's figures are the traced estimate of its own workload."""
     from memfit.cli.main import main
-    from memfit.estimators.flops import forward_flops_per_token
+    from memfit.estimators.kernels import forward_flops_per_token
     from memfit.planner.search import device_bytes
     from memfit.techniques.resolve import ResolvedWorkload as Resolved
 

@@ -24,7 +24,6 @@ micro-batch of b sequences is b / 2 times the FLOPs and bytes and the same kerne
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +47,7 @@ ATTENTION_BACKWARD = 2.5   # a fused attention's backward FLOPs over its forward
 
 aten = torch.ops.aten
 _GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm, aten.convolution, aten._convolution,
-          aten.convolution_backward}
+          aten.convolution_backward, aten._grouped_mm}
 _ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
               aten._scaled_dot_product_cudnn_attention, aten._flash_attention_forward,
               aten._efficient_attention_forward}
@@ -95,17 +94,68 @@ class KernelProfile:
         return KernelProfile(self.forward.times(k), self.backward.times(k), batch)
 
 
-def kernel_profile(workload: ResolvedWorkload, capability: tuple[int, int]) -> KernelProfile:
+def kernel_profile(workload: ResolvedWorkload, capability: tuple[int, int]) -> KernelProfile | None:
     """The kernels of one micro-step of `workload`'s model (forward, and backward when it trains) at its micro-batch,
     on a GPU of compute `capability` (which attention kernel runs), in its precision, without its other techniques
-    (they change FLOPs through the cost model's own hooks). Attention-switching techniques are kept."""
-    attention = tuple(t.spec for t in workload.technique_configs if t.search_axis == "attention")
-    profile = _counted(cache_key(workload.model), cache_key(workload.inputs), workload.task,
-                       workload.effective_seq_len, workload.precision, attention, capability)
-    return profile.at_batch(workload.batch_size)
+    (they change FLOPs through the cost model's own hooks); attention-switching techniques are kept. None where the
+    model cannot be run on its own batch (a user's step feeds it)."""
+    profile = _cached(profile_key(workload, capability))
+    return profile.at_batch(workload.batch_size) if profile else None
 
 
-@functools.lru_cache(maxsize=64)
+def forward_flops_per_token(workload: Workload) -> float:
+    """FLOPs of one forward of `workload`'s model per token of its batch (its matmuls and attention as counted here,
+    float32 weights, no techniques): what the step-time model needs of a model without a transformer shape to
+    compute them from (a custom nn.Module). Where the model cannot be called on its batch directly (a user's step
+    that unpacks the batch itself), 2 FLOPs per parameter per token, the dense-model rule."""
+    workload = resolve(workload)
+    seq_len = workload.effective_seq_len
+    profile = _cached((cache_key(workload.model), cache_key(workload.inputs), workload.task, seq_len, "fp32", (),
+                       (8, 0)))
+    if profile is None:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        return 2.0 * sum(p.numel() for p in build_fake(workload, None, fake_mode).parameters())
+    return (profile.forward.gemm_flops + profile.forward.attention_flops) / (COUNTED_BATCH * seq_len)
+
+
+ProfileKey = tuple[str, str | None, str, int, str, tuple[str, ...], tuple[int, int]]
+_PROFILES: dict[ProfileKey, KernelProfile | None] = {}   # counted once per process (None: it cannot be)
+
+
+def profile_key(workload: ResolvedWorkload, capability: tuple[int, int], *, precision: str | None = None,
+                attention: tuple[str, ...] | None = None) -> ProfileKey:
+    """What a profile depends on: the model and its inputs, the task, the sequence length, the precision, the
+    techniques that switch its attention (the workload's, or those given), and the GPU generation (which attention
+    kernel runs)."""
+    if attention is None:
+        attention = tuple(t.spec for t in workload.technique_configs if t.search_axis == "attention")
+    return (cache_key(workload.model), cache_key(workload.inputs), workload.task, workload.effective_seq_len,
+            precision or workload.precision, attention, capability)
+
+
+def counted(key: ProfileKey) -> bool:
+    return key in _PROFILES
+
+
+def count_profile(key: ProfileKey) -> KernelProfile | None:
+    """The profile `key` names, counted (None where the model cannot run on its own batch)."""
+    try:
+        return _counted(*key)
+    except Exception:   # a user's step feeds the model itself: the step-time model falls back to FLOPs
+        return None
+
+
+def remember(key: ProfileKey, profile: KernelProfile | None) -> None:
+    """A profile counted elsewhere (a worker process) for this process to use."""
+    _PROFILES[key] = profile
+
+
+def _cached(key: ProfileKey) -> KernelProfile | None:
+    if key not in _PROFILES:
+        _PROFILES[key] = count_profile(key)
+    return _PROFILES[key]
+
+
 def _counted(model: str, inputs: str | None, task: str, seq_len: int, precision: str, attention: tuple[str, ...],
              capability: tuple[int, int]) -> KernelProfile:
     plain = resolve(Workload(model=model, inputs=inputs, task=task, seq_len=seq_len, batch_size=COUNTED_BATCH,
@@ -158,7 +208,8 @@ class _Counter(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if packet in _GEMMS or packet in _ATTENTION:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+            flops = (_grouped_mm_flops(args[0], out) if packet is aten._grouped_mm else
+                     float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0)
             if packet in _ATTENTION and _causal(func, args, kwargs):
                 flops /= 2
             kind = "attention" if packet in _ATTENTION else "gemm"
@@ -223,6 +274,14 @@ class _Counter(TorchDispatchMode):
         counted = phases[self.ops[run[0]][0]]
         counted.fused_bytes += sum(read.values()) + sum(written.values())
         counted.fused_kernels += 1
+
+
+def _grouped_mm_flops(mat_a: torch.Tensor, out: torch.Tensor) -> float:
+    """A mixture of experts' grouped matmul (transformers' MoE blocks): each output element is a dot product over
+    its group's share of the inner dimension — all of it, unless both operands are 2-D (groups split the inner
+    dimension, one output matrix per group)."""
+    inner = mat_a.shape[-1] if not (mat_a.dim() == 2 and out.dim() == 3) else mat_a.shape[-1] / out.shape[0]
+    return 2.0 * out.numel() * inner
 
 
 def _causal(func, args, kwargs) -> bool:

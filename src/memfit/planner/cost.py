@@ -33,8 +33,7 @@ from memfit.core.precision import get_precision
 from memfit.estimators.analytic import offload_host_bytes
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.estimators.flops import forward_flops_per_token
-from memfit.estimators.kernels import KernelProfile, Phase, kernel_profile
+from memfit.estimators.kernels import KernelProfile, Phase, forward_flops_per_token, kernel_profile
 from memfit.specs.hardware import GPU
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -256,15 +255,6 @@ def _compute_s(flops: float, gpu: GPU, precision: str, tokens: int | None, cost:
     return flops / (_tflops(gpu, precision) * 1e12 * efficiency)
 
 
-def _profile(workload: ResolvedWorkload, gpu: GPU) -> KernelProfile | None:
-    """The micro-step's kernels, counted (estimators/kernels.py); None where the model cannot be run on its own
-    batch (a user's step that feeds it): its FLOPs alone are timed then, at the matmuls' rate."""
-    try:
-        return kernel_profile(workload, gpu.compute_capability)
-    except Exception:   # any failure of the user's code: the FLOP roofline below still holds
-        return None
-
-
 def _phase_s(phase: Phase, step: Step) -> float:
     """One phase's kernels on the device: matmuls at their rate, fused attention at its own, everything else at
     the memory's bandwidth, a gap per kernel; the host issues every kernel ahead of the device (a GPU) or before
@@ -323,7 +313,7 @@ def _micro_step_s(step: Step, profile: KernelProfile | None) -> tuple[float, flo
 def _train_step(step: Step) -> None:
     w, c, cost = step.workload, step.compute, step.cost
     factor = c.factor / c.split
-    forward_s, backward_s, recompute_s = _micro_step_s(step, _profile(w, step.gpu))
+    forward_s, backward_s, recompute_s = _micro_step_s(step, kernel_profile(w, step.gpu.compute_capability))
     step.work_s = (forward_s + backward_s) * factor * c.bubble
     step.redo_s = recompute_s * factor * c.bubble
     step.parts.update(compute=step.work_s * step.accum, recompute=step.redo_s * step.accum, communication=0.0)
@@ -344,7 +334,7 @@ def _inference_batch(step: Step) -> None:
     w, c, cost, gpu = step.workload, step.compute, step.cost, step.gpu
     seq, batch = w.effective_seq_len, w.batch_size
     factor = c.factor / c.split
-    profile = _profile(w, gpu)
+    profile = kernel_profile(w, gpu.compute_capability)
     prefill = _micro_step_s(step, profile)[0] * factor
     decode = 0.0
     if w.new_tokens:

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from memfit.estimators.kernels import count_profile, counted, profile_key, remember
 from memfit.planner.search import Evaluated, Search
-from memfit.planner.space import Candidate
+from memfit.planner.space import Candidate, candidates
+from memfit.techniques.base import parse_technique
 from memfit.techniques.resolve import ResolvedWorkload
 
 Item = tuple[Candidate, ResolvedWorkload, int]   # a candidate, its smallest workload, sequences per replica
@@ -78,6 +80,35 @@ def forked(job: Callable[[int], Any], count: int) -> Iterator[Callable[[int], An
         yield result
     finally:
         pool.terminate()   # items computed ahead that the planner no longer needs
+        pool.join()
+
+
+@contextmanager
+def profiles_counted_alongside(search: Search) -> Iterator[None]:
+    """The kernel profiles the search's candidates will read (one per precision and attention technique: the
+    step-time model's, estimators/kernels.py), counted in a worker process while this one enumerates the
+    candidates, and kept for this process as the block ends. Counting one first imports the model's own code
+    (transformers' modeling module: about 1.5 s), which the enumeration now hides. Where no worker can be forked,
+    they are counted when first read."""
+    request, base = search.request, search.base
+    capability = request.gpu.compute_capability
+    keys = list(dict.fromkeys(
+        profile_key(base, capability, precision=candidate.precision,
+                    attention=tuple(spec for spec in candidate.techniques
+                                    if parse_technique(spec).search_axis == "attention"))
+        for candidate in candidates(request, base)))
+    keys = [key for key in keys if not counted(key)]
+    if not forked_workers(len(keys)):
+        yield
+        return
+    pool = multiprocessing.get_context("fork").Pool(forked_workers(len(keys)), _start_worker, (None,))
+    pending = pool.map_async(count_profile, keys)
+    try:
+        yield
+        for key, profile in zip(keys, pending.get(), strict=True):
+            remember(key, profile)
+    finally:
+        pool.terminate()
         pool.join()
 
 

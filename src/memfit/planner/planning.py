@@ -15,7 +15,7 @@ from memfit.estimators.effects import describe, measured_accuracy
 from memfit.estimators.traced import reusing_traces, traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, step_time
 from memfit.planner.live import live_request
-from memfit.planner.parallel import forked, sizing
+from memfit.planner.parallel import forked, profiles_counted_alongside, sizing
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, change_of, lower_bound_estimate, risk_of
@@ -49,7 +49,8 @@ def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explo
           brief: bool) -> PlanResult:
     started = time.perf_counter()
     search = Search(request, progress)
-    accepted = search.workloads()
+    with profiles_counted_alongside(search):
+        accepted = search.workloads()
     num_parameters = count_parameters(accepted[0][1]) if accepted else 0
     ordered = []
     for candidate, workload, per_replica in accepted:

@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from memfit.core.precision import get_precision
+from memfit.estimators import count_parameters
 from memfit.planner.request import PlanRequest
 from memfit.specs.workload import Workload
 from memfit.techniques import REGISTRY
@@ -26,6 +27,7 @@ from memfit.techniques.rules import ordered
 
 # The axes a technique can be a value of, in the order a plan lists them; "allocator" values are not searched but
 # added to a plan that fits only with them (search.py)
+FLOAT32_ROOM = 4   # float32 is searched on a GPU with bf16 when its model states fit this many times over
 AXES = ("layout", "precision", "optimizer", "optimizer-step", "weights", "attention", "activations", "loss", "offload")
 DEFAULTS = Workload.__dataclass_fields__
 
@@ -78,11 +80,15 @@ def searched(request: PlanRequest, base: ResolvedWorkload) -> dict[str, list[str
     return values
 
 
-def _precisions(request: PlanRequest, values: list[str]) -> list[str]:
-    """The precision techniques' values, and the default (fp32) where half precision has no bf16: on GPUs without
-    it, and on CPUs, which run float32 fastest more often than not."""
+def _precisions(request: PlanRequest, values: list[str], base: ResolvedWorkload) -> list[str]:
+    """The precision techniques' values, and the default (fp32) where half precision has no bf16 (on GPUs without
+    it, and on CPUs, which run float32 fastest more often than not), or where float32's weights (and, training,
+    gradients and AdamW's states: 16 bytes a parameter) fit the GPUs several times over: a step that small is bound
+    by launching its kernels and runs as fast in float32, which changes nothing."""
     default = DEFAULTS["precision"].default
-    return values + ([default] if request.on_cpu or not request.gpu.bf16_tflops else [])
+    per_parameter = 16 if request.task == "train" else 4
+    small = FLOAT32_ROOM * per_parameter * count_parameters(base) <= request.gpu.memory_bytes * request.num_gpus
+    return values + ([default] if request.on_cpu or not request.gpu.bf16_tflops or small else [])
 
 
 def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
@@ -122,7 +128,7 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     rest = [[None] + values[axis] for axis in AXES[3:]]
     out = []
     for layout, precision in itertools.product(_layouts(request, values["layout"]),
-                                               _precisions(request, values["precision"])):
+                                               _precisions(request, values["precision"], base)):
         if layout.engine == "deepspeed" and get_precision(precision).autocast_dtype is None:
             continue   # DeepSpeed's engine trains in mixed precision
         for optimizer, *parts in itertools.product(optimizers, *rest):
