@@ -80,3 +80,16 @@ def test_compiled_training_moves_fewer_bytes_through_fewer_kernels():
     compiled = step_time(dataclasses.replace(workload, techniques=("compile",)), analytic_estimate(workload, gpu), gpu,
                          grad_accum=1, num_gpus=1, cost=device_only)
     assert compiled.parts["compute"] < eager.parts["compute"]
+
+
+@pytest.mark.parametrize("task", ["train", "inference"])
+def test_every_family_is_counted(task):
+    """Every catalog family's step is counted (an encoder-decoder's inference prefill is its encoder): none falls
+    back to the FLOPs-only rule, which a transformers model never needs."""
+    for model in ("tiny-bert", "tiny-gpt2", "tiny-t5", "tiny-vit", "tiny-mixtral", "tiny-gemma2", "tiny-phi3",
+                  "tiny-qwen2", "tiny-llama"):
+        workload = ResolvedWorkload(model=model, task=task, batch_size=2, seq_len=224 if model == "tiny-vit" else 64,
+                                    precision="bf16-mixed", new_tokens=4 if task == "inference" else 0)
+        profile = kernel_profile(workload, (8, 0))
+        assert profile.forward.gemm_flops > 0 and profile.forward.eager_kernels > 0, model
+        assert (profile.backward.gemm_flops > 0) == (task == "train"), model

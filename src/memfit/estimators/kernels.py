@@ -24,6 +24,7 @@ micro-batch of b sequences is b / 2 times the FLOPs and bytes and the same kerne
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -138,10 +139,12 @@ def counted(key: ProfileKey) -> bool:
 
 
 def count_profile(key: ProfileKey) -> KernelProfile | None:
-    """The profile `key` names, counted (None where the model cannot run on its own batch)."""
+    """The profile `key` names, counted (None where a custom model cannot run on its own batch)."""
     try:
         return _counted(*key)
     except Exception:   # a user's step feeds the model itself: the step-time model falls back to FLOPs
+        if resolve(Workload(model=key[0], inputs=key[1])).source.is_hf:
+            raise   # memfit builds a transformers model's batch itself: a failure is memfit's, and shows
         return None
 
 
@@ -179,13 +182,12 @@ def _count(workload: ResolvedWorkload, num_layers: int | None, capability: tuple
     with fake_mode, FakeKernelFixes(), real_data_decisions(), CudaKernels(capability, workload.source.attention_kernel):
         batch = workload.source.make_batch(batch_size=COUNTED_BATCH, seq_len=workload.effective_seq_len,
                                            task=workload.task, dtype=precision.param_dtype)
-        autocast = CudaAutocast(precision.autocast_dtype) if precision.autocast_dtype else None
-        with torch.set_grad_enabled(train), counter:
-            if autocast:
-                with autocast:
-                    output = call_model(model, batch)
-            else:
-                output = call_model(model, batch)
+        autocast = CudaAutocast(precision.autocast_dtype) if precision.autocast_dtype else nullcontext()
+        # inference: the prefill, which for an encoder-decoder is its encoder (steps/inference.py)
+        prefill_only = not train and workload.source.head == "seq2seq-lm"
+        with torch.set_grad_enabled(train), counter, autocast:
+            output = (model.get_encoder()(input_ids=batch["input_ids"]) if prefill_only else
+                      call_model(model, batch))
             if train:
                 counter.phase = "backward"
                 loss_of(output).backward()
