@@ -381,6 +381,12 @@ def test_a_custom_model_is_planned_with_the_traced_estimator(user_folder, capsys
     assert best["sources"]["memory"] == "traced" and best["time_parts_s"]["compute"] > 0
     again = estimate(Resolved.from_json(best["workload"]), method="traced", gpu="t4")
     assert device_bytes(again) == best["peak_bytes"]
+    # `memfit estimate --gpu` of plan 1's workload times it as the plan did
+    saved = user_folder / "plan.json"
+    saved.write_text(json.dumps(data))
+    code = main(["estimate", "--plan", str(saved), "--json"])
+    timed = json.loads(capsys.readouterr().out)
+    assert code == 0 and timed["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-4)
     linear_weights = sum(p.numel() for n, p in torch.nn.Module.named_parameters(
         resolve_source("./userdec.py:build", "./userdec.py:tokens").build(device="meta", dtype=torch.float32))
         if n.endswith("weight") and p.dim() == 2 and not n.startswith("emb"))

@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def time_of(workload, result, gpu) -> dict:
-    """The step-time model's figures for this configuration (planner/cost.py), where it has one: a transformer
-    config's FLOPs (a custom module's are unknown) and memfit's own step."""
-    if not workload.source.is_hf or workload.step:
+    """The step-time model's figures for this configuration (planner/cost.py), where it has one: memfit's own step
+    of a transformer config or a custom module (its kernels counted on a fake copy); a user's own step may run
+    anything, and is not timed."""
+    if workload.step:
         return {}
     return timing(workload, result, gpu)
 

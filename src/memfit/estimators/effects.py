@@ -2,8 +2,8 @@
 leave-one-out savings that `memfit estimate -t ...` prints for each technique it was given.
 
 Memory comes from the estimator (analytic by default: milliseconds, what the planner calls); the
-step-time factor is the technique's own cost-model figure, labelled `assumed` until
-benchmarks/technique_table.py has measured it. A lossy technique's accuracy cost is what
+step-time factor is the step-time model's (the step with it over the step without it) where the caller times
+both (a plan's savings), else the technique's own figure, labelled `assumed`. A lossy technique's accuracy cost is what
 benchmarks/accuracy_costs.py and technique_table.py --part 2 measured, with its model and data named.
 """
 from __future__ import annotations
@@ -31,12 +31,16 @@ def effect(technique: Technique | str, estimate: MemoryEstimate, workload: Workl
     return changed
 
 
-def describe(technique: Technique, *, without: MemoryEstimate, with_it: MemoryEstimate) -> dict:
-    """Device bytes saved, host RAM added (offload), the step-time factor and the risk label."""
+def describe(technique: Technique, *, without: MemoryEstimate, with_it: MemoryEstimate,
+             time_factor: float | None = None) -> dict:
+    """Device bytes saved, host RAM added (offload), the step-time factor and the risk label. `time_factor`: the
+    step-time model's (planner/cost.py: the step with the technique over the step without it), where the caller
+    timed both; else the technique's own assumed factor."""
     return {"technique": technique.spec, "risk": technique.risk,
             "saved_bytes": int(without.peak_bytes - with_it.peak_bytes),
             "host_bytes": int(with_it.host_bytes - without.host_bytes),
-            "time_factor": technique.step_time_factor(), "time_factor_source": "assumed",
+            "time_factor": technique.step_time_factor() if time_factor is None else time_factor,
+            "time_factor_source": "assumed" if time_factor is None else "modelled",
             "accuracy": measured_accuracy(technique)}
 
 

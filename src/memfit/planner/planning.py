@@ -106,7 +106,7 @@ def _timed(result: Evaluated, request: PlanRequest, workload: ResolvedWorkload, 
 
 def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
     """What each technique of the plan saves: the peak without it, minus the plan's (same batch and estimator; on
-    every core, parallel.py)."""
+    every core, parallel.py), and what it costs in step time (the plan's step over the step without it)."""
     workload = chosen.workload(search.request)
     techniques = [t for t in all_techniques(workload) if "layout" not in t.traits]   # how the GPUs are used
 
@@ -116,11 +116,19 @@ def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
         except MemfitError:   # the plan needs it (e.g. its rules): no saving to compare
             return None
 
+    request = search.request
+
+    def factor(technique, other: MemoryEstimate) -> float:   # the plan's step over the step without the technique
+        timed = step_time(without_technique(workload, technique), other, request.gpu, grad_accum=chosen.grad_accum,
+                          num_gpus=chosen.candidate.num_gpus, cost=request.cost)
+        return chosen.time.total_s / timed.total_s
+
     rows = []
     with forked(without, len(techniques)) as estimate:
         for index, technique in enumerate(techniques):
             if (other := estimate(index)) is not None:
-                rows.append(describe(technique, without=other, with_it=chosen.estimate) | {"method": other.method})
+                rows.append(describe(technique, without=other, with_it=chosen.estimate,
+                                     time_factor=factor(technique, other)) | {"method": other.method})
     return rows
 
 
