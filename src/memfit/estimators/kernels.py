@@ -24,6 +24,7 @@ micro-batch of b sequences is b / 2 times the FLOPs and bytes and the same kerne
 """
 from __future__ import annotations
 
+import operator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -71,10 +72,10 @@ class Phase:
     fused_kernels: int = 0
 
     def __add__(self, other: Phase) -> Phase:
-        return Phase(*(a + b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
+        return Phase(*map(operator.add, vars(self).values(), vars(other).values()))
 
     def __sub__(self, other: Phase) -> Phase:
-        return Phase(*(a - b for a, b in zip(vars(self).values(), vars(other).values(), strict=True)))
+        return Phase(*map(operator.sub, vars(self).values(), vars(other).values()))
 
     def times(self, k: float, *, kernels: float = 1.0) -> Phase:
         """FLOPs and bytes times `k`, kernels times `kernels`."""
@@ -111,8 +112,7 @@ def forward_flops_per_token(workload: Workload) -> float:
     that unpacks the batch itself), 2 FLOPs per parameter per token, the dense-model rule."""
     workload = resolve(workload)
     seq_len = workload.effective_seq_len
-    profile = _cached((cache_key(workload.model), cache_key(workload.inputs), workload.task, seq_len, "fp32", (),
-                       (8, 0)))
+    profile = _cached(profile_key(workload, (8, 0), precision="fp32", attention=()))
     if profile is None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         return 2.0 * sum(p.numel() for p in build_fake(workload, None, fake_mode).parameters())
