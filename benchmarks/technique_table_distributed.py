@@ -61,6 +61,8 @@ LAYOUTS = [   # (row label, the workload's fields; on 2 ranks unless they say ot
     ("DeepSpeed ZeRO-3 (bf16)", {**DEEPSPEED, "zero_stage": 3}),
     ("DeepSpeed ZeRO-2 + ZeRO-Offload (bf16)", {**DEEPSPEED, "zero_stage": 2, "techniques": ("cpu-offload",)}),
     ("DeepSpeed ZeRO-3 + ZeRO-Offload (bf16)", {**DEEPSPEED, "zero_stage": 3, "techniques": ("cpu-offload",)}),
+    ("DeepSpeed ZeRO-3 + NVMe offload (ZeRO-Infinity, bf16; the swap files on this machine's disk)",
+     {**DEEPSPEED, "zero_stage": 3, "techniques": ("nvme-offload",)}),
     ("DeepSpeed ZeRO-2 + checkpointing (bf16)", {**DEEPSPEED, "zero_stage": 2, "techniques": ("checkpointing",)}),
 ]
 FROZEN = {"model": "memfit.examples.frozen_encoder:build", "inputs": "memfit.examples.frozen_encoder:make_inputs",
@@ -99,6 +101,7 @@ def _row(label: str, workload, run, step_s: float, last_loss: float) -> dict:
     return {"layout": label, "world_size": workload.world_size, "workload": workload.to_json(),
             "peak_bytes": run.peak_bytes, "rank_peak_bytes": run.extra.get("rank_peak_bytes", [run.peak_bytes]),
             "host_bytes": run.host_bytes, "analytic_host_bytes": estimates["analytic"]["host_bytes"],
+            "nvme_bytes": run.nvme_bytes, "analytic_nvme_bytes": estimates["analytic"].get("nvme_bytes", 0),
             **{f"{method}_peak_bytes": e["peak_bytes"] for method, e in estimates.items()},
             "median_step_s": step_s, "last_loss": last_loss}
 
@@ -123,7 +126,8 @@ def render(rows: list[dict], partitioning: list[dict], steps: int) -> list[Table
     layouts = Table(title=f"distributed layouts on 2 gloo ranks, the 2-D mesh on 4 (this CPU): {MODEL}, "
                           f"micro-batch {BATCH} × seq {SEQ} "
                           f"per rank, {steps} training steps; the highest per-rank peak", title_justify="left")
-    for column in ("layout", "ranks", "peak / rank", "peak Δ", "host RAM (analytic)", "traced / measured",
+    for column in ("layout", "ranks", "peak / rank", "peak Δ", "host RAM (analytic)", "NVMe (analytic)",
+                   "traced / measured",
                    "analytic / measured", "step time ×", "loss after", "loss Δ"):
         layouts.add_column(column, justify="left" if column == "layout" else "right",
                            no_wrap=column != "layout", min_width=30 if column == "layout" else None)
@@ -132,6 +136,8 @@ def render(rows: list[dict], partitioning: list[dict], steps: int) -> list[Table
                         f"{100 * (r['peak_bytes'] / base['peak_bytes'] - 1):+.1f} %",
                         f"{format_bytes(r['host_bytes'])} ({format_bytes(r['analytic_host_bytes'])})"
                         if r["host_bytes"] else "",
+                        f"{format_bytes(r['nvme_bytes'])} ({format_bytes(r['analytic_nvme_bytes'])})"
+                        if r.get("nvme_bytes") else "",
                         f"{r['traced_peak_bytes'] / r['peak_bytes']:.4f}" if "traced_peak_bytes" in r else "—",
                         f"{r['analytic_peak_bytes'] / r['peak_bytes']:.4f}",
                         f"{r['median_step_s'] / base['median_step_s']:.2f}", f"{r['last_loss']:.4f}",

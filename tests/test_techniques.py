@@ -396,6 +396,7 @@ APPLIES = {"sdpa": ("sdpa", {"model": "eager"}),
            **{name: (name, {"task": "inference"}) for name in ("stream-layers", "int8-weight-only", "bnb-4bit",
                                                                "int8-dynamic")},
            "park-frozen": ("park-frozen", dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))),
+           "nvme-offload": ("nvme-offload", {"engine": "deepspeed", "zero_stage": 3, "precision": "bf16-mixed"}),
            # its saving is the optimizer step's peak: a batch small enough for that step to be the peak
            "optimizer-in-backward": ("optimizer-in-backward", {"batch_size": 1, "seq_len": 16})}
 # ... and the ones that by design change no tensor of the step

@@ -39,6 +39,7 @@ class MemoryEstimate:
     host_bytes: int = 0                        # host RAM that offloaded tensors need at their peak
     paged_bytes: int = 0                       # GPU target: CUDA unified memory (paged optimizer states), outside
     #                                            the allocator: on the device beside the rest, the excess paged out
+    nvme_bytes: int = 0                        # NVMe offload: the states swapped to files on a local drive
     fits: bool | None = None
     headroom_bytes: int | None = None
     elapsed_s: float = 0.0
@@ -86,6 +87,8 @@ class MemoryEstimate:
         }
         if self.paged_bytes:
             data["paged_bytes"] = self.paged_bytes
+        if self.nvme_bytes:
+            data["nvme_bytes"] = self.nvme_bytes
         if self.reserved_bytes is not None:
             data["reserved_bytes"] = self.reserved_bytes
             data["allocator"] = self.allocator

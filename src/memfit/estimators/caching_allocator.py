@@ -391,15 +391,15 @@ def replay(events: Iterable[Event], settings: AllocatorSettings | None = None, c
 
 
 def predict_reserve(events: list[Event], settings: AllocatorSettings, capacity: int, peak_bytes: int,
-                    sampled_depth: int | None = None) -> tuple[Replay, str | None]:
+                    sampled: str | None = None) -> tuple[Replay, str | None]:
     """The allocator's figures for a step whose tensors peak at `peak_bytes`, and a note for the estimate.
-    `events` are the whole step's, or (`sampled_depth`) those of the same step at fewer layers: what the allocator
-    reserves beyond the tensors does not grow linearly with depth (it depends on which freed blocks the next
-    requests fit), so its share of the sample's peak is scaled to `peak_bytes`."""
+    `events` are the whole step's, or (`sampled`: what they are, e.g. "the step at 2 layers") those of a step like
+    it: what the allocator reserves beyond the tensors does not grow linearly with depth (it depends on which
+    freed blocks the next requests fit), so its share of the sample's peak is scaled to `peak_bytes`."""
     if peak_bytes > capacity:
         return (Replay(peak_bytes, peak_bytes, 0, out_of_memory=True),
                 "allocator not simulated: the tensors alone exceed the device")
-    if sampled_depth is None:
+    if sampled is None:
         replayed = simulate_reserved(events, settings, capacity)
         if replayed.out_of_memory:
             return replayed, "the simulated allocator runs out of device memory even after releasing its cache"
@@ -411,7 +411,7 @@ def predict_reserve(events: list[Event], settings: AllocatorSettings, capacity: 
     share = (sample.reserved_bytes - sample.allocated_bytes) / max(1, sample.allocated_bytes)
     reserve = int(share * peak_bytes)
     return (Replay(peak_bytes + reserve, peak_bytes, reserve),
-            f"allocator reserve simulated on the step at {sampled_depth} layers ({share:.1%} of its peak) and scaled "
+            f"allocator reserve simulated on {sampled} ({share:.1%} of its peak) and scaled "
             "to the model's peak")
 
 

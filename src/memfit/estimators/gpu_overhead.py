@@ -31,13 +31,12 @@ def allocator_capacity(gpu: GPU) -> int:
 
 
 def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations: list[Event],
-                      sampled_depth: int | None = None) -> None:
+                      sampled: str | None = None) -> None:
     """Add the device's overheads to a tensor-peak estimate and decide whether it fits: the allocator's reserve,
-    simulated on the step's `allocations` (at `sampled_depth` layers when the step was sampled shallower than the
-    model: caching_allocator.predict_reserve), and the assumed context and workspace."""
+    simulated on the step's `allocations` (`sampled`: what they are when they are not the step itself, e.g. the
+    step at fewer layers: caching_allocator.predict_reserve), and the assumed context and workspace."""
     settings = allocator_settings(workload)
-    allocator, note = predict_reserve(allocations, settings, allocator_capacity(gpu), estimate.peak_bytes,
-                                      sampled_depth)
+    allocator, note = predict_reserve(allocations, settings, allocator_capacity(gpu), estimate.peak_bytes, sampled)
     # what the allocator reserves beyond its own allocated peak, added to the estimate's peak (they differ only
     # where the estimator adds tensors the replay does not see: DeepSpeed's states)
     reserved = estimate.peak_bytes + max(0, allocator.reserved_bytes - allocator.allocated_bytes)

@@ -319,7 +319,8 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
     )
     if gpu:
         estimate.paged_bytes = paged_bytes
-        add_gpu_overheads(estimate, gpu, workload, run.trace.allocations(weights, divisor), sampled_depth)
+        add_gpu_overheads(estimate, gpu, workload, run.trace.allocations(weights, divisor),
+                          f"the step at {sampled_depth} layers" if sampled_depth else None)
     if modules:
         estimate.modules = module_rows(run.trace, run.model, run.stacks, layers)
     if timeline:

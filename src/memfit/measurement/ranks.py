@@ -56,8 +56,9 @@ def train_ranks_runs(workloads: Sequence[Workload], *, steps: int, lr: float | N
 
 def run_rank_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
     """Each job's result on every rank, in the jobs' order: one launch per world size."""
-    for offload in {bool(resolve(w).with_trait("host-optimizer")) for w, _ in jobs if w.engine == "deepspeed"}:
-        build_deepspeed_ops(offload=offload)
+    for offload, swaps in {(bool(r.with_trait("host-optimizer")), bool(r.with_trait("swaps-to-disk")))
+                           for r in (resolve(w) for w, _ in jobs) if r.engine == "deepspeed"}:
+        build_deepspeed_ops(offload=offload, swaps=swaps)
     results: list[list[dict] | None] = [None] * len(jobs)
     for world_size in sorted({w.world_size for w, _ in jobs}):
         indices = [i for i, (w, _) in enumerate(jobs) if w.world_size == world_size]

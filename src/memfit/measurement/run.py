@@ -25,6 +25,7 @@ from memfit.specs.hardware import gpu_of_device
 from memfit.specs.live import is_live
 from memfit.specs.workload import Workload
 from memfit.steps import profiler
+from memfit.steps.deepspeed_loop import folder_bytes
 from memfit.steps.hooks import tensors_in
 from memfit.steps.runner import run_workload
 from memfit.techniques.compose import prepare_step
@@ -151,6 +152,8 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
                + "; categories from tracking the same run's tensors"],
         extra=extra,
     )
+    if setup.swap_folder:   # NVMe offload: what this process's swap files hold after the step
+        estimate.nvme_bytes = folder_bytes(setup.swap_folder)
     estimate.elapsed_s = time.perf_counter() - started
     return estimate
 

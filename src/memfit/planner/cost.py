@@ -40,6 +40,7 @@ from memfit.techniques.resolve import ResolvedWorkload
 HBM_EFFICIENCY = 0.75      # fraction of the data-sheet memory bandwidth streaming kernels reach (assumed)
 LINK_EFFICIENCY = 0.8      # fraction of the data-sheet link bandwidth collectives and copies reach (assumed)
 HOST_STEP_GBPS = 100.0     # host memory traffic of a CPU optimizer step, per node (assumed)
+NVME_GBPS = 6.0            # a node's local NVMe drives, read or write: two PCIe 4.0 drives (assumed)
 NETWORK_GBPS = 50.0        # per GPU between nodes: 400 Gb/s InfiniBand (assumed)
 GPUS_PER_NODE = 8          # GPUs share a node's host RAM and NVLink up to this many
 
@@ -187,6 +188,11 @@ class Step:
     @property
     def host_step_bytes_per_s(self) -> float:
         return HOST_STEP_GBPS * 1e9
+
+    @property
+    def nvme_bytes_per_s(self) -> float:
+        """One rank's share of its node's local NVMe drives."""
+        return NVME_GBPS * 1e9 / min(self.num_gpus, GPUS_PER_NODE)
 
     @property
     def hbm_bytes_per_s(self) -> float:

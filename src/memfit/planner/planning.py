@@ -162,6 +162,13 @@ def why_nothing_fits(request: PlanRequest, search: Search, suggest: bool = True)
                   f"--host-ram is {format_bytes(request.host_ram_bytes)} (short by "
                   f"{format_bytes(least.host_ram_bytes - request.host_ram_bytes)})")
         suggestions.append(f"--host-ram {format_bytes(least.host_ram_bytes, 0).replace(' ', '')} or more")
+    elif disk_short := [e for e in search.evaluated if e.short == "local NVMe"]:
+        least = min(disk_short, key=lambda e: e.estimate.nvme_bytes)
+        drive = request.instance.local_nvme_bytes
+        reason = (f"{len(disk_short)} plan(s) fit the GPU but swap states to a local NVMe drive: the least, "
+                  f"{' + '.join(least.techniques)}, writes {format_bytes(least.estimate.nvme_bytes)} per GPU and "
+                  f"{request.instance.name} has " + (f"{format_bytes(drive)} of local NVMe" if drive else
+                                                     "no local NVMe (network storage only)"))
     else:
         reason = (f"nothing fits: the smallest plan, {' + '.join(smallest.techniques)} at micro-batch "
                   f"{smallest.micro_batch}, needs {format_bytes(smallest.device_bytes)} per GPU; one "
@@ -219,8 +226,10 @@ def _lossy_alternative(request: PlanRequest) -> list[str]:
     elif best.short == "host RAM":
         fits = (f"fits the GPU but needs {format_bytes(best.host_ram_bytes)} of host RAM "
                 f"({format_bytes(request.host_ram_bytes)} given)")
-    else:
+    elif best.short == "device memory":
         fits = f"is still short by {format_bytes(best.device_bytes - request.budget_bytes)}"
+    else:
+        fits = f"fits the GPU but not the machine's {best.short}"
     ppl = ppl_increase(best.workload(request))
     cost = f", measured perplexity cost +{ppl:.1%} on memfit's test model" if ppl else ""
     which = "the smallest plan that fits" if best.fits else "the smallest plan"

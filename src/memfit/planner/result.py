@@ -61,6 +61,8 @@ class PlanResult:
             data["reserved_bytes"] = estimate.reserved_bytes
         if estimate.paged_bytes:
             data["paged_bytes"] = estimate.paged_bytes
+        if estimate.nvme_bytes:   # per GPU, on the node's local drive
+            data["nvme_bytes"] = estimate.nvme_bytes
         if "traced_peak_bytes" in estimate.extra:
             data["traced_peak_bytes"] = estimate.extra["traced_peak_bytes"]
         if self.request.instance is not None:

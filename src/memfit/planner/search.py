@@ -124,6 +124,8 @@ class Search:
             short = "device memory"
         elif request.host_ram_bytes is not None and host > request.host_ram_bytes:
             short = "host RAM"
+        elif request.instance and estimate.nvme_bytes * processes_per_node > (request.instance.local_nvme_bytes or 0):
+            short = "local NVMe"   # swapped to a drive the instance does not have (or not that large)
         return Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, added,
                          fits=short is None, short=short)
 

@@ -133,6 +133,8 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
             continue   # DeepSpeed's engine trains in mixed precision
         for optimizer, *parts in itertools.product(optimizers, *rest):
             chosen = [p for p in parts if p]
+            if any(parse_technique(p).needs_engine not in (None, layout.engine) for p in chosen):
+                continue
             if _lossy(optimizer) + sum(parse_technique(p).risk == "lossy" for p in chosen) > 1:
                 continue   # one lossy change at a time keeps the space small
             out.append(replace(layout, precision=precision, optimizer=optimizer,

@@ -46,12 +46,14 @@ def estimate_table(estimate: MemoryEstimate) -> Table:
     if estimate.overhead_bytes:
         total = _fmt(estimate.peak_bytes + estimate.overhead_bytes)
         table.add_row("[bold]total on device[/bold]", f"[bold]{total}[/bold]", "", "")
-    if estimate.host_bytes or estimate.paged_bytes:
+    if estimate.host_bytes or estimate.paged_bytes or estimate.nvme_bytes:
         table.add_section()
     if estimate.paged_bytes:
         table.add_row("paged states (unified memory)", _fmt(estimate.paged_bytes), "", "outside the allocator")
     if estimate.host_bytes:
         table.add_row("host RAM (offloaded)", _fmt(estimate.host_bytes), "", "at its own peak")
+    if estimate.nvme_bytes:
+        table.add_row("NVMe (swapped states)", _fmt(estimate.nvme_bytes), "", "files on the local drive")
     return table
 
 
@@ -92,9 +94,9 @@ def measure_table(measured: MemoryEstimate) -> Table:
     table.add_row("[bold]peak[/bold]", f"[bold]{_fmt(measured.peak_bytes)}[/bold]",
                   *[f"[bold]{_fmt(e['peak_bytes'])}[/bold]" for e in estimates.values()])
     table.add_row("peak phase", measured.peak_phase, *[e["peak_phase"] for e in estimates.values()])
-    if measured.host_bytes or any(e.get("host_bytes") for e in estimates.values()):
-        table.add_row("host RAM (offloaded)", _fmt(measured.host_bytes),
-                      *[_fmt(e.get("host_bytes", 0)) for e in estimates.values()])
+    for key, label in (("host_bytes", "host RAM (offloaded)"), ("nvme_bytes", "NVMe (swapped states)")):
+        if getattr(measured, key) or any(e.get(key) for e in estimates.values()):
+            table.add_row(label, _fmt(getattr(measured, key)), *[_fmt(e.get(key, 0)) for e in estimates.values()])
     table.add_row("measured / estimated", "", *[f"{measured.peak_bytes / e['peak_bytes']:.4f}"
                                                  for e in estimates.values() if e["peak_bytes"]])
     return table

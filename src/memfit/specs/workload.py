@@ -70,10 +70,10 @@ class Workload:
         require_positive_int(self.world_size, "--world-size")
         if self.zero_stage not in (0, 1, 2, 3):
             raise MemfitError(f"--zero must be 0, 1, 2 or 3, got {self.zero_stage!r}.")
-        if self.zero_stage and self.world_size == 1:
+        if self.zero_stage and self.world_size == 1 and self.engine != "deepspeed":   # DeepSpeed: ZeRO on one GPU
             raise MemfitError(
                 f"--zero {self.zero_stage} shards model states over data-parallel ranks, but --world-size is 1; "
-                "pass --world-size N (N > 1) or drop --zero.")
+                "pass --world-size N (N > 1), --engine deepspeed (its ZeRO optimizer on one GPU), or drop --zero.")
         if self.task == "inference" and (self.zero_stage or self.engine != "pytorch"):
             raise MemfitError("--zero and --engine describe training; drop them for --task inference.")
         require_positive_int(self.reduce_bucket, "--reduce-bucket")

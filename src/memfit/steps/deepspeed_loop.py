@@ -6,6 +6,8 @@ shards by `--zero` stage over the process group: 1 the master weights and Adam m
 gradients (reduced into each rank's partition through a bucket), 3 also the half-precision weights
 (gathered per module as it runs). `-t cpu-offload` is ZeRO-Offload: master weights, moments and
 float32 gradients in host RAM, stepped by DeepSpeed's CPU Adam; at stage 3 the weights' partitions too.
+`-t nvme-offload` is ZeRO-Infinity: the same, with masters, moments and gradients swapped to files in
+the setup's swap folder through DeepSpeed's async_io op (it needs libaio).
 The optimizer is DeepSpeed's own AdamW (fused on the device, CPU Adam when offloaded).
 
 The techniques that change the model (checkpointing, attention, sequence, loss) apply before the
@@ -13,10 +15,12 @@ engine wraps it; mixed precision, optimizer and sharding are DeepSpeed's.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import subprocess
+import sys
 
 import torch
 from torch.utils.cpp_extension import get_default_build_root
@@ -29,10 +33,12 @@ from memfit.steps.optim import default_lr
 from memfit.steps.train import enter_phase
 
 
-def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
+def deepspeed_config(workload, *, lr: float | None, offload: bool, swap_folder: str | None = None) -> dict:
     zero: dict = {"stage": workload.zero_stage, "reduce_bucket_size": workload.reduce_bucket}
     half = get_precision(workload.precision).autocast_dtype   # DeepSpeed casts the model to it
-    if offload:
+    if swap_folder:
+        zero.update(nvme_offload_config(swap_folder, pin_memory=torch.cuda.is_available()))
+    elif offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if workload.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -48,35 +54,72 @@ def deepspeed_config(workload, *, lr: float | None, offload: bool) -> dict:
     }
 
 
-def build_deepspeed_ops(*, offload: bool) -> None:
+def nvme_offload_config(folder: str, *, pin_memory: bool) -> dict:
+    """DeepSpeed's ZeRO-Infinity entries (stage 3): optimizer states and weights swapped to `folder`, the
+    defaults of DeepSpeed 0.19 otherwise (4 optimizer and 5 weight swap buffers, max_in_cpu 1e9)."""
+    return {"offload_optimizer": {"device": "nvme", "nvme_path": folder, "pin_memory": pin_memory},
+            "offload_param": {"device": "nvme", "nvme_path": folder, "pin_memory": pin_memory}}
+
+
+def folder_bytes(folder: str) -> int:
+    """The bytes of the files under `folder` (what the swap wrote to the drive)."""
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+
+
+def build_deepspeed_ops(*, offload: bool, swaps: bool = False) -> None:
     """Compile, here and now, the C++ ops that DeepSpeed's engine compiles at its first use on CPU (its
-    fused AdamW, or CPU Adam under offload, and its shared-memory collectives), so that the ranks started
-    next only load them. Compiled inside the ranks, one rank builds while the other waits on a lock file,
-    and a rank killed mid-build leaves that lock behind: every later build then waits on it for ever.
-    A few minutes the first time; PyTorch keeps the builds under TORCH_EXTENSIONS_DIR."""
-    deepspeed = _import_deepspeed()
-    accelerator = deepspeed.accelerator.get_accelerator()
-    if accelerator.device_name() != "cpu":
-        return   # the ranks run on CPU; another accelerator builds its own ops
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()   # where PyTorch builds them
-    for name in ("CPUAdamBuilder" if offload else "FusedAdamBuilder", "ShareMemCommBuilder"):
-        builder = accelerator.create_op_builder(name)
-        if builder is None or not builder.is_compatible():
-            continue
-        # PyTorch builds under TORCH_EXTENSIONS_DIR/NAME, or the default root's pyXY_cpu/NAME
-        if not glob.glob(os.path.join(root, "**", builder.name, f"{builder.name}.so"), recursive=True):
+    fused AdamW, or CPU Adam under offload, its shared-memory collectives, and async_io when it swaps to NVMe),
+    so that the ranks started next only load them. Compiled inside the ranks, one rank builds while the other
+    waits on a lock file, and a rank killed mid-build leaves that lock behind: every later build then waits on
+    it for ever. A few minutes the first time; PyTorch keeps the builds under TORCH_EXTENSIONS_DIR."""
+    unbuilt = unbuilt_deepspeed_ops(offload=offload, swaps=swaps)
+    for builder in _op_builders(offload=offload, swaps=swaps):
+        if builder.name in unbuilt:
             logging.getLogger(__name__).warning("memfit: compiling DeepSpeed's %s under %s (first use only, a few "
-                                                "minutes)", builder.name, root)
+                                                "minutes)", builder.name, _extensions_root())
         try:
             builder.load(verbose=False)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:   # the compiler's own failure
-            raise MemfitError(f"DeepSpeed could not compile its {builder.name} op on this machine ({exc}); "
-                              "it needs a C++ compiler and ninja.") from exc
+            needs = "a C++ compiler, ninja" + (" and libaio (apt-get install libaio-dev)"
+                                                if builder.name == "async_io" else "")
+            raise MemfitError(f"DeepSpeed could not compile its {builder.name} op on this machine ({exc}); it "
+                              f"needs {needs}.") from exc
+
+
+def unbuilt_deepspeed_ops(*, offload: bool, swaps: bool = False) -> list[str]:
+    """The ops `build_deepspeed_ops` would compile (not yet built under TORCH_EXTENSIONS_DIR or PyTorch's default
+    root; async_io loads DeepSpeed's pin_memory op too)."""
+    root = _extensions_root()
+    names = [b.name for b in _op_builders(offload=offload, swaps=swaps)] + (["pin_memory"] if swaps else [])
+    return [name for name in names if not glob.glob(os.path.join(root, "**", name, f"{name}.so"), recursive=True)]
+
+
+def _extensions_root() -> str:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()   # PyTorch's: NAME or pyXY_cpu/NAME
+
+
+def _op_builders(*, offload: bool, swaps: bool) -> list:
+    """DeepSpeed's builders of the ops its engine loads on this CPU (none on another accelerator, which builds its
+    own)."""
+    accelerator = _import_deepspeed().accelerator.get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return []
+    names = ["CPUAdamBuilder" if offload else "FusedAdamBuilder", "ShareMemCommBuilder"]
+    builders = []
+    for name in names + (["AsyncIOBuilder"] if swaps else []):
+        builder = accelerator.create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builders.append(builder)
+        elif name == "AsyncIOBuilder":
+            raise MemfitError("-t nvme-offload: DeepSpeed's async_io op needs libaio, which this machine lacks "
+                              "(apt-get install libaio-dev).")
+    return builders
 
 
 def _import_deepspeed():
     try:
-        import deepspeed
+        with contextlib.redirect_stdout(sys.stderr):   # its import logs to the stdout it finds (--json's)
+            import deepspeed
     except ImportError:
         raise MemfitError("--engine deepspeed needs DeepSpeed: pip install 'memfit[deepspeed]'.") from None
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -96,7 +139,8 @@ class DeepSpeedLoop:
         deepspeed = _import_deepspeed()
         self.setup, self.hooks = setup, hooks or NullHooks()
         self.offload, self.stage = setup.host_optimizer is not None, workload.zero_stage
-        config = deepspeed_config(workload, lr=setup.lr, offload=self.offload)
+        self.swap_folder = setup.swap_folder
+        config = deepspeed_config(workload, lr=setup.lr, offload=self.offload, swap_folder=self.swap_folder)
         params = [p for p in setup.model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=setup.model, model_parameters=params,
                                                                  config=config)
@@ -128,6 +172,10 @@ class DeepSpeedLoop:
         total = loss.detach()
         del loss
         self._phase("optimizer")
+        if self.swap_folder:   # the gradient partitions too small to swap wait for the step in host RAM
+            swapper = getattr(self.optimizer, "optimizer_swapper", None)
+            note_host([t for info in getattr(swapper, "swap_params_info", {}).values()
+                       for t in info.unswapped_gradients.values()])
         self.engine.step()
         self._mark_states()
         return total
@@ -152,4 +200,15 @@ class DeepSpeedLoop:
         self.hooks.mark("gradients", self._buckets() + partitions + flat)
         self.hooks.mark("optimizer_states", states)
         if self.offload:
-            note_host(states + partitions + (flat + self.parameter_tensors() if self.stage == 3 else []))
+            note_host(states + partitions + (flat + self.parameter_tensors() if self.stage == 3 else [])
+                      + self._swap_buffers())
+
+    def _swap_buffers(self) -> list[torch.Tensor]:
+        """NVMe offload: the host buffers DeepSpeed's swappers read into and write from (the optimizer's, and
+        the weights' shared by every parameter)."""
+        if not self.swap_folder:
+            return []
+        swapper = getattr(self.optimizer, "optimizer_swapper", None)
+        buffers = list(getattr(getattr(swapper, "swap_buffer_manager", None), "all_buffers", []))
+        weights = {id(s): s for p in self.engine.module.parameters() if (s := getattr(p, "nvme_swapper", None))}
+        return buffers + [s.buffers for s in weights.values()]

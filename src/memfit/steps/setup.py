@@ -56,6 +56,7 @@ class StepSetup:
     # technique that keeps the states on the host itself takes it over and sets `states_on_host`
     host_optimizer: HostOptimizer | None = None
     states_on_host: bool = False      # gradient shards, optimizer states and the step live in host RAM
+    swap_folder: str | None = None    # DeepSpeed swaps the host optimizer's states to files here (NVMe offload)
     optimizer_wrapper: OptimizerWrapper | None = None   # a technique that changes when the step runs (in backward)
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
     # a 2-D device mesh ("dp", "tp") a technique that splits each block over part of the ranks built; a sharding

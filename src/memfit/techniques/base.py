@@ -47,6 +47,8 @@ TRAITS = {
     "wraps-forward": "the model runs through its wrapper (calling the base model directly skips it)",
     "reduces-gradients": "reduces each gradient across the ranks as backward produces it",
     "host-optimizer": "moves the optimizer and its states to host RAM",
+    "swaps-to-disk": "swaps the optimizer states and gradients to files on a local NVMe drive (the host holds "
+                     "buffers)",
     "steps-in-backward": "steps the optimizer inside backward, each parameter as its gradient is complete (which "
                          "frees it)",
     "shards-on-mesh": "shards over the data-parallel axis of a 2-D device mesh when another technique splits the "
@@ -100,6 +102,7 @@ class Technique:
     # either is the other technique's name. rules.check_rules applies them before anything runs.
     conflicts_with: ClassVar[Mapping[str, tuple[str, str]]] = {}
     deepspeed_conflict: ClassVar[tuple[str, str] | None] = None   # (reason, fix) DeepSpeed's engine cannot run it
+    needs_engine: ClassVar[str | None] = None   # the only --engine that runs it (the planner pairs it with no other)
     # explain-oom: the configurations it tries on the workload that ran out of memory (memfit's estimate of it
     # with each), best saving first; `oom_fix` predicts one from the OOM message or a snapshot alone
     oom_fixes: ClassVar[tuple[str, ...]] = ()

@@ -17,6 +17,9 @@ inference model larger than the device (`stream-layers`), and the tensors autogr
   cpu-offload + --engine deepspeed   ZeRO-Offload run by DeepSpeed itself (steps/deepspeed_loop.py):
                          float32 masters, moments and gradients of each rank's partition in host RAM,
                          stepped by DeepSpeed's CPU Adam; at stage 3 the weights' partitions too.
+  nvme-offload           ZeRO-Infinity (DeepSpeed, stage 3): the same host step, with the float32 masters,
+                         moments and gradients swapped to files on a local NVMe drive and read back each
+                         step; host RAM holds DeepSpeed's swap buffers and the weights' partitions.
 
   stream-layers          inference of a model larger than the device: each repeated block's weights
                          live in host RAM and are copied to the device just before the block runs,
@@ -42,6 +45,9 @@ on a GPU. On the CPU the copies stay in one memory; memfit still counts the host
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import tempfile
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision, precision_names
+from memfit.steps.deepspeed_loop import nvme_offload_config
 from memfit.steps.hooks import tensors_in
 from memfit.steps.host import host_copy, note_category, note_host, on_host
 from memfit.steps.setup import StepSetup
@@ -135,6 +142,74 @@ class CpuOffload(Technique):
 
     def apply_(self, setup: StepSetup) -> None:
         setup.host_optimizer = HostOffloadOptimizer   # a sharding technique applied later may take it over
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class NvmeOffload(CpuOffload):
+    """DeepSpeed's ZeRO-Infinity (Rajbhandari et al., 2021) at ZeRO stage 3: the optimizer's float32 masters and
+    moments, the float32 gradients and the half weights' partitions swapped to files on a local NVMe drive
+    through DeepSpeed's async_io op (libaio), read back for each step. Host RAM holds DeepSpeed's swap buffers
+    instead of the states, and a flat copy of the half weights up to max_in_cpu (1e9 elements)."""
+    name = "nvme-offload"
+    traits = frozenset({"host-optimizer", "swaps-to-disk"})
+    conflicts_with = {**CpuOffload.conflicts_with,
+                      "cpu-offload": ("both move the optimizer states off the device, to host RAM or to a drive",
+                                      "keep one")}
+    summary = ("ZeRO-Infinity: optimizer states and gradients swapped to a local NVMe drive (DeepSpeed, ZeRO-3); "
+               "path=DIR on the drive (default: a temporary folder)")
+    time_factor = 1.5    # the states cross the drive twice a step (assumed; the cost model derives it)
+    oom_fixes = ()       # explain-oom offers cpu-offload: the same saving on the device, no drive needed
+    needs_engine = "deepspeed"
+    path: str = ""
+
+    def export(self, tool, workload) -> Export | None:
+        folder = self.path or "/local_nvme"
+        if tool == "deepspeed":
+            return Export({"zero_optimization": {"stage": 3, **nvme_offload_config(folder, pin_memory=True)}},
+                          None if self.path else "nvme_path: set it to a folder on the machine's local NVMe drive")
+        if tool == "accelerate":
+            return Export({"distributed_type": "DEEPSPEED", "deepspeed_config": {
+                "zero_stage": 3, "offload_optimizer_device": "nvme", "offload_param_device": "nvme",
+                "offload_optimizer_nvme_path": folder, "offload_param_nvme_path": folder}})
+        if tool == "lightning":
+            return Export({"strategy": "deepspeed"}, "DeepSpeedStrategy(stage=3, offload_optimizer=True, "
+                          f"offload_parameters=True, offload_optimizer_device='nvme', offload_params_device='nvme', "
+                          f"nvme_path='{folder}')")
+        return None
+
+    def check(self, workload) -> None:
+        if workload.engine != self.needs_engine or workload.zero_stage != 3:
+            raise MemfitError("-t nvme-offload is DeepSpeed's ZeRO-Infinity, which swaps to NVMe at ZeRO stage 3 "
+                              "only: add --engine deepspeed --zero 3 (one GPU or --world-size N).")
+        super().check(workload)
+
+    def oom_fix(self, message, snapshot) -> OomFix | None:
+        return None
+
+    def apply_(self, setup: StepSetup) -> None:
+        super().apply_(setup)
+        setup.swap_folder = swap_folder(self.path, owner=setup)
+
+    def cost_overhead(self, step) -> None:
+        """The host step as cpu-offload's, plus the drive: what was swapped is read for the step and written
+        back after it, the node's ranks sharing its drives (DeepSpeed overlaps neither with the compute)."""
+        super().cost_overhead(step)
+        step.add("offload", 2 * step.estimate.nvme_bytes / step.nvme_bytes_per_s)
+
+
+def swap_folder(path: str, *, owner) -> str:
+    """A fresh folder for this process's swap files, under `path` (or the temporary folder), removed with
+    `owner`: the files are scratch, rewritten every step."""
+    try:
+        if path:
+            os.makedirs(path, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix="memfit-nvme-", dir=path or None)
+    except OSError as exc:
+        raise MemfitError(f"-t nvme-offload: cannot make its swap folder under {path or 'the temporary folder'} "
+                          f"({exc.strerror}); give path=DIR on a writable local drive.") from None
+    weakref.finalize(owner, shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 class HostOffloadOptimizer:

@@ -122,26 +122,33 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     num_parameters = count_parameters(workload)
     held, step = offload_host_bytes(workload)   # the engine's host bytes (saved activations, streamed
     # weights) are held outside the optimizer step
+    drive, phase = 0, top.phase
     if workload.engine == "deepspeed":
-        at_peak, component_peaks, held = deepspeed_states(workload, num_parameters, at_peak, component_peaks)
+        at_peak, component_peaks, held, drive, in_step = deepspeed_states(workload, num_parameters, at_peak,
+                                                                          component_peaks)
+        phase = "optimizer" if in_step else phase
         step = 0   # DeepSpeed's CPU Adam steps in place
         notes.append(f"engine deepspeed (ZeRO-{workload.zero_stage}): half weights, float32 master weights, Adam "
                      f"moments and gradient partition, a reduction bucket of {workload.reduce_bucket:,} elements"
-                     + (" (stage 3: the gathered weights of the running module are not included)"
+                     + (" (stage 3: the weights it gathers stay until reused, up to 1e9 elements)"
                         if workload.zero_stage == 3 else ""))
     estimate = MemoryEstimate(
         model=source.name, num_parameters=num_parameters, workload=workload.to_json(),
         method="analytic", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
-        peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
+        peak_phase=phase, at_peak=at_peak, component_peaks=component_peaks,
         model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES},
-        host_bytes=held + max(saved, step), sources={name: "analytic" for name in CATEGORIES}, notes=notes,
+        host_bytes=held + max(saved, step), nvme_bytes=drive, sources={name: "analytic" for name in CATEGORIES},
+        notes=notes,
     )
     if gpu:
         if depths and estimate.peak_bytes <= allocator_capacity(gpu):   # the whole step: milliseconds, no tensors
             allocations = simulate(workload, gpu, layers, weights, record_allocations=True).allocations
         events = [(uid, -(-nbytes // divisor), stream) for uid, nbytes, stream in allocations or ()]
         estimate.paged_bytes = paged
-        add_gpu_overheads(estimate, gpu, workload, events)
+        # ZeRO-3's own sequence holds partitions, not the simulated step's whole weights: its reserve is scaled
+        add_gpu_overheads(estimate, gpu, workload, events, "the step with whole weights (DeepSpeed's ZeRO-3 "
+                          "sequence is not modelled)" if workload.engine == "deepspeed" and workload.zero_stage == 3
+                          else None)
     estimate.elapsed_s = time.perf_counter() - started
     return estimate
 
