@@ -81,10 +81,11 @@ class Lora(Technique):
 
     @classmethod
     def search_values(cls, request, workload):
-        """LoRA at its defaults, at a higher rank, and on every linear (a custom model's default already is)."""
+        """LoRA (and QLoRA) at its defaults, at a higher rank, and on every linear (a custom model's default already
+        is)."""
         if request.task != "train":
             return []
-        if cls is not Lora or not workload.source.is_hf:
+        if not workload.source.is_hf:
             return [cls.name]
         return [cls.name + variant for variant in SEARCHED_ADAPTERS]
 
