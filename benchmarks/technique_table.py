@@ -62,7 +62,8 @@ QUICK = [0, 2, 4, 7, 15]
 # Part II: fine-tuning the pretrained LM, and running it for inference (small and large batch)
 FINETUNE_ROWS = [
     (), ("lora",), ("lora:rank=64",), ("lora:targets=all-linear",), ("qlora",), ("qlora:rank=64",),
-    ("qlora:targets=all-linear",), ("qlora", "checkpointing", "bf16-mixed"), ("prune-structured:ratio=0.25",), ("prune-structured",),
+    ("qlora:targets=all-linear",), ("qlora", "checkpointing", "bf16-mixed"), ("prune-structured:ratio=0.25",),
+    ("prune-structured",),
     ("prune-unstructured:sparsity=0.5",), ("qat",), ("distill",), ("distill:teacher=int8",), ("distill:alpha=0",),
 ]
 INFERENCE_ROWS = [

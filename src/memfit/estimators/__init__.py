@@ -23,8 +23,8 @@ def methods_for(workload: Workload) -> tuple[str, ...]:
     """The estimators that model `workload`: the trace where it runs (PyTorch's engine), the analytic model for
     transformer configs unless a technique (or the user's own --step) has no analytic model."""
     workload = resolve(workload)
-    if workload.engine == "deepspeed":
-        return ("analytic",)
+    if workload.engine == "deepspeed":   # no trace of DeepSpeed's engine; a custom module has no analytic model
+        return ("analytic",) if workload.source.is_hf else ()
     if not workload.source.is_hf or workload.with_trait("traced-only") or workload.step is not None:
         return ("traced",)
     return ("traced", "analytic")

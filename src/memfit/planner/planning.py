@@ -1,6 +1,7 @@
 """`plan`: search, cost, rank, and say why when nothing fits."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -8,7 +9,7 @@ from dataclasses import replace
 from torch import nn
 
 from memfit.core.errors import MemfitError
-from memfit.core.units import format_bytes
+from memfit.core.units import GiB, format_bytes
 from memfit.estimators import count_parameters
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.effects import describe, measured_accuracy
@@ -133,17 +134,21 @@ def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
 
 
 def host_ram_warnings(request: PlanRequest, best: Evaluated) -> list[str]:
-    """Host RAM unchecked (a bare --gpu) and the best plan needs more than the usual hosts of that GPU hold."""
+    """Host RAM unchecked (a bare --gpu) and the best plan needs more than the usual hosts of that GPU hold; a local
+    NVMe drive unchecked (no --instance) and the best plan swaps to one."""
+    drive = best.estimate.nvme_bytes * min(best.candidate.num_gpus, GPUS_PER_NODE)
+    warnings = [f"plan 1 swaps {format_bytes(drive)} per node to a local NVMe drive (not checked without "
+                "--instance; the step reads and writes it all)"] if drive and request.instance is None else []
     if request.host_ram_bytes is not None or not best.host_ram_bytes:
-        return []
+        return warnings
     per_node = min(request.num_gpus, GPUS_PER_NODE)
     usual = usual_host_ram(request.gpu, per_node)
     if usual is None or best.host_ram_bytes <= usual[1]:
-        return []
+        return warnings
     held = format_bytes(usual[1]) if usual[0] == usual[1] else f"{format_bytes(usual[0])} to {format_bytes(usual[1])}"
-    return [f"plan 1 needs {format_bytes(best.host_ram_bytes)} of host RAM per node; the machines in `memfit "
-            f"instances` with {per_node} x {request.gpu.name} have {held}: pass --host-ram (or --instance) to plan "
-            "for the machine you have"]
+    return warnings + [f"plan 1 needs {format_bytes(best.host_ram_bytes)} of host RAM per node; the machines in "
+                       f"`memfit instances` with {per_node} x {request.gpu.name} have {held}: pass --host-ram (or "
+                       "--instance) to plan for the machine you have"]
 
 
 def why_nothing_fits(request: PlanRequest, search: Search, suggest: bool = True) -> tuple[str, list[str]]:
@@ -161,7 +166,7 @@ def why_nothing_fits(request: PlanRequest, search: Search, suggest: bool = True)
                   f"{' + '.join(least.techniques)}, needs {format_bytes(least.host_ram_bytes)} per node and "
                   f"--host-ram is {format_bytes(request.host_ram_bytes)} (short by "
                   f"{format_bytes(least.host_ram_bytes - request.host_ram_bytes)})")
-        suggestions.append(f"--host-ram {format_bytes(least.host_ram_bytes, 0).replace(' ', '')} or more")
+        suggestions.append(f"--host-ram {math.ceil(least.host_ram_bytes / GiB)}GiB or more")   # rounded up: enough
     elif disk_short := [e for e in search.evaluated if e.short == "local NVMe"]:
         least = min(disk_short, key=lambda e: e.estimate.nvme_bytes)
         drive = request.instance.local_nvme_bytes

@@ -97,8 +97,9 @@ def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
     techniques' values, and the pairs of them that share a 2-D mesh (tensor parallel within groups of GPUs, a
     sharding layout across the groups)."""
     n = request.num_gpus
-    if n == 1:
-        return [Candidate("fp32")]
+    if n == 1:   # DeepSpeed's ZeRO-3 on one GPU, for the techniques only its engine runs (candidates())
+        return [Candidate("fp32")] + ([Candidate("fp32", zero_stage=3, engine="deepspeed")]
+                                      if request.task == "train" else [])
     layouts = []
     if request.task == "inference":
         layouts.append(Candidate("fp32", data_parallel=n))
@@ -133,8 +134,9 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
             continue   # DeepSpeed's engine trains in mixed precision
         for optimizer, *parts in itertools.product(optimizers, *rest):
             chosen = [p for p in parts if p]
-            if any(parse_technique(p).needs_engine not in (None, layout.engine) for p in chosen):
-                continue
+            engines = {parse_technique(p).needs_engine for p in chosen} - {None}
+            if engines - {layout.engine} or (layout.num_gpus == 1 and layout.engine != "pytorch" and not engines):
+                continue   # a technique another engine runs; DeepSpeed on one GPU without one that needs it
             if _lossy(optimizer) + sum(parse_technique(p).risk == "lossy" for p in chosen) > 1:
                 continue   # one lossy change at a time keeps the space small
             out.append(replace(layout, precision=precision, optimizer=optimizer,

@@ -97,8 +97,9 @@ def measure_table(measured: MemoryEstimate) -> Table:
     for key, label in (("host_bytes", "host RAM (offloaded)"), ("nvme_bytes", "NVMe (swapped states)")):
         if getattr(measured, key) or any(e.get(key) for e in estimates.values()):
             table.add_row(label, _fmt(getattr(measured, key)), *[_fmt(e.get(key, 0)) for e in estimates.values()])
-    table.add_row("measured / estimated", "", *[f"{measured.peak_bytes / e['peak_bytes']:.4f}"
-                                                 for e in estimates.values() if e["peak_bytes"]])
+    if estimates:
+        table.add_row("measured / estimated", "", *[f"{measured.peak_bytes / e['peak_bytes']:.4f}"
+                                                     for e in estimates.values() if e["peak_bytes"]])
     return table
 
 

@@ -73,6 +73,11 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     if workload.step is not None:
         raise MemfitError(f"--step {workload.step}: the analytic model knows memfit's own step, not yours; use "
                           "--method traced.")
+    if not source.is_hf and workload.engine == "deepspeed":   # nothing else models DeepSpeed's engine
+        raise MemfitError(f"--engine deepspeed is estimated by the analytic model alone, which needs a transformer "
+                          f"config, and {source.name!r} is a custom module: measure it instead (memfit measure ... "
+                          "--engine deepspeed --world-size N runs DeepSpeed on CPU ranks), or estimate it with "
+                          "--engine pytorch and its own sharding and offload techniques (memfit techniques).")
     if not source.is_hf:
         raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
                           "module: use --method traced.")
