@@ -393,3 +393,29 @@ def test_pruned_heads_that_do_not_split_over_tensor_parallel_are_refused_not_a_c
     candidate = Candidate("bf16", techniques=("tensor-parallel", "prune-structured:ratio=0.25"), world_size=4)
     assert search.evaluate(candidate, candidate.workload(search.request, 1), 4) is None
     assert any("do not split over 4 ranks" in reason for reason in search.rejected)
+
+
+BLOCKLESS = """
+import torch
+from torch import nn
+
+def build():   # no ModuleList: block-wise techniques (checkpointing, fsdp2, ...) have nothing to wrap
+    return nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 100))
+
+def tokens(batch_size, seq_len):
+    return torch.randint(0, 100, (batch_size, seq_len))
+"""
+
+
+def test_a_model_without_repeated_blocks_is_planned_without_the_block_wise_techniques(tmp_path, monkeypatch):
+    """A user's module with no ModuleList: the combinations that wrap blocks are refused (counted, with the reason)
+    and the search goes on, over one GPU and two (where DeepSpeed's layouts, which only the analytic model of a
+    transformer config predicts, are not tried)."""
+    (tmp_path / "flat.py").write_text(BLOCKLESS)
+    monkeypatch.chdir(tmp_path)
+    for gpus in (1, 2):
+        result = plan(PlanRequest(model="./flat.py:build", inputs="./flat.py:tokens", gpu=get_gpu("a10g"),
+                                  num_gpus=gpus, seq_len=16, global_batch=4, top=1), brief=True)
+        assert result.feasible, result.reason
+        assert any("no ModuleList of repeated blocks" in reason for reason in result.rejected)
+        assert "deepspeed" not in json.dumps(result.plan_json(0)["workload"])

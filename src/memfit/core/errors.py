@@ -10,8 +10,9 @@ class MemfitError(Exception):
 
 
 class ImpossibleCombination(MemfitError):
-    """Techniques that only an estimate finds do not go together (pruned heads that do not split over the ranks):
-    the planner counts the combination as refused and goes on."""
+    """Techniques that only an estimate finds do not go together, or do not fit the model (pruned heads that do not
+    split over the ranks; a block-wise technique on a model with no repeated blocks): the planner counts the
+    combination as refused and goes on."""
 
 
 class NotModelled(MemfitError):

@@ -130,8 +130,10 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     out = []
     for layout, precision in itertools.product(_layouts(request, values["layout"]),
                                                _precisions(request, values["precision"], base)):
-        if layout.engine == "deepspeed" and get_precision(precision).autocast_dtype is None:
-            continue   # DeepSpeed's engine trains in mixed precision
+        if layout.engine == "deepspeed" and (get_precision(precision).autocast_dtype is None
+                                             or not base.source.is_hf or base.step is not None):
+            continue   # DeepSpeed's engine trains in mixed precision; only the analytic model (of memfit's own step
+            #            on a transformer config) predicts it
         for optimizer, *parts in itertools.product(optimizers, *rest):
             chosen = [p for p in parts if p]
             engines = {parse_technique(p).needs_engine for p in chosen} - {None}

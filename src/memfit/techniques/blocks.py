@@ -5,7 +5,7 @@ import re
 
 from torch import nn
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import ImpossibleCombination, MemfitError
 from memfit.specs.blocks import alike_lists
 
 
@@ -25,6 +25,6 @@ def repeated_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[
         return list(enumerate(found))
     found = [item for stack in alike_lists(model) for item in enumerate(stack)]
     if not found:
-        raise MemfitError(f"{type(model).__name__} has no ModuleList of repeated blocks; name the blocks with "
-                          "blocks=REGEX (e.g. -t checkpointing:blocks='encoder\\.layer\\.\\d+').")
+        raise ImpossibleCombination(f"{type(model).__name__} has no ModuleList of repeated blocks; name the blocks "
+                                    "with blocks=REGEX (e.g. -t checkpointing:blocks='encoder\\.layer\\.\\d+').")
     return found
