@@ -84,7 +84,7 @@ def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explo
     result = PlanResult(request, ranked, evaluated=search.evaluated, rejected=dict(search.rejected),
                         num_estimates=search.num_estimates)
     if ranked:
-        result.warnings = host_ram_warnings(request, ranked[0])
+        result.warnings = unchecked_machine_warnings(request, ranked[0])
         result.tradeoff = tradeoff(ordered, request)
         if not brief:
             result.savings = [technique_savings(ranked[0], search)]   # the best plan's
@@ -133,12 +133,11 @@ def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
     return rows
 
 
-def host_ram_warnings(request: PlanRequest, best: Evaluated) -> list[str]:
+def unchecked_machine_warnings(request: PlanRequest, best: Evaluated) -> list[str]:
     """Host RAM unchecked (a bare --gpu) and the best plan needs more than the usual hosts of that GPU hold; a local
     NVMe drive unchecked (no --instance) and the best plan swaps to one."""
-    drive = best.estimate.nvme_bytes * min(best.candidate.num_gpus, GPUS_PER_NODE)
-    warnings = [f"plan 1 swaps {format_bytes(drive)} per node to a local NVMe drive (not checked without "
-                "--instance; the step reads and writes it all)"] if drive and request.instance is None else []
+    warnings = [f"plan 1 swaps {format_bytes(best.nvme_bytes)} per node to a local NVMe drive (not checked without "
+                "--instance; the step reads and writes it all)"] if best.nvme_bytes and request.instance is None else []
     if request.host_ram_bytes is not None or not best.host_ram_bytes:
         return warnings
     per_node = min(request.num_gpus, GPUS_PER_NODE)

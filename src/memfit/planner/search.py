@@ -49,7 +49,7 @@ class Evaluated:
     host_ram_bytes: int         # per node
     added: tuple[str, ...]      # allocator techniques the plan needs to fit (space.allocator_options)
     fits: bool
-    short: str | None = None    # "device memory" | "host RAM"
+    short: str | None = None    # "device memory" | "host RAM" | "local NVMe"
     time: StepTime | None = None
     throughput: float = 0.0     # tokens per second per GPU
     risk: str = "lossless"
@@ -59,6 +59,11 @@ class Evaluated:
     @property
     def techniques(self) -> list[str]:
         return self.candidate.labels() + list(self.added)
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Swapped to the node's local NVMe drive (NVMe offload), per node."""
+        return self.estimate.nvme_bytes * min(self.candidate.num_gpus, GPUS_PER_NODE)
 
     def workload(self, request: PlanRequest) -> ResolvedWorkload:
         return replace(self.candidate, techniques=self.candidate.techniques + self.added).workload(
@@ -119,15 +124,16 @@ class Search:
                 break
         processes_per_node = min(candidate.num_gpus, GPUS_PER_NODE)
         host = estimate.host_bytes * processes_per_node
-        short = None
+        evaluated = Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, added,
+                              fits=True)
         if device > budget:
-            short = "device memory"
+            evaluated.short = "device memory"
         elif request.host_ram_bytes is not None and host > request.host_ram_bytes:
-            short = "host RAM"
-        elif request.instance and estimate.nvme_bytes * processes_per_node > (request.instance.local_nvme_bytes or 0):
-            short = "local NVMe"   # swapped to a drive the instance does not have (or not that large)
-        return Evaluated(candidate, micro_batch, per_replica // micro_batch, estimate, device, host, added,
-                         fits=short is None, short=short)
+            evaluated.short = "host RAM"
+        elif request.instance and evaluated.nvme_bytes > (request.instance.local_nvme_bytes or 0):
+            evaluated.short = "local NVMe"   # swapped to a drive the instance does not have (or not that large)
+        evaluated.fits = evaluated.short is None
+        return evaluated
 
     def evaluate(self, candidate: Candidate, workload: ResolvedWorkload, per_replica: int) -> Evaluated | None:
         """The largest micro-batch of `candidate` that fits (or its smallest, sized, when none does); None when its

@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from memfit.core.precision import get_precision
-from memfit.estimators import count_parameters
+from memfit.estimators import count_parameters, methods_for
 from memfit.planner.request import PlanRequest
 from memfit.specs.workload import Workload
 from memfit.techniques import REGISTRY
@@ -128,18 +128,18 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     optimizers = [DEFAULTS["optimizer"].default] + values["optimizer"]
     rest = [[None] + values[axis] for axis in AXES[3:]]
     out = []
+    analytic = "analytic" in methods_for(base)   # the only estimator of DeepSpeed's engine
     for layout, precision in itertools.product(_layouts(request, values["layout"]),
                                                _precisions(request, values["precision"], base)):
-        if layout.engine == "deepspeed" and (get_precision(precision).autocast_dtype is None
-                                             or not base.source.is_hf or base.step is not None):
-            continue   # DeepSpeed's engine trains in mixed precision; only the analytic model (of memfit's own step
-            #            on a transformer config) predicts it
+        if layout.engine == "deepspeed" and (get_precision(precision).autocast_dtype is None or not analytic):
+            continue   # DeepSpeed's engine trains in mixed precision, and only the analytic model predicts it
         for optimizer, *parts in itertools.product(optimizers, *rest):
             chosen = [p for p in parts if p]
-            engines = {parse_technique(p).needs_engine for p in chosen} - {None}
+            parsed = [parse_technique(p) for p in chosen]
+            engines = {t.needs_engine for t in parsed} - {None}
             if engines - {layout.engine} or (layout.num_gpus == 1 and layout.engine != "pytorch" and not engines):
                 continue   # a technique another engine runs; DeepSpeed on one GPU without one that needs it
-            if _lossy(optimizer) + sum(parse_technique(p).risk == "lossy" for p in chosen) > 1:
+            if _lossy(optimizer) + sum(t.risk == "lossy" for t in parsed) > 1:
                 continue   # one lossy change at a time keeps the space small
             out.append(replace(layout, precision=precision, optimizer=optimizer,
                                techniques=layout.techniques + tuple(chosen)))

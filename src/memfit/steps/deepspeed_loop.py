@@ -173,8 +173,7 @@ class DeepSpeedLoop:
         del loss
         self._phase("optimizer")
         if self.swap_folder:   # the gradient partitions too small to swap wait for the step in host RAM
-            swapper = getattr(self.optimizer, "optimizer_swapper", None)
-            note_host([t for info in getattr(swapper, "swap_params_info", {}).values()
+            note_host([t for info in getattr(self._optimizer_swapper, "swap_params_info", {}).values()
                        for t in info.unswapped_gradients.values()])
         self.engine.step()
         self._mark_states()
@@ -208,7 +207,11 @@ class DeepSpeedLoop:
         the weights' shared by every parameter)."""
         if not self.swap_folder:
             return []
-        swapper = getattr(self.optimizer, "optimizer_swapper", None)
-        buffers = list(getattr(getattr(swapper, "swap_buffer_manager", None), "all_buffers", []))
+        buffers = list(getattr(getattr(self._optimizer_swapper, "swap_buffer_manager", None), "all_buffers", []))
         weights = {id(s): s for p in self.engine.module.parameters() if (s := getattr(p, "nvme_swapper", None))}
         return buffers + [s.buffers for s in weights.values()]
+
+    @property
+    def _optimizer_swapper(self):
+        """NVMe offload: ZeRO-3's swapper of the optimizer's states (None without one)."""
+        return getattr(self.optimizer, "optimizer_swapper", None)

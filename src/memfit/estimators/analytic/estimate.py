@@ -73,14 +73,11 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     if workload.step is not None:
         raise MemfitError(f"--step {workload.step}: the analytic model knows memfit's own step, not yours; use "
                           "--method traced.")
-    if not source.is_hf and workload.engine == "deepspeed":   # nothing else models DeepSpeed's engine
-        raise MemfitError(f"--engine deepspeed is estimated by the analytic model alone, which needs a transformer "
-                          f"config, and {source.name!r} is a custom module: measure it instead (memfit measure ... "
-                          "--engine deepspeed --world-size N runs DeepSpeed on CPU ranks), or estimate it with "
-                          "--engine pytorch and its own sharding and offload techniques (memfit techniques).")
-    if not source.is_hf:
-        raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom "
-                          "module: use --method traced.")
+    if not source.is_hf:   # under DeepSpeed's engine nothing else models the step
+        raise MemfitError(f"the analytic estimator needs a transformer config; {source.name!r} is a custom module: " + (
+            "--engine deepspeed has no other model, so measure it (memfit measure ... --engine deepspeed --world-size "
+            "N runs DeepSpeed on CPU ranks) or estimate it with --engine pytorch and its own sharding and offload "
+            "techniques (memfit techniques)." if workload.engine == "deepspeed" else "use --method traced."))
     traced_only = workload.with_trait("traced-only")
     if traced_only:
         raise MemfitError(f"-t {traced_only.name}: the analytic model has no program for it; use --method traced.")

@@ -144,19 +144,20 @@ def deepspeed_states(workload: ResolvedWorkload, psi: int, at_peak: dict[str, in
         return -(-nbytes * psi // n)
 
     at, comp = dict(at_peak), dict(component_peaks)
+    sizes = parameter_sizes(workload)
     host = drive = 0
     if stage == 3:
-        gathered = stage3_gathered_bytes(parameter_sizes(workload))
+        gathered = stage3_gathered_bytes(sizes)
         states = {"parameters": gathered + (0 if offload else part(2)),
                   "optimizer_states": 0 if offload else part(12), "gradients": 0 if offload else part(2)}
-        host = part(12) + part(4) + part(2) + part(2) if offload else 0
+        host = part(12) + part(4) + part(2) + part(2) if offload else 0   # + half weights and gradients
         step = {**dict.fromkeys(at, 0), **states, "gradients": states["gradients"] + (0 if offload else part(4))}
     else:
         states = {"parameters": 2 * psi, "optimizer_states": part(12), "gradients": part(4)}
         if offload:
             host = part(12) + part(4)
             states.update(optimizer_states=0, parameters=2 * psi + part(2),
-                          gradients=part(4) + 2 * 2 * max(parameter_sizes(workload)))
+                          gradients=part(4) + 2 * 2 * max(sizes))
         step = None
     at["parameters"] = comp["parameters"] = states["parameters"]
     at["optimizer_states"] = comp["optimizer_states"] = states["optimizer_states"]
@@ -166,5 +167,5 @@ def deepspeed_states(workload: ResolvedWorkload, psi: int, at_peak: dict[str, in
     if step is not None:   # stage 3: the optimizer step, with its float32 gradient partition, may peak higher
         comp["gradients"] = max(comp["gradients"], step["gradients"])
     if workload.with_trait("swaps-to-disk"):
-        host, drive = nvme_swap_bytes(parameter_sizes(workload), n)
+        host, drive = nvme_swap_bytes(sizes, n)
     return DeepSpeedStates(step if in_step else at, comp, host, drive, in_step)
