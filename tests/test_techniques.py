@@ -1,6 +1,7 @@
 """Techniques applied for real: predicted peak (traced, analytic) against a real CPU run, the measured
 saving against the predicted one, and the results against the same training without the technique."""
 import gc
+import re
 import weakref
 
 import pytest
@@ -423,3 +424,13 @@ def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
     assert data["precision"] == "bf16-mixed" and data["techniques"] == ["checkpointing:every=2"]
     again = ResolvedWorkload(**SHAPE, techniques=("bf16-mixed", "checkpointing:every=2"))
     assert resolve(Workload.from_json(data)) == again
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("checkpointing:every", "'every' needs a value (every=..., default 1)"),
+    ("checkpointing:evry=2", "'evry=2' is not a parameter of checkpointing"),
+    ("nvme-offload:path", "'path' needs a value"),
+])
+def test_a_technique_parameter_typed_wrong_says_what_is_wrong(spec, fragment):
+    with pytest.raises(MemfitError, match=re.escape(fragment)):
+        parse_technique(spec)

@@ -293,6 +293,8 @@ def parse_technique(spec: str) -> Technique:
     kwargs = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        if not eq and key in fields:
+            raise MemfitError(f"-t {spec}: {key!r} needs a value ({key}=..., default {fields[key].default!r}).")
         if not eq or key not in fields:
             known = ", ".join(fields) or "none"
             raise MemfitError(f"-t {spec}: {item!r} is not a parameter of {name} (parameters: {known}).")
