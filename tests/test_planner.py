@@ -299,6 +299,20 @@ def test_a_model_that_fits_easily_keeps_float32_weights_and_states_and_the_faste
     assert fastest.plans[0].time.total_s < result.plans[0].time.total_s < 1.05 * fastest.plans[0].time.total_s
 
 
+def test_a_compute_bound_model_is_planned_with_float32_masters_beside_the_faster_pure_bf16():
+    """gpt2 at 32 x 1024 on an A100 fits with room to spare and its step is bound by its matmuls: float32 runs them
+    at a sixteenth of the rate, autocast adds its casts and float32 pointwise kernels, and pure bf16 keeps no float32
+    copy. bf16-master computes like pure bf16 with the update in float32 (mixed precision, full-precision AdamW
+    states): plan 1, the reduced-precision plan shown beside it as a little faster."""
+    result = plan(PlanRequest(model="gpt2", gpu=get_gpu("a100-80gb"), seq_len=1024, global_batch=32, top=3),
+                  brief=True)
+    check_plans(result)
+    best = result.plan_json(0)
+    assert best["techniques"] == ["bf16-master"] and best["training_change"] == "mixed-precision"
+    assert best["workload"]["optimizer"] == "adamw"
+    assert "would be" in result.tradeoff and "fewer bits" in result.tradeoff
+
+
 def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration(capsys, tmp_path):
     """`memfit estimate --gpu` times any configuration with the planner's step-time model: plan 1's saved workload,
     estimated again, has plan 1's step time and throughput."""

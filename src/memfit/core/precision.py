@@ -14,6 +14,7 @@ class Precision:
     param_dtype: torch.dtype          # dtype the weights are stored in
     autocast_dtype: torch.dtype | None  # dtype of autocast regions, None without autocast
     loss_scaling: bool                # dynamic loss scaling (fp16 mixed precision)
+    master_dtype: torch.dtype | None = None   # the optimizer steps on master copies of the weights in this dtype
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -22,20 +23,26 @@ PRECISIONS: dict[str, Precision] = {
     "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False),
     "bf16": Precision("bf16", torch.bfloat16, None, False),
     "fp16": Precision("fp16", torch.float16, None, False),
+    "bf16-master": Precision("bf16-master", torch.bfloat16, None, False, torch.float32),
 }
 
 
-def precision_names(*, autocast: bool | None = None, loss_scaling: bool | None = None) -> str:
-    """The precisions with (True) or without (False) autocast and loss scaling, for a message: "a or b"."""
+def precision_names(*, autocast: bool | None = None, loss_scaling: bool | None = None,
+                    master: bool | None = None) -> str:
+    """The precisions with (True) or without (False) autocast, loss scaling and master weights, for a message:
+    "a or b"."""
     names = [p.name for p in PRECISIONS.values()
              if (autocast is None or (p.autocast_dtype is not None) == autocast)
-             and (loss_scaling is None or p.loss_scaling == loss_scaling)]
+             and (loss_scaling is None or p.loss_scaling == loss_scaling)
+             and (master is None or (p.master_dtype is not None) == master)]
     return " or ".join(names)
 
 
 def precision_of_dtype(dtype: torch.dtype) -> Precision:
-    """The precision that stores weights in `dtype` with no autocast (float32 for any dtype without one)."""
-    return next((p for p in PRECISIONS.values() if p.param_dtype == dtype and p.autocast_dtype is None),
+    """The precision that stores weights in `dtype` with no autocast and no master copy (float32 for any dtype
+    without one)."""
+    return next((p for p in PRECISIONS.values()
+                 if p.param_dtype == dtype and p.autocast_dtype is None and p.master_dtype is None),
                 PRECISIONS["fp32"])
 
 

@@ -67,7 +67,7 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         result = traced_estimate(workload, gpu, **options)
     else:
         result = analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
-    result.notes += [note for technique in workload.field_techniques + list(workload.technique_configs)
+    result.notes += [note for technique in workload.hooked_techniques
                      for note in technique.estimate_notes(workload)]
     if workload.step is not None:
         result.notes += step_notes(workload)

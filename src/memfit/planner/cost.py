@@ -205,8 +205,9 @@ class Step:
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes per element of the gradients (the weights' dtype)."""
-        return get_precision(self.workload.precision).param_dtype.itemsize
+        """Bytes per element of the gradients (the weights' dtype, or their master copies')."""
+        precision = get_precision(self.workload.precision)
+        return (precision.master_dtype or precision.param_dtype).itemsize
 
     def state_bytes(self, category: str) -> int:
         return int(self.estimate.model_state_bytes.get(category, 0))
@@ -297,7 +298,7 @@ def step_time(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, *,
         _train_step(step)
     else:
         _inference_batch(step)
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         technique.cost_overhead(step)
     return StepTime(sum(step.parts.values()), step.parts)
 

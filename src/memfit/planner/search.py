@@ -27,6 +27,7 @@ from memfit.core.categories import zero_categories
 from memfit.core.errors import ImpossibleCombination, MemfitError, NotModelled
 from memfit.estimators import methods_for
 from memfit.estimators.analytic import analytic_estimate
+from memfit.estimators.analytic.simulate import one_process_host_optimizer
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.traced import traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, StepTime
@@ -213,9 +214,14 @@ def risk_of(workload: ResolvedWorkload) -> str:
 
 def change_of(workload: ResolvedWorkload) -> str:
     """The most a workload changes training (techniques.base.CHANGES, least first): its precision, optimizer and
-    techniques (DeepSpeed's half precision included), and data parallel, which sums gradients across ranks."""
+    techniques (DeepSpeed's half precision included), and data parallel, which sums gradients across ranks. Half
+    weights whose optimizer steps on float32 masters in host RAM (cpu-offload in one process) train as mixed
+    precision does."""
     order = list(CHANGES)
-    changes = [t.training_change() for t in (*workload.field_techniques, *workload.technique_configs)]
+    host_masters = one_process_host_optimizer(workload)
+    changes = ["mixed-precision" if host_masters and t.workload_field == "precision"
+               and t.training_change() == "reduced-precision" else t.training_change()
+               for t in workload.hooked_techniques]
     changes += ["reduction-order"] if workload.world_size > 1 else []
     return max(changes, key=order.index, default="exact")
 

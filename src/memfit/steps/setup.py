@@ -57,7 +57,8 @@ class StepSetup:
     host_optimizer: HostOptimizer | None = None
     states_on_host: bool = False      # gradient shards, optimizer states and the step live in host RAM
     swap_folder: str | None = None    # DeepSpeed swaps the host optimizer's states to files here (NVMe offload)
-    optimizer_wrapper: OptimizerWrapper | None = None   # a technique that changes when the step runs (in backward)
+    # a technique's optimizer around the given one: stepped in backward, or over float32 master weights
+    optimizer_wrapper: OptimizerWrapper | None = None
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
     # a 2-D device mesh ("dp", "tp") a technique that splits each block over part of the ranks built; a sharding
     # technique shards over its "dp" axis (None: every layout runs over all the ranks)
@@ -105,7 +106,13 @@ class StepSetup:
 def over_host_copies(params: list, model: nn.Module, masters: list[torch.Tensor]) -> list:
     """`params` (parameters, or groups of them) with each trainable parameter of `model` replaced by its host
     master copy in `masters` (in the same order as the model's trainable parameters)."""
-    copy_of = {id(p): m for p, m in zip((p for p in model.parameters() if p.requires_grad), masters)}
+    return over_copies(params, [p for p in model.parameters() if p.requires_grad], masters)
+
+
+def over_copies(params: list, originals: list, copies: list[torch.Tensor]) -> list:
+    """`params` (parameters, or groups of them, with their settings) with each of `originals` replaced by its copy
+    in `copies` (in the same order); the others left out."""
+    copy_of = {id(p): c for p, c in zip(originals, copies)}
     if params and isinstance(params[0], dict):
         return [{**group, "params": [copy_of[id(p)] for p in group["params"] if id(p) in copy_of]}
                 for group in params]

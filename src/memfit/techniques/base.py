@@ -49,6 +49,7 @@ TRAITS = {
     "host-optimizer": "moves the optimizer and its states to host RAM",
     "swaps-to-disk": "swaps the optimizer states and gradients to files on a local NVMe drive (the host holds "
                      "buffers)",
+    "float32-masters": "keeps float32 master copies of half-precision weights, which its optimizer steps on",
     "steps-in-backward": "steps the optimizer inside backward, each parameter as its gradient is complete (which "
                          "frees it)",
     "shards-on-mesh": "shards over the data-parallel axis of a 2-D device mesh when another technique splits the "

@@ -28,7 +28,7 @@ def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: s
                       optimizer_name=workload.optimizer,
                       optimizer_impl=workload.required_optimizer_impl or default_impl,
                       autocast_fn=autocast, shard_optimizer=workload.zero_stage == 1)
-    for technique in ordered(workload.field_techniques + list(workload.technique_configs)):
+    for technique in ordered(workload.hooked_techniques):
         technique.apply_(setup)
     return setup
 
@@ -48,10 +48,10 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     configs = parse_all(techniques)
     check_rules(configs, None)
     new_optimizer = any(t.workload_field == "optimizer" for t in configs)
-    rebuilds = [t.name for t in configs if t.traits & {"host-optimizer", "steps-in-backward"}]
+    rebuilds = [t.name for t in configs if t.traits & {"host-optimizer", "steps-in-backward", "float32-masters"}]
     if optimizer is None and not new_optimizer and rebuilds:
-        raise MemfitError(f"-t {', '.join(rebuilds)} rebuilds your optimizer (on the host, or one per parameter "
-                          "stepped in backward): pass your optimizer to apply_.")
+        raise MemfitError(f"-t {', '.join(rebuilds)} rebuilds your optimizer (on the host, over float32 masters, or "
+                          "one per parameter stepped in backward): pass your optimizer to apply_.")
     if scheduler is not None and (optimizer is None or getattr(scheduler, "optimizer", None) is not optimizer):
         raise MemfitError("apply_(scheduler=...) takes the LR scheduler of the optimizer you pass with it.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -69,7 +69,7 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         same = _same_kind(optimizer)
         setup.optimizer = setup.host_optimizer(setup.model.parameters(),
                                                lambda masters: same(over_host_copies(groups, setup.model, masters)))
-    elif setup.optimizer_wrapper is not None:   # the user's optimizer, one per parameter, stepped in backward
+    elif setup.optimizer_wrapper is not None:   # the user's optimizer: stepped in backward, or over float32 masters
         setup.optimizer = setup.optimizer_wrapper(groups, _same_kind(optimizer))
     elif optimizer is not None and {id(p) for p in trainable} != {
             id(p) for group in optimizer.param_groups for p in group["params"]}:   # lora froze the weights

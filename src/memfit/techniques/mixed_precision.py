@@ -1,4 +1,5 @@
-"""Mixed precision (torch.amp): fp16 autocast with dynamic loss scaling, bf16 autocast, pure bf16 and fp16.
+"""Mixed precision (torch.amp): fp16 autocast with dynamic loss scaling, bf16 autocast, pure bf16 and fp16, and
+bf16 weights over float32 master weights.
 
 Mechanism: `fp16-mixed` and `bf16-mixed` keep float32 weights, gradients and optimizer states and
 run the forward under torch.autocast, which casts each weight to half once per region and caches
@@ -8,14 +9,21 @@ a step whose gradients overflowed is skipped (the scale backs off). `bf16` store
 themselves in bfloat16 (2 bytes each; gradients and Adam states follow the weights' dtype); `fp16` in
 float16, as T4 and V100 users (no bf16) run inference and as transformers loads the modules it does not
 quantize in an 8-bit or 4-bit model.
+`bf16-master` stores the weights in bfloat16 and computes in it as `bf16` does (no autocast: every activation is
+half), while its optimizer steps on float32 master copies with float32 gradients (steps/master_weights.py): how
+Megatron-LM and DeepSpeed train in bf16, and what FSDP2's MixedPrecisionPolicy does on a sharded layout. It
+changes training as mixed precision does (the updates are float32), not as reduced-precision weights do.
 Memory (per parameter, AdamW): mixed 16 bytes + a half copy of each weight while the forward runs;
-pure bf16 8 bytes. Source: PyTorch AMP docs; Micikevicius et al., "Mixed Precision Training", 2018.
+pure bf16 8 bytes; bf16-master 18 bytes (2 half + 4 master + 4 gradient + 8 states) and one half gradient at a
+time. Source: PyTorch AMP docs; Micikevicius et al., "Mixed Precision Training", 2018.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
+from memfit.steps.master_weights import over_masters
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 
@@ -123,3 +131,54 @@ class PureFp16(_Precision):
             return []
         return ["fp16 training keeps no float32 master weights and no loss scaler: small updates round away and "
                 "gradients can overflow (fp16-mixed scales the loss; bf16 has float32's range)"]
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Bf16Master(_Precision):
+    name = "bf16-master"
+    risk = "numerical"
+    changes = "mixed-precision"
+    summary = ("bf16 weights, activations and compute; the optimizer steps on float32 master weights with float32 "
+               "gradients (Megatron-LM's and DeepSpeed's bf16)")
+    time_factor = 0.5
+    traits = frozenset({"float32-masters"})
+    conflicts_with = {
+        "layout": ("memfit keeps the float32 masters in one process (over several, FSDP2's MixedPrecisionPolicy "
+                   "under bf16-mixed and DeepSpeed's bf16 keep their own)", "use bf16-mixed with {other}"),
+        "host-optimizer": ("{other} keeps float32 master weights on the host itself",
+                           "use --precision bf16 with {other} (it trains the same)"),
+        "steps-in-backward": ("{other} steps each parameter in its own hook, on the half weights",
+                              "drop {other}, or use --precision bf16 with it"),
+    }
+
+    @classmethod
+    def search_values(cls, request, workload):   # one process only (a layout's sharding keeps its own masters)
+        return ([cls.name] if request.task == "train" and request.num_gpus == 1
+                and (request.on_cpu or request.gpu.bf16_tflops) else [])
+
+    def check(self, workload) -> None:
+        if workload.task != "train":
+            raise MemfitError("--precision bf16-master keeps float32 master weights for training; use --precision bf16 "
+                              "for inference.")
+
+    def apply_(self, setup: StepSetup) -> None:
+        super().apply_(setup)
+        setup.optimizer_wrapper = over_masters
+
+    def analytic_policy(self, workload) -> dict:
+        return {"grads_leave": True}   # each half gradient is added into its master's float32 one, then freed
+
+    def analytic_buffers(self, program) -> None:
+        program.hold_master_weights()
+
+    def cost_overhead(self, step) -> None:
+        """Beside the step on the masters: each micro-step adds its half gradients into the float32 ones (read 2
+        bytes, read and write 4), and the step casts the masters back into the weights (read 4, write 2)."""
+        float32_gradients = step.state_bytes("gradients")
+        step.add("optimizer", float32_gradients * (2.5 * step.accum + 1.5) / step.hbm_bytes_per_s)
+
+    def export(self, tool, workload) -> Export | None:
+        if tool == "deepspeed":   # DeepSpeed's bf16: half weights, float32 masters and gradient accumulation
+            return Export({"bf16": {"enabled": True}})
+        return None

@@ -60,6 +60,7 @@ from memfit.core.precision import get_precision, precision_names
 from memfit.steps.deepspeed_loop import nvme_offload_config
 from memfit.steps.hooks import tensors_in
 from memfit.steps.host import host_copy, note_category, note_host, on_host
+from memfit.steps.master_weights import MasterWeightsOptimizer
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
@@ -212,62 +213,25 @@ def swap_folder(path: str, *, owner) -> str:
     return folder
 
 
-class HostOffloadOptimizer:
-    """An optimizer whose step runs in host RAM on float32 master weights (ZeRO-Offload in one process).
+class HostOffloadOptimizer(MasterWeightsOptimizer):
+    """An optimizer whose step runs in host RAM on float32 master weights (ZeRO-Offload in one process): the
+    masters, their gradients, the states and the step live on the host; each gradient is copied there as it
+    arrives, and the updated weights back to the device after the step."""
 
-    `build(masters)` makes the real optimizer over the host copies. Used like any optimizer:
-    `step()`, `zero_grad()`, `param_groups` and `state` (the host optimizer's)."""
+    def _master(self, param: torch.Tensor) -> torch.Tensor:
+        return host_copy(param, torch.float32)
 
-    def __init__(self, params, build: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [host_copy(p, torch.float32).requires_grad_() for p in self.params]
-        self.grads = [torch.zeros_like(m) for m in self.masters]
-        note_host(self.grads)
-        self._empty = [True] * len(self.params)    # no gradient arrived for it since zero_grad
-        self.inner = build(self.masters)
-        owner = weakref.ref(self)   # a hook holding the optimizer would keep its host copies alive for ever
-        for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(functools.partial(_gradient_to_host, owner, index))
+    def _note(self, masters: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        note_host(grads)                        # host_copy noted the masters
 
-    def _receive(self, index: int, param: torch.Tensor) -> None:
-        arrived = param.grad.to("cpu")          # device -> host (nothing moves when the step runs on the CPU)
-        if self._empty[index]:
-            self.grads[index].copy_(arrived)
-        else:                                   # gradient accumulation: later micro-batches add on the host
-            self.grads[index].add_(arrived)
-        self._empty[index] = False
-        del arrived
-        param.grad = None                       # freed on the device as soon as it is on the host
+    def _arrived(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to("cpu")                   # device -> host (nothing moves when the step runs on the CPU)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
+    def _region(self):
+        return on_host()                        # the states, the step's temporaries, the casts back
 
-    @property
-    def state(self):
-        return self.inner.state
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise MemfitError("cpu-offload's optimizer takes no closure.")
-        for master, grad, empty in zip(self.masters, self.grads, self._empty):
-            master.grad = None if empty else grad
-        with on_host():                         # the states, the step's temporaries, the casts back
-            self.inner.step()
-            with torch.no_grad():
-                for param, master in zip(self.params, self.masters):
-                    param.copy_(master if param.dtype == master.dtype else master.to(param.dtype))  # -> device
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._empty = [True] * len(self.params)
-        for param in self.params:
-            param.grad = None
-
-
-def _gradient_to_host(owner: weakref.ref, index: int, param: torch.Tensor) -> None:
-    optimizer = owner()
-    if optimizer is not None:
-        optimizer._receive(index, param)
+    def _copy_back(self, param: torch.Tensor, master: torch.Tensor) -> None:   # cast on the host, then -> device
+        param.copy_(master if param.dtype == master.dtype else master.to(param.dtype))
 
 
 def offload_saved_tensors_(block: torch.nn.Module, keep: WeakIdKeyDictionary) -> None:

@@ -37,7 +37,7 @@ class OptimizerInBackward(Technique):
     search_axis = "optimizer-step"
     conflicts_with = {
         "fp16-mixed": ("GradScaler unscales every gradient and checks them for overflow before any step",
-                       f"use {precision_names(loss_scaling=False)} instead of {{other}}"),
+                       f"use {precision_names(loss_scaling=False, master=False)} instead of {{other}}"),
         "own-backward": ("{other} accumulates gradients over its micro-batches; a step in backward cannot",
                          "drop one of them"),
         "sequence-chunks": ("{other} runs backward once per window and accumulates; a step in backward cannot",

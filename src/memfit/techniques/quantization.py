@@ -79,7 +79,7 @@ class Int8WeightOnly(Technique):
                               "(quantization-aware training), then convert_qat_.")
         if get_precision(workload.precision).autocast_dtype is not None:
             raise MemfitError(f"-t {self.name} computes in the weights' own dtype; use --precision "
-                              f"{precision_names(autocast=False)}, not {workload.precision}.")
+                              f"{precision_names(autocast=False, master=False)}, not {workload.precision}.")
         refuse_conv1d(self.name, workload)
 
     kernel = "int8_weight"   # how the analytic estimator runs its linears (estimators/analytic/ops.py)

@@ -42,7 +42,7 @@ class ResolvedWorkload(Workload):
         object.__setattr__(self, "technique_configs", tuple(ordered(explicit + implied)))
         object.__setattr__(self, "source", _source_of(self))
         self._check_seq_len()
-        for technique in self.field_techniques + list(self.technique_configs):
+        for technique in self.hooked_techniques:
             technique.check(self)
         check_rules(list(self.technique_configs), self)
         if self.step is not None:
@@ -52,6 +52,12 @@ class ResolvedWorkload(Workload):
     def field_techniques(self) -> list[Technique]:
         """The workload's precision and optimizer as technique configs, where they are techniques."""
         return [REGISTRY[value]() for value in (self.precision, self.optimizer) if value in REGISTRY]
+
+    @property
+    def hooked_techniques(self) -> list[Technique]:
+        """The precision and optimizer techniques, then the others: every technique whose analytic hooks and
+        step-time overhead apply (the cost model derives a precision's and an optimizer's compute itself)."""
+        return self.field_techniques + list(self.technique_configs)
 
     @property
     def required_optimizer_impl(self) -> str | None:

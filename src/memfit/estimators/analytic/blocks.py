@@ -25,10 +25,15 @@ def block_of(name: str) -> tuple[int, str | None] | None:
     return None
 
 
-def block_numel(params: dict[str, Param], segment) -> int:
-    stack, layer = segment
-    return sum(p.numel for name, p in params.items()
-               if block_of(name) == (layer, stack if isinstance(stack, str) else None))
+def block_numels(params: dict[str, Param]) -> dict[object, int]:
+    """Each block's parameter count, by its segment `(stack, layer)` (stack None for a decoder's only one)."""
+    numels: dict[object, int] = {}
+    for name, p in params.items():
+        block = block_of(name)
+        if block is not None:
+            layer, stack = block
+            numels[stack, layer] = numels.get((stack, layer), 0) + p.numel
+    return numels
 
 
 def root_numel(params: dict[str, Param]) -> int:
@@ -109,7 +114,7 @@ class Gathers:
         if isinstance(segment, tuple):
             gathered = self.kept.get(segment)
             if gathered is None:
-                gathered = self._unshard(block_numel(e.params, segment))
+                gathered = self._unshard(e.block_numel(segment))
                 if not e.policy.fsdp_reshard:
                     self.kept[segment] = gathered
             self.gathered = (segment, gathered)

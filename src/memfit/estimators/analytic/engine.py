@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from memfit.core.categories import CATEGORIES, zero_categories
 from memfit.estimators.analytic import recompute
-from memfit.estimators.analytic.blocks import Gathers, block_numel, block_of
+from memfit.estimators.analytic.blocks import Gathers, block_numels, block_of
 from memfit.estimators.analytic.recompute import RecomputeDone, Region
 from memfit.estimators.analytic.symbols import Alias, Offloaded, Param, Sym, is_parameter
 from memfit.estimators.caching_allocator import PHASE_START
@@ -44,6 +44,8 @@ class Policy:
     #                             into DDP's buckets (ddp:bucket_view=true)
     checkpoint_offload: bool = False   # checkpointing:mode=offload: the blocks' saved tensors go to the host
     stream_blocks: bool = False  # stream-layers: block weights live on the host, copied in while a block runs
+    master_dtype: str | None = None   # the optimizer steps on master copies of the weights in this dtype (bf16-master):
+    #                                   its states and temporaries in it
     grad_bucket: int = 0        # DeepSpeed ZeRO-1/2: a reduction bucket of this many elements, allocated when
     #                             the first gradient arrives and kept
 
@@ -97,6 +99,7 @@ class Engine:
         self.host_peak = 0
         self.paged_bytes = 0          # CUDA unified memory: a paged optimizer's states (optimizer.create_states)
         self._bucket: Sym | None = None
+        self._block_numels: dict[object, int] | None = None
         # called with a parameter once its gradient is complete (an optimizer step in backward: optimizer.py)
         self.gradient_ready: Callable[[Param], None] | None = None
 
@@ -224,12 +227,20 @@ class Engine:
         return self.new(numel, dtype)
 
     # ---- blocks: gathered, streamed, checkpointed (recompute.py) ------------------------------
+    def block_numel(self, segment) -> int:
+        """The parameters of block `segment` (stack, layer), counted once every parameter is declared (at the
+        first block the program runs)."""
+        if self._block_numels is None:
+            self._block_numels = block_numels(self.params)
+        stack, layer = segment
+        return self._block_numels.get((stack if isinstance(stack, str) else None, layer), 0)
+
     def block(self, index: int, fn, x: Sym) -> Sym:
         """Run block `index` as `fn(x)`, checkpointed when the policy says so."""
         if self.gathers:   # all-gathered before the block runs, freed after (reshard_after_forward)
             self.gathers.gather(self.segment)
         if self.policy.stream_blocks:   # copied in from the host before the block runs, dropped after
-            streamed = self.new(block_numel(self.params, self.segment), self.policy.param_dtype, category="parameters")
+            streamed = self.new(self.block_numel(self.segment), self.policy.param_dtype, category="parameters")
         every = self.policy.checkpoint_every
         try:
             if not (every and index % every == 0):

@@ -27,7 +27,7 @@ def _trainable(e: Engine) -> list[Param]:
 
 def create_states(e: Engine, workload: ResolvedWorkload) -> list[Sym]:
     """The optimizer's states for the trainable parameters, kept through the step."""
-    params = [Shard(p, 1) for p in _trainable(e)]
+    params = [Shard(p, 1, e.policy.master_dtype) for p in _trainable(e)]
     optimizer = workload.optimizer
     if optimizer in REGISTRY:
         technique = REGISTRY[optimizer]()
@@ -52,18 +52,19 @@ def _take(counts: Counter, item) -> bool:
 
 
 class Shard:
-    """A parameter's share on one rank, in its stored dtype: what a (sharded) optimizer sees of it."""
+    """A parameter's share on one rank, in its stored dtype or its master copy's: what a (sharded) optimizer sees
+    of it."""
 
-    def __init__(self, p: Param, shards: int) -> None:
-        self.numel, self.dtype, self.shape = -(-p.numel // shards), p.state_dtype, p.shape
-        self.nbytes = p.nbytes // shards
+    def __init__(self, p: Param, shards: int, master_dtype: str | None = None) -> None:
+        self.numel, self.dtype, self.shape = -(-p.numel // shards), master_dtype or p.state_dtype, p.shape
+        self.nbytes = p.nbytes // shards if master_dtype is None else self.numel * DTYPE_BYTES[master_dtype]
 
 
 def step_temporaries(e: Engine, workload: ResolvedWorkload, impl: str, shards: int = 1) -> None:
     """Allocate (and free) the step's temporaries at their peak, run by `impl` (foreach, fused or for-loop);
     with ZeRO the step sees 1/shards of every parameter. Temporaries carry the unsharded weight
     (sharding.py), so a shard's temporaries are allocated at 1/shards of the size."""
-    _temporaries(e, workload, [Shard(p, shards) for p in _trainable(e)], impl)
+    _temporaries(e, workload, [Shard(p, shards, e.policy.master_dtype) for p in _trainable(e)], impl)
 
 
 def step_in_backward(e: Engine, workload: ResolvedWorkload, impl: str) -> None:

@@ -88,6 +88,14 @@ class Program:
         trainable = sum(p.numel for p in e.params.values() if p.grad)
         e.keep += [e.new(trainable, e.policy.param_dtype, category="gradients") for _ in range(copies)]
 
+    def hold_master_weights(self) -> None:
+        """A master copy and a gradient per trainable parameter in the policy's master dtype, held through the
+        step (steps/master_weights.py: all the masters, then all their gradients)."""
+        e = self.engine
+        trainable = [p for p in e.params.values() if p.grad]
+        for category in ("optimizer_states", "gradients"):
+            e.keep += [e.new(p.numel, e.policy.master_dtype, category=category) for p in trainable]
+
     def loss(self, batch: int, tokens: int) -> Sym:
         """One forward to the loss (the student's, on the teacher's soft targets, when there is a teacher)."""
         if self.teacher is not None:

@@ -45,8 +45,9 @@ def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
         grads_leave=deepspeed,   # DeepSpeed copies each gradient into its reduction bucket and frees it
         grad_bucket=workload.reduce_bucket if deepspeed and workload.zero_stage < 3 else 0,
+        master_dtype=engine_dtype(precision.master_dtype) if precision.master_dtype else None,
     )
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         for name, value in technique.analytic_policy(workload).items():
             fields[name] = (fields.get(name) or value) if isinstance(value, bool) else value
     return Policy(**fields)
@@ -55,7 +56,7 @@ def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
 def sequence_windows(workload: ResolvedWorkload) -> Windows:
     """What the step's forwards see of each sequence, as the techniques leave it."""
     windows = Windows(sequence=workload.effective_seq_len)
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         windows = technique.analytic_windows(windows, workload)
     return windows
 
@@ -80,18 +81,18 @@ def _program(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weigh
     trains (a teacher keeps the model's own shape: the canonical order puts the student first)."""
     family, spec = registry.family_of(workload.source)
     teacher_spec = spec
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         spec = technique.analytic_spec(spec, workload)
         num_layers = technique.analytic_layers(num_layers, rank, workload)
     program = Program(Engine(policy_of(workload, gpu), weights), family, spec, teacher_spec, workload, num_layers,
                       rank)
     program.engine.allocations = [] if record_allocations else None
     program.engine.set_phase("setup")
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         technique.analytic_model(program)
     if not program.declared:
         program.declare()
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         technique.analytic_weights(program)
     return program
 
@@ -114,7 +115,7 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
     deepspeed = workload.engine == "deepspeed"
     if deepspeed and workload.zero_stage == 3:   # stage 3 allocates its reduction bucket at start-up
         e.keep.append(e.new(workload.reduce_bucket, e.policy.param_dtype, category="gradients"))
-    for technique in workload.technique_configs:
+    for technique in workload.hooked_techniques:
         technique.analytic_buffers(program)
     if not one_process_host_optimizer(workload) and not deepspeed:   # DeepSpeed's states: host.deepspeed_states
         e.keep += create_states(e, workload)
@@ -124,7 +125,7 @@ def _simulate(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weig
         step_in_backward(e, workload, impl)
     if get_precision(workload.precision).loss_scaling and not deepspeed:
         e.keep += [e.new(1, "float32", category="optimizer_states") for _ in range(2)]  # scale, growth tracker
-    if not any(technique.analytic_train(program) for technique in workload.technique_configs):
+    if not any(technique.analytic_train(program) for technique in workload.hooked_techniques):
         for window in range(min(windows.count, 2)):   # the second runs with gradients alive
             e.set_phase("forward")
             overlap = window and windows.overlap   # a later window copies its labels to mask the overlap
