@@ -10,6 +10,7 @@ from memfit.core.units import GiB, TiB
 from memfit.estimators.analytic import analytic_estimate, regions_of, simulate
 from memfit.estimators.extrapolate import peak_of
 from memfit.planner import PlanRequest, load_plan, plan
+from memfit.planner.cost import LINK_EFFICIENCY, timing
 from memfit.planner.search import device_bytes
 from memfit.specs.instances import get_instance
 from memfit.techniques.resolve import ResolvedWorkload
@@ -433,3 +434,16 @@ def test_a_model_without_repeated_blocks_is_planned_without_the_block_wise_techn
         assert result.feasible, result.reason
         assert any("no ModuleList of repeated blocks" in reason for reason in result.rejected)
         assert "deepspeed" not in json.dumps(result.plan_json(0)["workload"])
+
+
+def test_paged_states_that_do_not_fit_beside_the_step_cross_pcie_each_step():
+    """Paged AdamW's float32 states of an 8B model (64 GB) cannot stay on a 4090: what does not fit beside the step
+    lives in host RAM, in for the update and out again (the optimizer technique's own overhead, now applied)."""
+    gpu = get_gpu("rtx-4090")
+    workload = ResolvedWorkload(model="llama-3.1-8b", task="train", batch_size=1, seq_len=512, precision="bf16",
+                                optimizer="paged-adamw", techniques=("checkpointing",))
+    estimate = analytic_estimate(workload, gpu)
+    assert estimate.paged_out_bytes > 32 * GiB
+    offload = timing(workload, estimate, gpu)["time_parts_s"]["offload"]
+    pcie = gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
+    assert offload == pytest.approx(2 * estimate.paged_out_bytes / pcie, rel=1e-3)
