@@ -447,3 +447,13 @@ def test_paged_states_that_do_not_fit_beside_the_step_cross_pcie_each_step():
     offload = timing(workload, estimate, gpu)["time_parts_s"]["offload"]
     pcie = gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
     assert offload == pytest.approx(2 * estimate.paged_out_bytes / pcie, rel=1e-3)
+
+
+def test_deepspeed_zero3_on_one_device_without_an_interconnect_has_no_collective_time():
+    """ZeRO-Infinity on one device gathers nothing: a device with no GPU interconnect (the planner oracle's CPU)
+    timed it as 0 bytes over 0 bytes per second (a ZeroDivisionError that stopped the oracle)."""
+    gpu = dataclasses.replace(get_gpu("rtx-4090"), interconnect_gbps=0.0)
+    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=64, precision="bf16-mixed",
+                                engine="deepspeed", zero_stage=3, techniques=("nvme-offload",))
+    parts = timing(workload, analytic_estimate(workload, gpu), gpu)["time_parts_s"]
+    assert parts["communication"] == 0.0 and parts["compute"] > 0

@@ -219,6 +219,8 @@ class Step:
         """A sharded layout's collectives (FSDP2, ZeRO-3): `gathers` all-gathers of the parameters and one
         reduce-scatter of the gradients per micro-step, overlapped with its compute."""
         n = self.workload.data_parallel_size   # on a 2-D mesh: the groups a split layout leaves
+        if n == 1:   # one rank (DeepSpeed's ZeRO-3 on one GPU): nothing to gather
+            return 0.0
         full_params = self.state_bytes("parameters") * n
         per_micro = (gathers + 1) * (n - 1) / n * full_params / self.link_bytes_per_s
         return max(0.0, per_micro - self.cost.comm_overlap * (self.work_s + self.redo_s)) * self.accum
@@ -226,6 +228,8 @@ class Step:
     def gradient_all_reduce_s(self, gradient_bytes: float) -> float:
         """Data parallel (DDP, ZeRO-1/2): one all-reduce of the gradients per step, overlapped with backward."""
         n = self.workload.data_parallel_size
+        if n == 1:
+            return 0.0
         all_reduce = 2 * (n - 1) / n * gradient_bytes / self.link_bytes_per_s
         return max(0.0, all_reduce - self.cost.comm_overlap * self.backward_share(self.work_s))
 
