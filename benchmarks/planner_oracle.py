@@ -106,6 +106,10 @@ def _seconds(fn, runs: int = 5) -> float:
     return (time.perf_counter() - started) / runs
 
 
+# every optimizer the search tries without --allow lossy (the paged ones run bitsandbytes' kernels on a CPU as well)
+OPTIMIZERS = ("adamw", "adamw8bit", "paged-adamw8bit", "paged-adamw")
+
+
 def calibrate(gpu: GPU, model: str, hidden: int, seq_len: int, micro_batches: list[int]) -> CostModel:
     """The cost model's constants measured on this CPU, not assumed: the throughput of the model's own
     matmul shape (tokens x hidden @ hidden x 4 hidden) at the smallest and largest micro-batch gives the
@@ -134,7 +138,7 @@ def calibrate(gpu: GPU, model: str, hidden: int, seq_len: int, micro_batches: li
     return CostModel(mfu=mfu, tokens_half=int(half), attention_efficiency=mfu, launch_s=0.0,
                      host_op_s=host_seconds_per_kernel(model), host_overlaps=False, comm_overlap=0.0,
                      copy_overlap=0.0,
-                     optimizer_s_per_param=tuple((name, per_param(name)) for name in ("adamw", "adamw8bit")),
+                     optimizer_s_per_param=tuple((name, per_param(name)) for name in OPTIMIZERS),
                      source="measured on this CPU (benchmarks/planner_oracle.py)")
 
 
