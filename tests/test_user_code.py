@@ -408,3 +408,13 @@ def test_a_custom_model_cut_to_its_first_blocks_is_traced_as_the_whole(user_fold
         short, full = estimate(workload, method="traced"), estimate(workload, method="traced", full_trace=True)
         assert any(("extrapolation check failed" if parallel else "extrapolated") in n for n in short.notes)
         assert (short.peak_bytes, short.at_peak) == (full.peak_bytes, full.at_peak)
+
+
+def test_a_precision_technique_decides_a_live_models_precision(user_folder):
+    """A live model's precision is its weights' unless a precision technique is asked for: a bf16 model estimated
+    with bf16-master (which keeps bf16 weights) or bf16-mixed is estimated so, not refused as disagreeing with the
+    weights' bf16."""
+    model, batch = _user("build")().to(torch.bfloat16), _user("tokens")(2, 16)
+    assert memfit.estimate(model, batch).workload["precision"] == "bf16"
+    for precision in ("bf16-master", "bf16-mixed"):
+        assert memfit.estimate(model, batch, techniques=[precision]).workload["precision"] == precision

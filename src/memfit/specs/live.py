@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import precision_of_model
+from memfit.core.precision import PRECISIONS, precision_of_model
 from memfit.specs.workload import Workload
 
 PREFIX = "live:"
@@ -115,7 +115,10 @@ def live_workload(model: nn.Module, batch: Any, *, optimizer: tuple[str, str | N
     description = describe_batch(batch)
     name, impl = optimizer
     batch_size, seq_len = batch_shape(description)
+    names = [getattr(t, "name", None) or str(t).partition(":")[0] for t in techniques]   # specs or configs
+    if precision is None and not any(name in PRECISIONS for name in names):
+        precision = precision_of_model(model).name   # the weights' own, unless a precision technique is asked for
     return Workload(model=register(model, "model"), inputs=register(description, "batch"),
                     step=register(step, "step") if step is not None else None, task=task, batch_size=batch_size,
-                    seq_len=seq_len, precision=precision or precision_of_model(model).name, optimizer=name,
+                    seq_len=seq_len, **({"precision": precision} if precision else {}), optimizer=name,
                     optimizer_impl=impl if task == "train" else None, techniques=tuple(techniques))
