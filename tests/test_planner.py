@@ -10,7 +10,6 @@ from memfit.core.units import GiB, TiB
 from memfit.estimators.analytic import analytic_estimate, regions_of, simulate
 from memfit.estimators.extrapolate import peak_of
 from memfit.planner import PlanRequest, load_plan, plan
-from memfit.planner.cost import LINK_EFFICIENCY, timing
 from memfit.planner.search import device_bytes
 from memfit.specs.instances import get_instance
 from memfit.techniques.resolve import ResolvedWorkload
@@ -217,42 +216,6 @@ def test_verify_traced_rechecks_the_chosen_plans():
     assert abs(data["traced_peak_bytes"] / data["peak_bytes"] - 1) < 0.05
 
 
-def test_a_measured_cost_model_replaces_the_assumed_constants():
-    """A cost model measured on the target replaces the assumed constants: its optimizer seconds per parameter, and
-    its matmul rate (halved here: the matmuls' share of the step doubles, nothing else moves)."""
-    from memfit.planner.cost import ASSUMED, CostModel, step_time
-
-    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=4, seq_len=128)
-    gpu = get_gpu("a100-80gb")
-    estimate = analytic_estimate(workload, gpu)
-    device_only = dataclasses.replace(ASSUMED, host_op_s=0.0)   # no host floor: the device's time shows
-    assumed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1, cost=device_only)
-    measured = CostModel(mfu=ASSUMED.mfu / 2, host_op_s=0.0, optimizer_s_per_param=(("adamw", 1e-6),),
-                         source="measured")
-    timed = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1, cost=measured)
-    no_matmuls = step_time(workload, estimate, gpu, grad_accum=2, num_gpus=1,
-                           cost=dataclasses.replace(device_only, mfu=1e12))
-    matmuls = assumed.parts["compute"] - no_matmuls.parts["compute"]
-    assert matmuls > 0
-    assert timed.parts["compute"] == pytest.approx(assumed.parts["compute"] + matmuls)
-    assert timed.parts["optimizer"] == pytest.approx(estimate.num_parameters * 1e-6)
-
-
-def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_are_routed_to():
-    """Mixtral's decode step at batch 1 reads the shared weights and 2 of 8 experts per layer; a prefill of many
-    tokens reads them all; a dense model reads everything."""
-    from memfit.planner.cost import ModelShape
-
-    moe = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
-    n = analytic_estimate(moe).num_parameters
-    shape = ModelShape.of(moe, n)
-    assert shape.weights_read_fraction(1, n) == pytest.approx((n - shape.expert_params * 6 / 8) / n)
-    assert shape.weights_read_fraction(4096, n) == pytest.approx(1.0)
-    assert 0.25 < shape.weights_read_fraction(1, n) < shape.weights_read_fraction(8, n) < 1
-    dense = ResolvedWorkload(model="llama-3.1-8b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
-    assert ModelShape.of(dense, 8_000_000_000).weights_read_fraction(1, 8_000_000_000) == 1.0
-
-
 def test_torchtunes_8b_full_fine_tune_on_a_4090_with_64_gib_of_host_ram():
     """torchtune's recipe (pure bf16, paged 8-bit AdamW, the step in backward, checkpointing, chunked loss: 18.9 GiB
     on a 4090) is found at its shape. At 64 x 4096 per step the 4090 workstation (64 GiB of host RAM, a 2 TB NVMe
@@ -312,29 +275,6 @@ def test_a_compute_bound_model_is_planned_with_float32_masters_beside_the_faster
     assert best["techniques"] == ["bf16-master"] and best["training_change"] == "mixed-precision"
     assert best["workload"]["optimizer"] == "adamw"
     assert "would be" in result.tradeoff and "fewer bits" in result.tradeoff
-
-
-def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration(capsys, tmp_path):
-    """`memfit estimate --gpu` times any configuration with the planner's step-time model: plan 1's saved workload,
-    estimated again, has plan 1's step time and throughput."""
-    saved = tmp_path / "plan.json"
-    code, _, _ = run(capsys, "plan", "tiny-llama", "--gpu", "rtx-4090", "--seq-len", "256", "--global-batch", "8",
-                     "--top", "1", "--save", str(saved))
-    best = json.loads(saved.read_text())["plans"][0]
-    assert code == 0 and best["grad_accum"] == 1
-    code, out, _ = run(capsys, "estimate", "--plan", str(saved), "--method", "analytic", "--json")
-    timed = json.loads(out)
-    assert timed["step_time_s"] == pytest.approx(best["step_time_s"], rel=1e-4)
-    assert timed["tokens_per_second_per_gpu"] == pytest.approx(best["throughput"], rel=1e-3)
-    assert timed["time_source"] == "calibrated and assumed" and set(timed["time_parts_s"]) >= {"compute", "optimizer"}
-
-
-def test_a_vision_model_is_timed_too(capsys):
-    """A classifier has no vocabulary; the step-time model times it from its parameters and attention."""
-    code, out, _ = run(capsys, "estimate", "tiny-vit", "--task", "train", "--batch-size", "4", "--method", "analytic",
-                       "--gpu", "a10g", "--json")
-    data = json.loads(out)
-    assert code == 0 and data["step_time_s"] > 0 and data["tokens_per_second_per_gpu"] > 0
 
 
 def test_sixteen_gpus_search_2d_meshes_and_pay_the_network_between_nodes():
@@ -434,26 +374,3 @@ def test_a_model_without_repeated_blocks_is_planned_without_the_block_wise_techn
         assert result.feasible, result.reason
         assert any("no ModuleList of repeated blocks" in reason for reason in result.rejected)
         assert "deepspeed" not in json.dumps(result.plan_json(0)["workload"])
-
-
-def test_paged_states_that_do_not_fit_beside_the_step_cross_pcie_each_step():
-    """Paged AdamW's float32 states of an 8B model (64 GB) cannot stay on a 4090: what does not fit beside the step
-    lives in host RAM, in for the update and out again (the optimizer technique's own overhead, now applied)."""
-    gpu = get_gpu("rtx-4090")
-    workload = ResolvedWorkload(model="llama-3.1-8b", task="train", batch_size=1, seq_len=512, precision="bf16",
-                                optimizer="paged-adamw", techniques=("checkpointing",))
-    estimate = analytic_estimate(workload, gpu)
-    assert estimate.paged_out_bytes > 32 * GiB
-    offload = timing(workload, estimate, gpu)["time_parts_s"]["offload"]
-    pcie = gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
-    assert offload == pytest.approx(2 * estimate.paged_out_bytes / pcie, rel=1e-3)
-
-
-def test_deepspeed_zero3_on_one_device_without_an_interconnect_has_no_collective_time():
-    """ZeRO-Infinity on one device gathers nothing: a device with no GPU interconnect (the planner oracle's CPU)
-    timed it as 0 bytes over 0 bytes per second (a ZeroDivisionError that stopped the oracle)."""
-    gpu = dataclasses.replace(get_gpu("rtx-4090"), interconnect_gbps=0.0)
-    workload = ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=64, precision="bf16-mixed",
-                                engine="deepspeed", zero_stage=3, techniques=("nvme-offload",))
-    parts = timing(workload, analytic_estimate(workload, gpu), gpu)["time_parts_s"]
-    assert parts["communication"] == 0.0 and parts["compute"] > 0

@@ -13,6 +13,7 @@ resolves the changed one again.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError, closest
@@ -53,11 +54,12 @@ class ResolvedWorkload(Workload):
         """The workload's precision and optimizer as technique configs, where they are techniques."""
         return [REGISTRY[value]() for value in (self.precision, self.optimizer) if value in REGISTRY]
 
-    @property
-    def hooked_techniques(self) -> list[Technique]:
+    @functools.cached_property
+    def hooked_techniques(self) -> tuple[Technique, ...]:
         """The precision and optimizer techniques, then the others: every technique whose analytic hooks and
-        step-time overhead apply (the cost model derives a precision's and an optimizer's compute itself)."""
-        return self.field_techniques + list(self.technique_configs)
+        step-time overhead apply (the cost model derives a precision's and an optimizer's compute itself). Built
+        once: the analytic engine reads it several times in every simulated step."""
+        return (*self.field_techniques, *self.technique_configs)
 
     @property
     def required_optimizer_impl(self) -> str | None:
