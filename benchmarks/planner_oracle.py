@@ -3,26 +3,24 @@
 On a zoo of small training workloads on this machine's CPU, each with a memory budget it cannot meet
 without techniques, the oracle runs every configuration of the planner's search space for real: every
 combination of techniques the composition rules accept, at every micro-batch that splits the global batch
-(smaller to larger, until the measured peak passes the budget). A configuration is feasible when its
-measured peak (memfit measure's CPU allocator tracking) is within the budget; its step time is the
-measured median micro-step (forward, backward, optimizer step) times the gradient-accumulation steps. The
-oracle's best is the fastest feasible configuration. memfit's top plan — from the analytic estimator and
-the cost model only, with the CPU described by its measured matmul throughput (at the model's own matmul
-shape, small and large micro-batch), memory bandwidth and optimizer step speed — must
-fit when run, and its measured step time must be within 10 % of the oracle's best in at least 80 % of the
-cases.
+(smaller to larger, until the measured peak passes the budget; a step in backward only at the whole batch, as it
+cannot accumulate). A configuration is feasible when its measured peak (memfit measure's CPU allocator tracking) is
+within the budget; its step time is that of one optimizer step over the global batch as an accumulating loop runs
+it: the median forward and backward of a micro-batch times the accumulation steps, plus the median optimizer step.
+memfit's top plan — from the analytic estimator and the cost model only, with the CPU described by rates measured
+kernel class by kernel class on runs of its own (`calibrate`) — must fit when run, and its measured step time must
+be within 10 % of the oracle's best in at least 80 % of the cases.
 
-All configurations of one case are measured in one process one after the other, on the same batches; the
-machine is shared, so each time is the median of several steps. The micro-step includes an optimizer step,
-so configurations with more accumulation steps pay extra optimizer steps in the measurement that a real
-accumulation loop would not, and the planner's cost model (one optimizer step per global step, no fixed
-cost per micro-step) does not count them: one reason it can undervalue a larger micro-batch here.
+All configurations of one case are measured in one process one after the other, on the same batches. The machine
+is shared and its speed drifts over a sweep of hundreds of runs (tens of minutes), so the sweep only finds the
+finalists: its FINALISTS fastest feasible configurations and memfit's plan are measured again, round-robin over
+ROUNDS rounds in one sitting, and the oracle's best is the fastest of them there.
 
 Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N] [--resume | --replan]
 Writes benchmarks/results/planner_oracle.{txt,json} after every case; --resume keeps the cases that file already
 holds for the same workload, budget and steps (a long run can be finished in a later session); --replan keeps their
 measured configurations and plans again (a change to the planner or its cost model, judged against the same
-measurements: memfit's new plan is read from them, or measured when it is not among them).
+measurements: the finalists and memfit's new plan are measured again side by side).
 """
 from __future__ import annotations
 
@@ -48,13 +46,13 @@ from memfit.core.errors import MemfitError  # noqa: E402
 from memfit.core.units import format_bytes  # noqa: E402
 from memfit.estimators.analytic import analytic_estimate  # noqa: E402
 from memfit.estimators.analytic.families import registry  # noqa: E402
-from memfit.estimators.kernels import kernel_profile  # noqa: E402
+from memfit.estimators.kernels import ATTENTION_BACKWARD, kernel_profile  # noqa: E402
 from memfit.measurement import measure  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.planner import PlanRequest, plan  # noqa: E402
 from memfit.planner.cost import CostModel  # noqa: E402
 from memfit.planner.search import Search, divisors  # noqa: E402
-from memfit.specs.hardware import GPU  # noqa: E402
+from memfit.specs.hardware import CPU_KERNELS, GPU  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
 from memfit.steps.optim import make_optimizer  # noqa: E402
 from memfit.steps.train import call_model  # noqa: E402
@@ -70,53 +68,65 @@ ZOO = [
     ("tiny-llama", 512, 4, 0.35),
 ]
 TOLERANCE = 0.10
+FINALISTS = 5   # the sweep's fastest feasible configurations measured again beside memfit's plan
+ROUNDS = 3
 TARGET_SHARE = 0.8
 RESULTS = "benchmarks/results/planner_oracle"
 
 
-def cpu_as_gpu(memory_bytes: int) -> GPU:
+def cpu_as_gpu(memory_bytes: int, copy_bytes: int) -> GPU:
     """This CPU described as the planner's cost model reads a GPU: measured matmul throughput (float32 and
-    bfloat16) and memory bandwidth (a large copy), no interconnect, no CUDA context."""
+    bfloat16), memory bandwidth (a large copy between warm buffers, read and write), a "host link" that is a copy of
+    `copy_bytes` (an activation) into fresh memory, bytes copied a second (what offloading a tensor to host memory
+    is here: save_on_cpu allocates each copy), no interconnect, no CUDA context."""
     def matmul_tflops(dtype: torch.dtype) -> float:
         a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-        a @ b
-        started, runs = time.perf_counter(), 10
-        for _ in range(runs):
-            a @ b
-        return 2 * 1024**3 * runs / (time.perf_counter() - started) / 1e12
+        return 2 * 1024**3 / _seconds(lambda: a @ b) / 1e12
 
-    source = torch.empty(64 * 2**20, dtype=torch.uint8)
+    source = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source)
-    target.copy_(source)
-    started = time.perf_counter()
-    for _ in range(10):
-        target.copy_(source)
-    bandwidth = 2 * source.numel() * 10 / (time.perf_counter() - started) / 1e9   # read + write
+    bandwidth = 2 * source.numel() / _seconds(lambda: target.copy_(source)) / 1e9   # read + write
+    activation = torch.empty(copy_bytes, dtype=torch.uint8).fill_(1)
+    host_link = activation.numel() / _seconds(lambda: torch.empty_like(activation).copy_(activation)) / 1e9
     bf16 = matmul_tflops(torch.bfloat16)
     return GPU(name="cpu (measured)", vendor="cpu", memory_bytes=memory_bytes, fp32_tflops=matmul_tflops(torch.float32),
                bf16_tflops=bf16, fp16_tflops=bf16, memory_bandwidth_gbps=bandwidth, interconnect="none",
-               interconnect_gbps=0.0, host_link_gbps=bandwidth, context_bytes=0)
+               interconnect_gbps=0.0, host_link_gbps=host_link, context_bytes=0)
 
 
-def _seconds(fn, runs: int = 5) -> float:
+def _seconds(fn, runs: int = 7) -> float:
+    """The median of `runs` timed calls after a warm-up one (a shared machine's spikes fall outside it)."""
     fn()
-    started = time.perf_counter()
+    times = []
     for _ in range(runs):
+        started = time.perf_counter()
         fn()
-    return (time.perf_counter() - started) / runs
+        times.append(time.perf_counter() - started)
+    return median(times)
 
 
 # every optimizer the search tries without --allow lossy (the paged ones run bitsandbytes' kernels on a CPU as well)
 OPTIMIZERS = ("adamw", "adamw8bit", "paged-adamw8bit", "paged-adamw")
+DTYPES = (torch.float32, torch.bfloat16)   # the compute dtypes of the search's precisions
 
 
-def calibrate(gpu: GPU, model: str, hidden: int, seq_len: int, micro_batches: list[int]) -> CostModel:
-    """The cost model's constants measured on this CPU, not assumed: the throughput of the model's own
-    matmul shape (tokens x hidden @ hidden x 4 hidden) at the smallest and largest micro-batch gives the
-    utilisation and the half-utilisation token count; one optimizer step over 2M parameters gives each
-    optimizer's seconds per parameter; the host's time per kernel is the model's forward over one token (no
-    configuration the oracle measures) over the kernels it launches; the CPU has no copy engine and no
-    interconnect (nothing overlaps), and issues each kernel before running it."""
+def calibrate(gpu: GPU, model: str, seq_len: int, micro_batches: list[int]) -> CostModel:
+    """The cost model's constants measured on this CPU, kernel class by kernel class, each on runs of its own (none
+    is fitted to the oracle's configurations): the throughput of the model's own matmul shape (tokens x hidden @
+    hidden x 4 hidden) at the smallest and largest micro-batch gives the utilisation and the half-utilisation token
+    count; its attention's batched products (eager attention) and fused attention (forward and backward) at its
+    heads, head size and sequence give their rates in float32 and bfloat16; a mix of pointwise kernels over its
+    activations the seconds per element in each; dropout's Bernoulli draw the seconds per random number; one
+    optimizer step over 2M parameters each optimizer's seconds per parameter on float32 and on bfloat16 weights, and
+    64 AdamW steps over one small tensor each the time to call one (what a step in backward calls per parameter); the
+    host's time per kernel is the model's forward over one token (no configuration the oracle measures) over the
+    kernels it launches; the CPU has no copy engine and no interconnect (nothing overlaps), and issues each kernel
+    before running it."""
+    spec = registry.family_of(resolve(Workload(model=model, task="train")).source)[1]
+    hidden = getattr(spec, "hidden", None) or spec.d_model
+    heads = spec.heads
+    head_dim = getattr(spec, "head_dim", None) or getattr(spec, "d_kv", None) or hidden // heads
+
     def tflops(tokens: int) -> float:
         x, w = torch.randn(tokens, hidden), torch.randn(hidden, 4 * hidden)
         return 2 * tokens * hidden * 4 * hidden / _seconds(lambda: x @ w) / 1e12
@@ -126,19 +136,67 @@ def calibrate(gpu: GPU, model: str, hidden: int, seq_len: int, micro_batches: li
     ratio = g2 / g1
     half = max(0.0, t1 * t2 * (1 - ratio) / (ratio * t1 - t2)) if ratio > 1 else 0.0
     mfu = min(1.0, g2 / gpu.fp32_tflops * (t2 + half) / t2)
+    batch = micro_batches[-1]
 
-    def per_param(name: str) -> float:
-        params = [torch.nn.Parameter(torch.randn(512, 512)) for _ in range(8)]
+    def batched(dtype: torch.dtype) -> float:   # q @ k^T and probabilities @ v, one of each
+        q = torch.randn(batch * heads, seq_len, head_dim, dtype=dtype)
+        p = torch.randn(batch * heads, seq_len, seq_len, dtype=dtype)
+        seconds = _seconds(lambda: (torch.bmm(q, q.transpose(1, 2)), torch.bmm(p, q)))
+        return 2 * 2 * batch * heads * seq_len * seq_len * head_dim / seconds / 1e12
+
+    def attention(dtype: torch.dtype) -> float:   # forward and backward, causal: half the products
+        q, k, v = (torch.randn(batch, heads, seq_len, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def run():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        forward = 4 * batch * heads * seq_len * seq_len * head_dim / 2
+        return forward * (1 + ATTENTION_BACKWARD) / _seconds(run) / 1e12
+
+    def pointwise(dtype: torch.dtype) -> float:
+        """Seconds per element read or written over a transformer's pointwise kernels on its activations: adds,
+        products (one broadcast), activations, a norm's square-mean, softmax and log-softmax, casts, a transposed
+        copy, a concatenation, a fill."""
+        x, y = (torch.randn(seq_len * batch, hidden, dtype=dtype) for _ in range(2))
+        scale = torch.randn(hidden, dtype=dtype)
+        other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+        kernels = ((lambda: x + y, 3), (lambda: x * scale, 2), (lambda: torch.nn.functional.silu(x), 2),
+                   (lambda: torch.nn.functional.gelu(x), 2), (lambda: x.pow(2).mean(-1), 2),
+                   (lambda: torch.softmax(x, -1), 2), (lambda: torch.log_softmax(x, -1), 2), (lambda: x.to(other), 2),
+                   (lambda: x.view(batch, seq_len, hidden).transpose(0, 1).contiguous(), 2),
+                   (lambda: torch.cat([x, y], -1), 4), (lambda: torch.zeros_like(x), 1))
+        return sum(_seconds(op) for op, _ in kernels) / sum(touched * x.numel() for _, touched in kernels)
+
+    def random_draw() -> float:
+        mask = torch.empty(seq_len * batch, hidden)
+        return _seconds(lambda: mask.bernoulli_(0.9)) / mask.numel()
+
+    def per_param(name: str, dtype: torch.dtype) -> float:
+        params = [torch.nn.Parameter(torch.randn(512, 512, dtype=dtype)) for _ in range(8)]
         for p in params:
             p.grad = torch.randn_like(p)
         # an optimizer technique builds its own; torch.optim's are memfit's step's
         optimizer = REGISTRY[name]().build(params) if name in REGISTRY else make_optimizer(params, name)
         return _seconds(optimizer.step) / sum(p.numel() for p in params)
 
-    return CostModel(mfu=mfu, tokens_half=int(half), attention_efficiency=mfu, launch_s=0.0,
+    def per_call() -> float:   # one AdamW per small tensor, as a step in backward calls them
+        optimizers = []
+        for _ in range(64):
+            p = torch.nn.Parameter(torch.randn(64))
+            p.grad = torch.randn_like(p)
+            optimizers.append(make_optimizer([p], "adamw"))
+        return _seconds(lambda: [o.step() for o in optimizers]) / len(optimizers)
+
+    name = lambda dtype: str(dtype).removeprefix("torch.")   # noqa: E731
+    return CostModel(mfu=mfu, tokens_half=int(half), launch_s=0.0,
                      host_op_s=host_seconds_per_kernel(model), host_overlaps=False, comm_overlap=0.0,
                      copy_overlap=0.0,
-                     optimizer_s_per_param=tuple((name, per_param(name)) for name in OPTIMIZERS),
+                     optimizer_s_per_param=tuple((f"{o}:{name(d)}", per_param(o, d)) for o in OPTIMIZERS
+                                                 for d in DTYPES),
+                     batched_tflops=tuple((name(d), batched(d)) for d in DTYPES),
+                     attention_tflops=tuple((name(d), attention(d)) for d in DTYPES),
+                     pointwise_s_per_element=tuple((name(d), pointwise(d)) for d in DTYPES),
+                     random_s_per_element=random_draw(),
+                     optimizer_call_s=per_call(),
                      source="measured on this CPU (benchmarks/planner_oracle.py)")
 
 
@@ -150,16 +208,42 @@ def host_seconds_per_kernel(model: str) -> float:
     batch = workload.source.make_batch(batch_size=1, seq_len=1, task="inference", dtype=torch.float32)
     with torch.no_grad():
         seconds = _seconds(lambda: call_model(module, batch), runs=50)
-    return seconds / kernel_profile(workload, (8, 0)).forward.eager_kernels
+    return seconds / kernel_profile(workload, CPU_KERNELS).forward.eager_kernels
 
 
-def measured(workload: Workload, batches: list[dict]) -> tuple[int, float]:
-    """(peak bytes of one real step, median seconds per step over `batches` after a warm-up step)."""
-    peak = measure(workload, device="cpu", estimates=()).peak_bytes
-    run = train_run(workload, batches)
-    times = run.step_seconds[1:]
+class PhaseClock:
+    """Step hooks that note when each step's optimizer phase starts: the step before it is its forward and backward."""
+
+    def __init__(self) -> None:
+        self.step_started: list[float] = []
+        self.optimizer_started: list[float] = []
+
+    def phase(self, name: str) -> None:
+        if name == "forward" and len(self.step_started) == len(self.optimizer_started):   # a step's first forward
+            self.step_started.append(time.perf_counter())
+        elif name == "optimizer":
+            self.optimizer_started.append(time.perf_counter())
+
+    def mark(self, category: str, tensors) -> None:
+        pass
+
+
+def measured(workload: Workload, batches: list[dict], accum: int, *, peak: bool = True) -> tuple[int | None, float]:
+    """(peak bytes of one real step, seconds of one optimizer step over `accum` micro-batches): the median forward and
+    backward of a micro-batch `accum` times, and the median optimizer step once — as a loop that accumulates
+    gradients runs (each timed step here runs one micro-batch and its own optimizer step; the steps after a
+    warm-up one count)."""
+    peak = measure(workload, device="cpu", estimates=()).peak_bytes if peak else None
+    clock = PhaseClock()
+    run = train_run(workload, batches, hooks=clock)
+    passes = [o - s for s, o in zip(clock.step_started, clock.optimizer_started)][1:]
+    optimizer = [step - p for step, p in zip(run.step_seconds[1:], passes)]
     release_freed_memory()
-    return peak, sorted(times)[len(times) // 2]
+    return peak, accum * median(passes) + median(optimizer)
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def release_freed_memory() -> None:
@@ -173,17 +257,20 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     """Every configuration of the planner's space, measured, with its feasibility under the budget."""
     search = Search(request)
     rows = []
-    for candidate, _, per_replica in search.workloads():
-        for micro in [m for m in divisors(per_replica) if m % candidate.batch_multiple == 0]:
+    for candidate, workload, per_replica in search.workloads():
+        sizes = [m for m in divisors(per_replica) if m % candidate.batch_multiple == 0]
+        if workload.with_trait("steps-in-backward"):   # it cannot accumulate: the whole batch at once (as planned)
+            sizes = sizes[-1:]
+        for micro in sizes:
             workload = candidate.workload(request, micro)
             batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
             try:
-                peak, seconds = measured(workload, batches)
+                peak, seconds = measured(workload, batches, per_replica // micro)
             except (MemfitError, RuntimeError) as exc:
                 console.print(f"[dim]  {' + '.join(candidate.labels())} mb {micro}: failed ({exc})[/dim]")
                 break
             rows.append({"techniques": candidate.labels(), "micro_batch": micro, "grad_accum": per_replica // micro,
-                         "peak_bytes": peak, "step_time_s": seconds * (per_replica // micro),
+                         "peak_bytes": peak, "step_time_s": seconds,
                          "fits": peak <= request.budget_bytes})
             console.print(f"[dim]  {' + '.join(candidate.labels())} {micro}×{per_replica // micro}: "
                           f"{format_bytes(peak)}, {rows[-1]['step_time_s']:.3f} s"
@@ -201,9 +288,10 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     plain_workload = resolve(Workload(model=model, task="train", batch_size=global_batch, seq_len=seq_len))
     plain = analytic_estimate(plain_workload)
     budget = int(plain.peak_bytes * fraction)
-    gpu = cpu_as_gpu(budget)
     spec = registry.family_of(plain_workload.source)[1]
-    cost = calibrate(gpu, model, getattr(spec, "hidden", None) or spec.d_model, seq_len, divisors(global_batch))
+    activation_bytes = seq_len * max(divisors(global_batch)) * (getattr(spec, "hidden", None) or spec.d_model) * 4
+    gpu = cpu_as_gpu(budget, activation_bytes)
+    cost = calibrate(gpu, model, seq_len, divisors(global_batch))
     console.print(f"calibrated: {cost}")
     # speed_margin 0: the oracle checks the cost model's pick of the fastest plan, not the preference for the one
     # that changes training least
@@ -226,27 +314,50 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
         case["plan"] = {"feasible": False, "reason": chosen.reason}
         return case
     top = chosen.plan_json(0)
-    mine = next((r for r in rows if r["techniques"] == top["techniques"] and r["micro_batch"] == top["micro_batch"]),
-                None)
-    if mine is None:   # expandable-segments (a CUDA setting) or a row the oracle could not run: measure it now
-        workload = chosen.plans[0].workload(request)
-        batches = text_batches(batch_size=top["micro_batch"], seq_len=seq_len, num_batches=steps + 1)
-        peak, seconds = measured(workload, batches)
-        mine = {"peak_bytes": peak, "step_time_s": seconds * top["grad_accum"], "fits": peak <= budget}
-        if measured_before and best:   # the oracle's best measured again beside it: ratios from one run only
-            again = Search(request).workloads()
-            workload = next(c.workload(request, best["micro_batch"]) for c, _, _ in again
-                            if c.labels() == best["techniques"])
-            batches = text_batches(batch_size=best["micro_batch"], seq_len=seq_len, num_batches=steps + 1)
-            best = case["oracle_best"] = dict(best, step_time_s=measured(workload, batches)[1] * best["grad_accum"],
-                                              measured_again=True)
+    plan_row = {"techniques": top["techniques"], "micro_batch": top["micro_batch"], "grad_accum": top["grad_accum"]}
+    finalists = sorted(feasible, key=lambda r: r["step_time_s"])[:FINALISTS]
+    again = side_by_side(request, [plan_row, *(r for r in finalists if not same(r, plan_row))], chosen.plans[0],
+                         steps, console)
+    mine = again[0]
+    if finalists:   # the oracle's best: the fastest finalist in the side-by-side rounds
+        best = case["oracle_best"] = min(again[1:] + ([mine] if any(same(r, mine) for r in finalists) else []),
+                                         key=lambda r: r["step_time_s"])
+    case["finalists"] = again
     case["plan"] = {"techniques": top["techniques"], "micro_batch": top["micro_batch"], "grad_accum": top["grad_accum"],
                     "predicted_peak_bytes": top["peak_bytes"], "predicted_step_time_s": top["step_time_s"],
                     "measured_peak_bytes": mine["peak_bytes"], "measured_step_time_s": mine["step_time_s"],
-                    "fits_when_run": mine["fits"]}
+                    "fits_when_run": mine["peak_bytes"] <= budget}
     if best:
         case["plan"]["time_vs_oracle"] = mine["step_time_s"] / best["step_time_s"]
     return case
+
+
+def same(row: dict, other: dict) -> bool:
+    return row["techniques"] == other["techniques"] and row["micro_batch"] == other["micro_batch"]
+
+
+def side_by_side(request: PlanRequest, rows: list[dict], plan_found, steps: int, console: Console) -> list[dict]:
+    """`rows` (memfit's plan first, then the sweep's fastest feasible configurations) measured again in ROUNDS
+    round-robin rounds: each one's peak, and its median step time over the rounds — the machine is shared, and a
+    sweep of hundreds of configurations takes long enough for its speed to drift, so the oracle's best and memfit's
+    plan are compared in one sitting."""
+    candidates = {tuple(c.labels()): c for c, _, _ in Search(request).workloads()}
+    workloads = [plan_found.workload(request)] + [candidates[tuple(r["techniques"])].workload(request, r["micro_batch"])
+                                                  for r in rows[1:]]
+    peaks, times = [None] * len(rows), [[] for _ in rows]
+    for _ in range(ROUNDS):
+        for i, (row, workload) in enumerate(zip(rows, workloads)):
+            batches = text_batches(batch_size=row["micro_batch"], seq_len=workload.effective_seq_len,
+                                   num_batches=steps + 1)
+            peak, seconds = measured(workload, batches, row["grad_accum"], peak=peaks[i] is None)
+            peaks[i] = peaks[i] if peaks[i] is not None else peak
+            times[i].append(seconds)
+    again = [dict(row, peak_bytes=peak, step_time_s=median(seconds), rounds=seconds)
+             for row, peak, seconds in zip(rows, peaks, times)]
+    for row in again:
+        console.print(f"[dim]  again: {' + '.join(row['techniques'])} {row['micro_batch']}×{row['grad_accum']}: "
+                      f"{row['step_time_s']:.3f} s[/dim]")
+    return again
 
 
 def render(cases: list[dict]) -> Table:
@@ -265,9 +376,8 @@ def render(cases: list[dict]) -> Table:
             continue
         ok = mine["fits_when_run"] and mine.get("time_vs_oracle", 99) <= 1 + TOLERANCE
         measured = f"{case['configurations_measured']} / {case['feasible']}"
-        again = " (again)" if best and best.get("measured_again") else ""
         table.add_row(name, format_bytes(case["budget_bytes"]), measured,
-                      best_text, f"{best['step_time_s']:.3f} s{again}" if best else "",
+                      best_text, f"{best['step_time_s']:.3f} s" if best else "",
                       f"{' + '.join(mine['techniques'])} {mine['micro_batch']}×{mine['grad_accum']}",
                       f"{format_bytes(mine['predicted_peak_bytes'])} / {format_bytes(mine['measured_peak_bytes'])}",
                       f"{mine['measured_step_time_s']:.3f} s", f"{mine.get('time_vs_oracle', 0):.3f}",

@@ -93,3 +93,37 @@ def test_every_family_is_counted(task):
         profile = kernel_profile(workload, (8, 0))
         assert profile.forward.gemm_flops > 0 and profile.forward.eager_kernels > 0, model
         assert (profile.backward.gemm_flops > 0) == (task == "train"), model
+
+
+def test_a_cpu_target_counts_the_cpus_own_kernels_elements_and_random_draws():
+    """On a CPU (CPU_KERNELS) the step runs the CPU's own kernels: tiny-llama's SDPA is the CPU flash op (the same
+    causal FLOPs as CUDA's), tiny-gpt2's SDPA with dropout falls back to the math path (batched matmuls over the
+    probabilities, and a Bernoulli draw for every dropped element). Elements are the bytes over each tensor's
+    element size."""
+    from memfit.specs.hardware import CPU_KERNELS
+
+    llama = ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=64)
+    cpu, cuda = kernel_profile(llama, CPU_KERNELS), kernel_profile(llama, (8, 0))
+    assert cpu.forward.attention_flops > 0
+    assert cpu.forward.attention_flops == pytest.approx(cuda.forward.attention_flops)
+    assert cpu.forward.batched_flops == 0
+    assert cpu.forward.eager_elements == pytest.approx(cpu.forward.eager_bytes / 4, rel=0.01)   # float32
+    assert cpu.parameter_tensors == sum(1 for _ in llama.source.build(device="meta", dtype=torch.float32)
+                                        .parameters())
+    gpt2 = kernel_profile(ResolvedWorkload(model="tiny-gpt2", task="train", batch_size=2, seq_len=64), CPU_KERNELS)
+    assert gpt2.forward.attention_flops == 0 and gpt2.forward.batched_flops > 0
+    spec = ResolvedWorkload(model="tiny-gpt2").source.build(device="meta", dtype=torch.float32).config
+    probabilities = 2 * spec.n_head * 64 * 64 * spec.n_layer
+    assert gpt2.forward.random_elements >= probabilities
+
+
+def test_random_draws_are_counted_and_fused_runs_count_elements():
+    counter = _Counter()
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    with counter:
+        y = torch.nn.functional.dropout(x, 0.1, training=True)
+        (y * 2).sum()
+    profile = counter.profile().forward
+    assert profile.random_elements == 64 * 64
+    assert profile.eager_elements * 2 == profile.eager_bytes   # bfloat16: two bytes an element
+    assert profile.fused_elements * 2 == profile.fused_bytes

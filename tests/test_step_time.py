@@ -93,3 +93,41 @@ def test_deepspeed_zero3_on_one_device_without_an_interconnect_has_no_collective
                                 engine="deepspeed", zero_stage=3, techniques=("nvme-offload",))
     parts = timing(workload, analytic_estimate(workload, gpu), gpu)["time_parts_s"]
     assert parts["communication"] == 0.0 and parts["compute"] > 0
+
+
+def test_a_device_measured_kernel_class_by_kernel_class_is_timed_so():
+    """A CPU described by its measured rates (the planner oracle's): pointwise work by elements, dropout's draws by
+    random numbers, attention and batched matmuls at their measured rate for the compute dtype, the optimizer by
+    the dtype it steps on; a step in backward calls one optimizer per parameter tensor; selective checkpointing
+    re-runs the forward's work besides its matmuls."""
+    from memfit.estimators.kernels import kernel_profile
+    from memfit.planner.cost import CostModel, step_time
+    from memfit.specs.hardware import CPU_KERNELS
+
+    gpu = dataclasses.replace(get_gpu("a100-80gb"), vendor="cpu")
+    workload = ResolvedWorkload(model="tiny-gpt2", task="train", batch_size=2, seq_len=64, precision="bf16")
+    estimate = analytic_estimate(workload, gpu)
+    profile = kernel_profile(workload, CPU_KERNELS)
+    base = CostModel(mfu=1e12, host_op_s=0.0, launch_s=0.0, pointwise_s_per_element=(("bfloat16", 0.0),),
+                     batched_tflops=(("bfloat16", 1e12),), attention_tflops=(("bfloat16", 1e12),),
+                     optimizer_s_per_param=(("adamw:bfloat16", 0.0),))
+
+    def timed(cost, w=workload):
+        return step_time(w, estimate, gpu, grad_accum=1, num_gpus=1, cost=cost).parts
+
+    assert timed(base)["compute"] == pytest.approx(0.0, abs=1e-9)
+    pointwise = timed(dataclasses.replace(base, pointwise_s_per_element=(("bfloat16", 1e-9),)))["compute"]
+    assert pointwise == pytest.approx((profile.forward.eager_elements + profile.backward.eager_elements) * 1e-9)
+    draws = timed(dataclasses.replace(base, random_s_per_element=1e-6))["compute"]
+    assert draws == pytest.approx(profile.forward.random_elements * 1e-6)
+    batched = timed(dataclasses.replace(base, batched_tflops=(("bfloat16", 1.0),)))["compute"]
+    assert batched == pytest.approx((profile.forward.batched_flops + profile.backward.batched_flops) / 1e12)
+    stepped = timed(dataclasses.replace(base, optimizer_s_per_param=(("adamw", 1.0), ("adamw:bfloat16", 2e-9))))
+    assert stepped["optimizer"] == pytest.approx(estimate.num_parameters * 2e-9, rel=0.01)
+    in_backward = dataclasses.replace(workload, techniques=("optimizer-in-backward",))
+    calls = timed(dataclasses.replace(base, optimizer_call_s=1e-3), in_backward)
+    assert calls["optimizer"] == pytest.approx(profile.parameter_tensors * 1e-3, rel=0.01)
+    selective = dataclasses.replace(workload, techniques=("checkpointing:mode=selective",))
+    cheap = dataclasses.replace(base, pointwise_s_per_element=(("bfloat16", 1e-9),))
+    assert timed(cheap, selective)["recompute"] == pytest.approx(profile.forward.eager_elements * 1e-9, rel=0.01)
+    assert timed(dataclasses.replace(base, mfu=1.0), selective)["recompute"] == pytest.approx(0.0, abs=1e-9)

@@ -7,10 +7,13 @@ is a property of its code, so it is counted, not assumed: the model is built on 
 model-sized is allocated) and its forward, and backward when it trains, run under a dispatch mode that records
 every ATen op the GPU would run as a kernel —
 
-  gemms      mm, addmm, bmm, baddbmm, convolutions: their FLOPs (PyTorch's own flop_counter formulas);
+  gemms      mm, addmm, bmm, baddbmm, convolutions: their FLOPs (PyTorch's own flop_counter formulas), the
+             batched ones (bmm, baddbmm: eager attention's) apart, as a device may run them at another rate;
   attention  the fused attention kernels (flash, memory-efficient, cuDNN): their FLOPs, halved for a causal
              call (the kernels skip the masked half); backward 2.5 times forward (its five matmuls to two);
-  the rest   every other op but views and allocations: the bytes it reads and writes.
+  the rest   every other op but views and allocations: the bytes it reads and writes, and how many elements
+             (a CPU's vector units work in float32 whatever the dtype: there, time goes by elements), and
+             the random numbers it draws (dropout's masks: a CPU draws each in software).
 
 As torch.compile runs it, pointwise ops and reductions between two matmuls are one kernel (Inductor's fusion):
 each run of consecutive fusible ops reads what it did not produce itself and writes only what something outside
@@ -24,6 +27,7 @@ micro-batch of b sequences is b / 2 times the FLOPs and bytes and the same kerne
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,12 +37,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from memfit.core.precision import get_precision
 from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
 from memfit.estimators.traced import build_fake
+from memfit.specs.hardware import CPU_KERNELS
 from memfit.specs.user_code import cache_key
 from memfit.specs.workload import Workload
 from memfit.steps.train import call_model, loss_of
@@ -52,10 +57,18 @@ _GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm, aten.con
           aten.convolution_backward, aten._grouped_mm}
 _ATTENTION = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
               aten._scaled_dot_product_cudnn_attention, aten._flash_attention_forward,
-              aten._efficient_attention_forward}
+              aten._efficient_attention_forward, aten._scaled_dot_product_flash_attention_for_cpu}
+# their backward kernels: FLOPs counted with the forward's (ATTENTION_BACKWARD); a CPU's own step runs one
+_ATTENTION_GRADS = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                    aten._scaled_dot_product_flash_attention_backward,
+                    aten._scaled_dot_product_efficient_attention_backward, aten._flash_attention_backward,
+                    aten._efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward}
 _NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
               aten.detach, aten.lift_fresh, aten._local_scalar_dense, aten._unsafe_view, aten.alias,
               aten.set_, aten.resize_}
+_BATCHED = {aten.bmm, aten.baddbmm}
+_RANDOM = {aten.bernoulli, aten.bernoulli_, aten.native_dropout, aten.rand, aten.rand_like, aten.randn,
+           aten.randn_like, aten.normal_, aten.uniform_, aten.randint, aten.randint_like, aten.randperm}
 _ALSO_FUSED = {aten._to_copy, aten.clone, aten.copy_, aten.fill_, aten.zero_, aten.zeros_like, aten.ones_like,
                aten.full_like, aten.where}
 
@@ -70,6 +83,10 @@ class Phase:
     fused_bytes: float = 0.0      # the same work with pointwise runs fused (torch.compile)
     eager_kernels: int = 0
     fused_kernels: int = 0
+    batched_flops: float = 0.0    # the part of gemm_flops in batched matmuls (bmm, baddbmm)
+    eager_elements: float = 0.0   # the elements eager_bytes counts
+    fused_elements: float = 0.0   # the elements fused_bytes counts
+    random_elements: float = 0.0  # random numbers drawn (dropout masks)
 
     def __add__(self, other: Phase) -> Phase:
         return Phase(*map(operator.add, vars(self).values(), vars(other).values()))
@@ -78,9 +95,10 @@ class Phase:
         return Phase(*map(operator.sub, vars(self).values(), vars(other).values()))
 
     def times(self, k: float, *, kernels: float = 1.0) -> Phase:
-        """FLOPs and bytes times `k`, kernels times `kernels`."""
-        return Phase(self.gemm_flops * k, self.attention_flops * k, self.eager_bytes * k, self.fused_bytes * k,
-                     round(self.eager_kernels * kernels), round(self.fused_kernels * kernels))
+        """FLOPs, bytes and elements times `k`, kernels times `kernels`."""
+        counts = {name: (round(value * kernels) if name.endswith("kernels") else value * k)
+                  for name, value in vars(self).items()}
+        return Phase(**counts)
 
 
 @dataclass
@@ -90,17 +108,18 @@ class KernelProfile:
     forward: Phase
     backward: Phase = field(default_factory=Phase)
     batch: int = COUNTED_BATCH
+    parameter_tensors: int = 0   # the model's parameters, tensors (what a step per parameter calls an optimizer on)
 
     def at_batch(self, batch: int) -> KernelProfile:
         k = batch / self.batch
-        return KernelProfile(self.forward.times(k), self.backward.times(k), batch)
+        return KernelProfile(self.forward.times(k), self.backward.times(k), batch, self.parameter_tensors)
 
 
 def kernel_profile(workload: ResolvedWorkload, capability: tuple[int, int]) -> KernelProfile | None:
     """The kernels of one micro-step of `workload`'s model (forward, and backward when it trains) at its micro-batch,
-    on a GPU of compute `capability` (which attention kernel runs), in its precision, without its other techniques
-    (they change FLOPs through the cost model's own hooks); attention-switching techniques are kept. None where the
-    model cannot be run on its own batch (a user's step feeds it)."""
+    on a GPU of compute `capability` (which attention kernel runs; CPU_KERNELS: a CPU's own), in its precision,
+    without its other techniques (they change FLOPs through the cost model's own hooks); attention-switching
+    techniques are kept. None where the model cannot be run on its own batch (a user's step feeds it)."""
     profile = _cached(profile_key(workload, capability))
     return profile.at_batch(workload.batch_size) if profile else None
 
@@ -170,7 +189,9 @@ def _counted(model: str, inputs: str | None, task: str, seq_len: int, precision:
     one, two = _count(plain, period, capability), _count(plain, 2 * period, capability)
     blocks = source.num_layers / period - 1
     return KernelProfile(one.forward + (two.forward - one.forward).times(blocks, kernels=blocks),
-                         one.backward + (two.backward - one.backward).times(blocks, kernels=blocks))
+                         one.backward + (two.backward - one.backward).times(blocks, kernels=blocks),
+                         parameter_tensors=round(one.parameter_tensors
+                                                 + (two.parameter_tensors - one.parameter_tensors) * blocks))
 
 
 def _count(workload: ResolvedWorkload, num_layers: int | None, capability: tuple[int, int]) -> KernelProfile:
@@ -179,7 +200,9 @@ def _count(workload: ResolvedWorkload, num_layers: int | None, capability: tuple
     precision = get_precision(workload.precision)
     counter = _Counter()
     train = workload.task == "train"
-    with fake_mode, FakeKernelFixes(), real_data_decisions(), CudaKernels(capability, workload.source.attention_kernel):
+    device_kernels = (nullcontext() if capability == CPU_KERNELS else
+                      CudaKernels(capability, workload.source.attention_kernel))
+    with fake_mode, FakeKernelFixes(), real_data_decisions(), device_kernels:
         batch = workload.source.make_batch(batch_size=COUNTED_BATCH, seq_len=workload.effective_seq_len,
                                            task=workload.task, dtype=precision.param_dtype)
         autocast = CudaAutocast(precision.autocast_dtype) if precision.autocast_dtype else nullcontext()
@@ -191,14 +214,15 @@ def _count(workload: ResolvedWorkload, num_layers: int | None, capability: tuple
             if train:
                 counter.phase = "backward"
                 loss_of(output).backward()
-    return counter.profile()
+    return dataclasses.replace(counter.profile(), parameter_tensors=sum(1 for _ in model.parameters()))
 
 
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.phase = "forward"
-        self.ops: list[tuple[str, str, float, list[tuple[int, int]], list[tuple[int, int]]]] = []
+        # (phase, kind, FLOPs, inputs, outputs), each tensor as (storage name, bytes, elements)
+        self.ops: list[tuple[str, str, float, list[tuple[int, int, int]], list[tuple[int, int, int]]]] = []
         self._keep: list = []    # the storages seen, alive until counted (their addresses are their names)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -209,42 +233,50 @@ class _Counter(TorchDispatchMode):
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if packet in _GEMMS or packet in _ATTENTION:
+        if packet in _ATTENTION_GRADS:
+            kind, flops = "attention", 0.0
+        elif packet in _GEMMS or packet in _ATTENTION:
             flops = (_grouped_mm_flops(args[0], out) if packet is aten._grouped_mm else
+                     float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+                     if packet is aten._scaled_dot_product_flash_attention_for_cpu else
                      float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0)
             if packet in _ATTENTION and _causal(func, args, kwargs):
                 flops /= 2
-            kind = "attention" if packet in _ATTENTION else "gemm"
-        else:
+            kind = "attention" if packet in _ATTENTION else "batched" if packet in _BATCHED else "gemm"
+        else:   # its "FLOPs" are the random numbers it draws
             fusible = torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or packet in _ALSO_FUSED
-            kind, flops = ("fusible" if fusible else "other"), 0.0
+            kind = "fusible" if fusible else "other"
+            flops = float(outputs[0].numel()) if packet in _RANDOM and outputs else 0.0
         self.ops.append((self.phase, kind, flops, [self._named(t) for t in inputs], [self._named(t) for t in outputs]))
         return out
 
-    def _named(self, tensor: torch.Tensor) -> tuple[int, int]:
+    def _named(self, tensor: torch.Tensor) -> tuple[int, int, int]:
         storage = tensor.untyped_storage()
         self._keep.append(storage)
         nbytes = min(tensor.numel() * tensor.element_size(), storage.nbytes())
-        return StorageWeakRef(storage).cdata, nbytes
+        return StorageWeakRef(storage).cdata, nbytes, nbytes // max(1, tensor.element_size())
 
     def profile(self) -> KernelProfile:
         readers: dict[int, list[int]] = {}
         for index, (_, _, _, inputs, _) in enumerate(self.ops):
-            for name, _ in inputs:
+            for name, _, _ in inputs:
                 readers.setdefault(name, []).append(index)
         phases = {"forward": Phase(), "backward": Phase()}
         trains = any(op[0] == "backward" for op in self.ops)
         run: list[int] = []
         for index, (phase, kind, flops, inputs, outputs) in enumerate(self.ops):
             counted = phases[phase]
-            if kind == "gemm":
+            if kind in ("gemm", "batched"):
                 counted.gemm_flops += flops
+                counted.batched_flops += flops if kind == "batched" else 0.0
             elif kind == "attention":
                 counted.attention_flops += flops
                 if phase == "forward" and trains:   # its backward kernel (not an op of the emulated step)
                     phases["backward"].attention_flops += ATTENTION_BACKWARD * flops
             else:
-                counted.eager_bytes += sum(n for _, n in inputs) + sum(n for _, n in outputs)
+                counted.eager_bytes += _total(inputs, outputs, 1)
+                counted.eager_elements += _total(inputs, outputs, 2)
+                counted.random_elements += flops
             counted.eager_kernels += 1
             if kind == "fusible" and (not run or self.ops[run[-1]][0] == phase):
                 run.append(index)
@@ -254,7 +286,8 @@ class _Counter(TorchDispatchMode):
             if kind != "fusible":
                 counted.fused_kernels += 1
                 if kind == "other":
-                    counted.fused_bytes += sum(n for _, n in inputs) + sum(n for _, n in outputs)
+                    counted.fused_bytes += _total(inputs, outputs, 1)
+                    counted.fused_elements += _total(inputs, outputs, 2)
         self._close(run, phases, readers)
         self._keep.clear()
         return KernelProfile(phases["forward"], phases["backward"])
@@ -266,16 +299,23 @@ class _Counter(TorchDispatchMode):
         inside, made, read, written = set(run), set(), {}, {}
         for index in run:
             _, _, _, inputs, outputs = self.ops[index]
-            for name, nbytes in inputs:
+            for name, nbytes, elements in inputs:
                 if name not in made:
-                    read[name] = max(read.get(name, 0), nbytes)
-            for name, nbytes in outputs:
+                    read[name] = max(read.get(name, (0, 0)), (nbytes, elements))
+            for name, nbytes, elements in outputs:
                 made.add(name)
                 if any(reader not in inside for reader in readers.get(name, ())):
-                    written[name] = max(written.get(name, 0), nbytes)
+                    written[name] = max(written.get(name, (0, 0)), (nbytes, elements))
         counted = phases[self.ops[run[0]][0]]
-        counted.fused_bytes += sum(read.values()) + sum(written.values())
+        moved = [*read.values(), *written.values()]
+        counted.fused_bytes += sum(nbytes for nbytes, _ in moved)
+        counted.fused_elements += sum(elements for _, elements in moved)
         counted.fused_kernels += 1
+
+
+def _total(inputs: list[tuple[int, int, int]], outputs: list[tuple[int, int, int]], field: int) -> int:
+    """The bytes (field 1) or elements (field 2) an op reads and writes."""
+    return sum(t[field] for t in inputs) + sum(t[field] for t in outputs)
 
 
 def _grouped_mm_flops(mat_a: torch.Tensor, out: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ import torch
 
 from memfit.core.precision import get_precision
 from memfit.specs.workload import Workload
+from memfit.steps.hooks import StepHooks
 from memfit.steps.runner import train_loop
 from memfit.steps.setup import model_loss
 from memfit.techniques.compose import prepare_step
@@ -58,9 +59,9 @@ class TrainRun:
 
 def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: float | None = None,
               eval_batches: list[dict] | None = None, keep_parameters: bool = False,
-              start_from: dict[str, torch.Tensor] | None = None) -> TrainRun:
+              start_from: dict[str, torch.Tensor] | None = None, hooks: StepHooks | None = None) -> TrainRun:
     """Train the workload's model (built on CPU from `seed`, or loaded with the weights `start_from`) on
-    `batches`, one step each."""
+    `batches`, one step each; `hooks` hear each step's phases."""
     workload = resolve(workload)
     if workload.task != "train":
         raise ValueError("train_run needs a training workload")
@@ -72,7 +73,7 @@ def train_run(workload: Workload, batches: list[dict], *, seed: int = 0, lr: flo
     model.train()
     setup = prepare_step(model, workload, device_type="cpu")
     setup.lr = lr
-    loop = train_loop(setup, workload)
+    loop = train_loop(setup, workload, hooks=hooks)
     run = TrainRun()
     for batch in batches:
         started = time.perf_counter()

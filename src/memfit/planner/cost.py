@@ -20,7 +20,11 @@ the GPU's interconnect bandwidth (NVLink: half the bidirectional figure; a colle
 the network's share per GPU, CostModel.network_gbps — the instance's own network when a plan is for one),
 overlapped with compute where the technique's hook says so. DeepSpeed's engine (not a technique) uses the
 same: ZeRO-3 gathers like a sharded layout, ZeRO-1/2 all-reduce the gradients like data parallel.
-A CostModel measured on the target replaces the constants (the oracle benchmark measures its CPU's).
+A CostModel measured on the target replaces the constants (the oracle benchmark measures its CPU's). A CPU runs its
+own kernels (GPU.kernels) and is measured kernel class by kernel class, because it is not a small GPU: its batched
+matmuls and its flash attention run far below its matmul rate (and in bfloat16 below float32, where its matmuls run
+faster), its vector units convert half precision to float32 (pointwise time goes by elements, not bytes), it draws
+dropout's random numbers in software, and each optimizer call costs Python time a step in backward pays per tensor.
 `benchmarks/published_throughput.py` compares the model with published GPU runs (docs/accuracy.md).
 """
 from __future__ import annotations
@@ -66,9 +70,33 @@ class CostModel:
     host_overlaps: bool = True   # the host issues kernels ahead of the device (a GPU); False: one after the other
     comm_overlap: float = 0.8    # fraction of the compute that hides collectives
     copy_overlap: float = 0.8    # fraction that hides host <-> device copies (a GPU's copy engines; a CPU has none)
-    optimizer_s_per_param: tuple[tuple[str, float], ...] = ()   # measured step seconds per parameter, by optimizer
+    # measured step seconds per parameter, by optimizer ("adamw"), or by optimizer and the dtype it steps on
+    # ("adamw:bfloat16": a CPU steps half-precision states at another rate)
+    optimizer_s_per_param: tuple[tuple[str, float], ...] = ()
+    # a device measured kernel class by kernel class (a CPU: benchmarks/planner_oracle.py); where given, these replace
+    # the formulas above. By compute dtype ("float32", "bfloat16"): TFLOP/s of batched matmuls (bmm: eager
+    # attention's products) and of fused attention (forward and backward)
+    batched_tflops: tuple[tuple[str, float], ...] = ()
+    attention_tflops: tuple[tuple[str, float], ...] = ()
+    # every other kernel's seconds per element it reads or writes, by compute dtype (a CPU's vector units convert
+    # half precision to float32: elements, not bytes, set its time); none given: bytes at the memory's bandwidth
+    pointwise_s_per_element: tuple[tuple[str, float], ...] = ()
+    # the host's time to call one optimizer's step (Python and its kernels' issue): what a step in backward pays per
+    # parameter; None: AdamW's foreach step over one tensor, 8 kernels at host_op_s (assumed)
+    optimizer_call_s: float | None = None
+    random_s_per_element: float = 0.0   # drawing one random number (a CPU draws dropout's masks in software; a
+    #                                     GPU's Philox generator runs inside the kernel, whose bytes are counted)
     network_gbps: float = NETWORK_GBPS   # GB/s per GPU between nodes (PlanRequest takes an instance's own)
     source: str = "calibrated and assumed"
+
+    def optimizer_seconds_per_param(self, optimizer: str, dtype: torch.dtype) -> float | None:
+        """The measured seconds per parameter of `optimizer` stepping `dtype` states (None: not measured)."""
+        measured = dict(self.optimizer_s_per_param)
+        return measured.get(f"{optimizer}:{_dtype_name(dtype)}", measured.get(optimizer))
+
+    @property
+    def seconds_per_optimizer_call(self) -> float:
+        return self.optimizer_call_s if self.optimizer_call_s is not None else 8 * self.host_op_s
 
     def attention_share(self, gpu: GPU) -> float:
         if self.attention_efficiency is not None:
@@ -144,6 +172,7 @@ class Compute:
     tokens: int
     world_size: int
     recompute: float = 0.0
+    recompute_cheap: float = 0.0   # share of the forward's work besides its matmuls re-run in backward (selective)
     split: int = 1           # ranks that divide the FLOPs (tensor, pipeline parallel)
     factor: float = 1.0      # step-time factors of the techniques this model does not derive
     bubble: float = 1.0      # a pipeline schedule's stretch
@@ -163,6 +192,7 @@ class Step:
     compute: Compute
     accum: int               # micro-steps per step (gradient accumulation; inference: chunks served)
     num_gpus: int
+    parameter_tensors: int = 0   # the model's parameter tensors (0: not counted)
     work_s: float = 0.0      # one micro-step's compute, seconds
     redo_s: float = 0.0      # its recompute
     parts: dict[str, float] = field(default_factory=dict)
@@ -212,6 +242,17 @@ class Step:
     def state_bytes(self, category: str) -> int:
         return int(self.estimate.model_state_bytes.get(category, 0))
 
+    def optimizer_s(self, gradient_bytes: float, state_bytes: float) -> float:
+        """An optimizer step over `gradient_bytes` of gradients and `state_bytes` of states: the measured seconds per
+        parameter where the cost model has them, else memory-bound: 2x the states' and 3x the gradients' bytes at
+        HBM bandwidth."""
+        precision = get_precision(self.workload.precision)
+        per_param = self.cost.optimizer_seconds_per_param(self.workload.optimizer,
+                                                          precision.master_dtype or precision.param_dtype)
+        if per_param:
+            return gradient_bytes / self.gradient_bytes * per_param
+        return (2 * state_bytes + 3 * gradient_bytes) / self.hbm_bytes_per_s
+
     def backward_share(self, compute_s: float) -> float:
         return compute_s * 2 / 3
 
@@ -250,9 +291,17 @@ class Step:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
 
 
-def _tflops(gpu: GPU, precision: str) -> float:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
     compute = get_precision(precision)
-    dtype = compute.autocast_dtype or compute.param_dtype
+    return compute.autocast_dtype or compute.param_dtype
+
+
+def _tflops(gpu: GPU, precision: str) -> float:
+    dtype = _compute_dtype(precision)
     if dtype == torch.float32:
         return gpu.fp32_tflops
     if dtype == torch.bfloat16 and gpu.bf16_tflops:
@@ -270,12 +319,30 @@ def _phase_s(phase: Phase, step: Step) -> float:
     """One phase's kernels on the device: matmuls at their rate, fused attention at its own, everything else at
     the memory's bandwidth, a gap per kernel; the host issues every kernel ahead of the device (a GPU) or before
     it (a CPU), whichever bounds the phase."""
+    return _phase_parts(phase, step)[0]
+
+
+def _phase_parts(phase: Phase, step: Step) -> tuple[float, float]:
+    """(the phase's seconds, its matmuls' share of them)."""
     w, gpu, cost, fused = step.workload, step.gpu, step.cost, step.compute.fused
-    gemm = _compute_s(phase.gemm_flops, gpu, w.precision, step.compute.tokens, cost)
-    attention = phase.attention_flops / (_tflops(gpu, w.precision) * 1e12 * cost.attention_share(gpu))
-    memory = (phase.fused_bytes if fused else phase.eager_bytes) / step.hbm_bytes_per_s
+    dtype = _dtype_name(_compute_dtype(w.precision))
+    batched_tflops = dict(cost.batched_tflops).get(dtype)
+    if batched_tflops:
+        gemm = (_compute_s(phase.gemm_flops - phase.batched_flops, gpu, w.precision, step.compute.tokens, cost)
+                + phase.batched_flops / (batched_tflops * 1e12))
+    else:
+        gemm = _compute_s(phase.gemm_flops, gpu, w.precision, step.compute.tokens, cost)
+    attention_tflops = (dict(cost.attention_tflops).get(dtype)
+                        or _tflops(gpu, w.precision) * cost.attention_share(gpu))
+    attention = phase.attention_flops / (attention_tflops * 1e12)
+    per_element = dict(cost.pointwise_s_per_element).get(dtype)
+    if per_element is None:
+        memory = (phase.fused_bytes if fused else phase.eager_bytes) / step.hbm_bytes_per_s
+    else:
+        memory = (phase.fused_elements if fused else phase.eager_elements) * per_element
+    memory += phase.random_elements * cost.random_s_per_element
     kernels = phase.fused_kernels if fused else phase.eager_kernels
-    return _with_host(gemm + attention + memory + kernels * cost.launch_s, kernels, step)
+    return _with_host(gemm + attention + memory + kernels * cost.launch_s, kernels, step), gemm
 
 
 def _with_host(device_s: float, kernels: int, step: Step) -> float:
@@ -317,35 +384,32 @@ def _micro_step_s(step: Step, profile: KernelProfile | None) -> tuple[float, flo
         def timed(flops: float) -> float:
             return _compute_s(flops, step.gpu, w.precision, c.tokens, step.cost)
         return timed(c.forward), timed(c.backward), timed(c.recompute)
-    forward_s, backward_s = _phase_s(profile.forward, step), _phase_s(profile.backward, step)
-    return forward_s * c.forward / base, backward_s * c.backward / (2 * base), forward_s * c.recompute / base
+    (forward_s, matmuls_s), backward_s = _phase_parts(profile.forward, step), _phase_s(profile.backward, step)
+    recompute_s = forward_s * c.recompute / base + c.recompute_cheap * max(0.0, forward_s - matmuls_s)
+    return forward_s * c.forward / base, backward_s * c.backward / (2 * base), recompute_s
 
 
 def _train_step(step: Step) -> None:
-    w, c, cost = step.workload, step.compute, step.cost
+    w, c = step.workload, step.compute
     factor = c.factor / c.split
-    forward_s, backward_s, recompute_s = _micro_step_s(step, kernel_profile(w, step.gpu.compute_capability))
+    profile = kernel_profile(w, step.gpu.kernels)
+    step.parameter_tensors = profile.parameter_tensors if profile else 0
+    forward_s, backward_s, recompute_s = _micro_step_s(step, profile)
     step.work_s = (forward_s + backward_s) * factor * c.bubble
     step.redo_s = recompute_s * factor * c.bubble
     step.parts.update(compute=step.work_s * step.accum, recompute=step.redo_s * step.accum, communication=0.0)
     if w.engine == "deepspeed":   # its ZeRO stages: stage 3 gathers like a sharded layout, 1-2 all-reduce
         step.add("communication", step.sharded_gathers_s(2) if w.zero_stage == 3 else
                  step.gradient_all_reduce_s(step.estimate.num_parameters * step.activation_bytes))
-    per_param = dict(cost.optimizer_s_per_param).get(w.optimizer)
-    if per_param:
-        optimizer_s = step.state_bytes("gradients") / step.gradient_bytes * per_param
-    else:
-        states = step.state_bytes("optimizer_states") + step.estimate.paged_bytes   # paged ones are read too
-        traffic = 2 * states + 3 * step.state_bytes("gradients")
-        optimizer_s = traffic / step.hbm_bytes_per_s
-    step.parts.update(optimizer=optimizer_s, offload=0.0)
+    states = step.state_bytes("optimizer_states") + step.estimate.paged_bytes   # paged ones are read too
+    step.parts.update(optimizer=step.optimizer_s(step.state_bytes("gradients"), states), offload=0.0)
 
 
 def _inference_batch(step: Step) -> None:
     w, c, cost, gpu = step.workload, step.compute, step.cost, step.gpu
     seq, batch = w.effective_seq_len, w.batch_size
     factor = c.factor / c.split
-    profile = kernel_profile(w, gpu.compute_capability)
+    profile = kernel_profile(w, gpu.kernels)
     prefill = _micro_step_s(step, profile)[0] * factor
     decode = 0.0
     if w.new_tokens:

@@ -91,7 +91,7 @@ def profiles_counted_alongside(search: Search) -> Iterator[None]:
     (transformers' modeling module: about 1.5 s), which the enumeration now hides. Where no worker can be forked,
     they are counted when first read."""
     request, base = search.request, search.base
-    capability = request.gpu.compute_capability
+    capability = request.gpu.kernels
     keys = list(dict.fromkeys(
         profile_key(base, capability, precision=candidate.precision,
                     attention=tuple(spec for spec in candidate.techniques

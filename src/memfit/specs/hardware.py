@@ -10,6 +10,8 @@ from importlib import resources
 from memfit.core.errors import MemfitError, closest
 from memfit.core.units import MiB
 
+CPU_KERNELS = (0, 0)   # the capability that stands for a CPU's own kernels (no CUDA to emulate)
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -26,6 +28,12 @@ class GPU:
     context_bytes: int          # outside PyTorch's allocator; an assumed figure (see gpus.json notes)
     compute_capability: tuple[int, int] = (8, 0)
     aliases: tuple[str, ...] = ()
+
+    @property
+    def kernels(self) -> tuple[int, int]:
+        """Which kernels a step runs here, as the step-time model's kernel count reads it: the CUDA kernels of its
+        compute capability, or on a CPU (vendor "cpu", a planner oracle's) the CPU's own (CPU_KERNELS)."""
+        return CPU_KERNELS if self.vendor == "cpu" else self.compute_capability
 
     def to_json(self) -> dict:
         return {

@@ -33,7 +33,6 @@ from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
 
 MODES = ("full", "selective", "selective-op", "offload")
-SELECTIVE_RECOMPUTE = 0.1    # of one forward: the cheap ops selective checkpointing re-runs (assumed)
 SELECTIVE_OP_RECOMPUTE = 0.5   # of one forward: every second projection and the cheap ops (assumed)
 KEEP_CHECKPOINTED = 2 / 34   # of a layer's activation bytes: full recompute keeps 2sbh of 34sbh (Korthikanti et al.)
 
@@ -130,12 +129,13 @@ class Checkpointing(Technique):
                 "checkpoint_offload": self.mode == "offload"}
 
     def cost_compute(self, compute) -> None:
-        """Full: one more forward of every n-th block; selective: the cheap ops of one (Korthikanti et al.,
-        2022); offload recomputes nothing (its copies are `cost_overhead`)."""
+        """Full: one more forward of every n-th block; selective: everything of the forward but its matmuls (their
+        outputs are kept; pointwise ops, attention and dropout's draws are re-run: the step-time model times that
+        work, not a share of FLOPs); offload recomputes nothing (its copies are `cost_overhead`)."""
         if self.mode == "full":
             compute.recompute += compute.forward / self.every
         elif self.mode == "selective":
-            compute.recompute += SELECTIVE_RECOMPUTE * compute.forward
+            compute.recompute_cheap += 1.0
         elif self.mode == "selective-op":
             compute.recompute += SELECTIVE_OP_RECOMPUTE * compute.forward
 

@@ -116,7 +116,7 @@ class CpuOffload(Technique):
         w, e = step.workload, step.estimate
         ranks_per_node = min(step.num_gpus, 8)
         trainable_numel = e.num_parameters // max(1, w.world_size)
-        per_param = dict(step.cost.optimizer_s_per_param).get(w.optimizer)
+        per_param = step.cost.optimizer_seconds_per_param(w.optimizer, torch.float32)   # on float32 host masters
         step.parts["optimizer"] = (trainable_numel * ranks_per_node * per_param if per_param
                                    else 2 * e.host_bytes * ranks_per_node / step.host_step_bytes_per_s)
         weights_up = grads_down = trainable_numel * step.gradient_bytes

@@ -56,12 +56,17 @@ class OptimizerInBackward(Technique):
         return [cls.name] if request.task == "train" and request.num_gpus == 1 else []
 
     def cost_overhead(self, step) -> None:
-        """Its steps still read every gradient, though the estimate holds one at a time: the optimizer traffic
-        (planner/cost.py: 3x the gradients' bytes) of those it does not hold, every weight trainable."""
+        """Its steps still read every gradient, though the estimate holds one at a time: the optimizer's time
+        (planner/cost.py) on those it does not hold, every weight trainable; and the host calls one optimizer's step
+        per trainable parameter tensor (where a foreach step calls one for all), hidden behind the backward where the
+        host issues ahead of the device (a GPU)."""
         if step.workload.with_trait("adapters"):
             return
-        unheld = step.state_bytes("parameters") - step.state_bytes("gradients")
-        step.add("optimizer", 3 * max(0, unheld) / step.hbm_bytes_per_s)
+        calls_s = step.parameter_tensors * step.cost.seconds_per_optimizer_call
+        hidden_s = step.backward_share(step.work_s) if step.cost.host_overlaps else 0.0
+        step.add("optimizer", max(0.0, calls_s - hidden_s))
+        unheld = max(0, step.state_bytes("parameters") - step.state_bytes("gradients"))
+        step.add("optimizer", step.optimizer_s(unheld, 0.0))
 
     def oom_fix(self, message, snapshot) -> OomFix | None:
         """From a snapshot: the gradients, never all held at once (the most it saves: the peak may lie before)."""
