@@ -17,10 +17,11 @@ finalists: its FINALISTS fastest feasible configurations and memfit's plan are m
 ROUNDS rounds in one sitting, and the oracle's best is the fastest of them there.
 
 Run:  python benchmarks/planner_oracle.py [--cases N] [--steps N] [--resume | --replan]
-Writes benchmarks/results/planner_oracle.{txt,json} after every case; --resume keeps the cases that file already
-holds for the same workload, budget and steps (a long run can be finished in a later session); --replan keeps their
-measured configurations and plans again (a change to the planner or its cost model, judged against the same
-measurements: the finalists and memfit's new plan are measured again side by side).
+Writes benchmarks/results/planner_oracle.{txt,json} after every case, and the case being measured to
+planner_oracle.partial.json after every configuration (a stopped sweep continues from there); --resume keeps the
+cases the results already hold for the same workload, budget and steps (a long run can be finished in a later
+session); --replan keeps their measured configurations and plans again (a change to the planner or its cost model,
+judged against the same measurements: the finalists and memfit's new plan are measured again side by side).
 """
 from __future__ import annotations
 
@@ -254,31 +255,61 @@ def release_freed_memory() -> None:
 
 
 def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
-    """Every configuration of the planner's space, measured, with its feasibility under the budget."""
-    search = Search(request)
+    """Every configuration of the planner's space, measured, with its feasibility under the budget. Each row is saved
+    to PARTIAL as it is measured, and the rows a stopped run saved there for this case and steps are read back, not
+    measured again: a sweep of an hour or more can be finished in a later session."""
+    saved = partial_rows(request, steps)
+    if saved:
+        console.print(f"[dim]  {len(saved)} configurations read back from {PARTIAL}[/dim]")
     rows = []
-    for candidate, workload, per_replica in search.workloads():
+    for candidate, workload, per_replica in Search(request).workloads():
         sizes = [m for m in divisors(per_replica) if m % candidate.batch_multiple == 0]
         if workload.with_trait("steps-in-backward"):   # it cannot accumulate: the whole batch at once (as planned)
             sizes = sizes[-1:]
         for micro in sizes:
-            workload = candidate.workload(request, micro)
-            batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
-            try:
-                peak, seconds = measured(workload, batches, per_replica // micro)
-            except (MemfitError, RuntimeError) as exc:
-                console.print(f"[dim]  {' + '.join(candidate.labels())} mb {micro}: failed ({exc})[/dim]")
-                break
-            rows.append({"techniques": candidate.labels(), "micro_batch": micro, "grad_accum": per_replica // micro,
-                         "peak_bytes": peak, "step_time_s": seconds,
-                         "fits": peak <= request.budget_bytes})
-            console.print(f"[dim]  {' + '.join(candidate.labels())} {micro}×{per_replica // micro}: "
-                          f"{format_bytes(peak)}, {rows[-1]['step_time_s']:.3f} s"
-                          f"{'' if rows[-1]['fits'] else ' (over)'}"
-                          "[/dim]")
-            if peak > request.budget_bytes:
+            row = saved.get((tuple(candidate.labels()), micro))
+            if row is None:
+                workload = candidate.workload(request, micro)
+                batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
+                try:
+                    peak, seconds = measured(workload, batches, per_replica // micro)
+                except (MemfitError, RuntimeError) as exc:
+                    console.print(f"[dim]  {' + '.join(candidate.labels())} mb {micro}: failed ({exc})[/dim]")
+                    break
+                row = {"techniques": candidate.labels(), "micro_batch": micro, "grad_accum": per_replica // micro,
+                       "peak_bytes": peak, "step_time_s": seconds, "fits": peak <= request.budget_bytes}
+                console.print(f"[dim]  {' + '.join(candidate.labels())} {micro}×{per_replica // micro}: "
+                              f"{format_bytes(peak)}, {row['step_time_s']:.3f} s{'' if row['fits'] else ' (over)'}"
+                              "[/dim]")
+                save_partial(request, steps, [*rows, row])
+            rows.append(row)
+            if not row["fits"]:
                 break   # a larger micro-batch only needs more
     return rows
+
+
+PARTIAL = f"{RESULTS}.partial.json"   # the case a stopped sweep was measuring, its rows so far
+
+
+def partial_key(request: PlanRequest, steps: int) -> list:
+    return [request.model, request.seq_len, request.global_batch, request.budget_bytes, steps]
+
+
+def partial_rows(request: PlanRequest, steps: int) -> dict[tuple, dict]:
+    try:
+        with open(PARTIAL) as fh:
+            saved = json.load(fh)
+    except FileNotFoundError:
+        return {}
+    if saved["case"] != partial_key(request, steps):
+        return {}
+    return {(tuple(r["techniques"]), r["micro_batch"]): r for r in saved["configurations"]}
+
+
+def save_partial(request: PlanRequest, steps: int, rows: list[dict]) -> None:
+    with open(PARTIAL + ".tmp", "w") as fh:
+        json.dump({"case": partial_key(request, steps), "configurations": rows}, fh)
+    os.replace(PARTIAL + ".tmp", PARTIAL)
 
 
 def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps: int, console: Console,
@@ -417,6 +448,8 @@ def main() -> None:
             cases.append(done[model, seq_len, global_batch])
         else:
             cases.append(run_case(*entry, args.steps, console))
+            if os.path.exists(PARTIAL):   # its rows are in the case now
+                os.remove(PARTIAL)
         write(cases, header, console, final=len(cases) == args.cases)
 
 
