@@ -51,13 +51,14 @@ from memfit.estimators.kernels import ATTENTION_BACKWARD, kernel_profile  # noqa
 from memfit.measurement import measure  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.planner import PlanRequest, plan  # noqa: E402
-from memfit.planner.cost import CostModel  # noqa: E402
+from memfit.planner.cost import LINK_EFFICIENCY, CostModel  # noqa: E402
 from memfit.planner.search import Search, divisors  # noqa: E402
 from memfit.specs.hardware import CPU_KERNELS, GPU  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
 from memfit.steps.optim import make_optimizer  # noqa: E402
 from memfit.steps.train import call_model  # noqa: E402
 from memfit.techniques import REGISTRY  # noqa: E402
+from memfit.techniques.offload import offload_saved_tensors_, parameter_storages  # noqa: E402
 from memfit.techniques.resolve import resolve  # noqa: E402
 
 # (model, seq_len, global batch, budget as a fraction of the plain float32 AdamW step's peak at the whole batch)
@@ -75,11 +76,10 @@ TARGET_SHARE = 0.8
 RESULTS = "benchmarks/results/planner_oracle"
 
 
-def cpu_as_gpu(memory_bytes: int, copy_bytes: int) -> GPU:
+def cpu_as_gpu(memory_bytes: int, hidden: int, tokens: int) -> GPU:
     """This CPU described as the planner's cost model reads a GPU: measured matmul throughput (float32 and
-    bfloat16), memory bandwidth (a large copy between warm buffers, read and write), a "host link" that is a copy of
-    `copy_bytes` (an activation) into fresh memory, bytes copied a second (what offloading a tensor to host memory
-    is here: save_on_cpu allocates each copy), no interconnect, no CUDA context."""
+    bfloat16), memory bandwidth (a large copy between warm buffers, read and write), a "host link" that is what
+    offloading moves a second here (offload_link), no interconnect, no CUDA context."""
     def matmul_tflops(dtype: torch.dtype) -> float:
         a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
         return 2 * 1024**3 / _seconds(lambda: a @ b) / 1e12
@@ -87,12 +87,29 @@ def cpu_as_gpu(memory_bytes: int, copy_bytes: int) -> GPU:
     source = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source)
     bandwidth = 2 * source.numel() / _seconds(lambda: target.copy_(source)) / 1e9   # read + write
-    activation = torch.empty(copy_bytes, dtype=torch.uint8).fill_(1)
-    host_link = activation.numel() / _seconds(lambda: torch.empty_like(activation).copy_(activation)) / 1e9
     bf16 = matmul_tflops(torch.bfloat16)
+    # the cost model derates a data-sheet link by LINK_EFFICIENCY; this rate is one reached
+    host_link = offload_link(hidden, tokens) / LINK_EFFICIENCY
     return GPU(name="cpu (measured)", vendor="cpu", memory_bytes=memory_bytes, fp32_tflops=matmul_tflops(torch.float32),
                bf16_tflops=bf16, fp16_tflops=bf16, memory_bandwidth_gbps=bandwidth, interconnect="none",
                interconnect_gbps=0.0, host_link_gbps=host_link, context_bytes=0)
+
+
+def offload_link(hidden: int, tokens: int) -> float:
+    """GB a second that offloading tensors to host memory moves on this CPU, through memfit's own offload hooks: an
+    MLP block (linear, SiLU, linear) over `tokens` x `hidden` activations, its forward and backward timed with its
+    saved tensors offloaded (a copy into fresh host memory out, another back: 9 x hidden float32 values a token, each
+    way) and without."""
+    block = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.SiLU(),
+                                torch.nn.Linear(4 * hidden, hidden))
+    x = torch.randn(tokens, hidden, requires_grad=True)
+
+    def step():
+        block(x).sum().backward()
+    plain = _seconds(step)
+    offload_saved_tensors_(block, parameter_storages(block))
+    moved = 2 * tokens * 9 * hidden * 4
+    return moved / max(_seconds(step) - plain, 1e-9) / 1e9
 
 
 def _seconds(fn, runs: int = 7) -> float:
@@ -320,8 +337,7 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     plain = analytic_estimate(plain_workload)
     budget = int(plain.peak_bytes * fraction)
     spec = registry.family_of(plain_workload.source)[1]
-    activation_bytes = seq_len * max(divisors(global_batch)) * (getattr(spec, "hidden", None) or spec.d_model) * 4
-    gpu = cpu_as_gpu(budget, activation_bytes)
+    gpu = cpu_as_gpu(budget, getattr(spec, "hidden", None) or spec.d_model, seq_len * max(divisors(global_batch)))
     cost = calibrate(gpu, model, seq_len, divisors(global_batch))
     console.print(f"calibrated: {cost}")
     # speed_margin 0: the oracle checks the cost model's pick of the fastest plan, not the preference for the one
