@@ -92,7 +92,7 @@ class CostModel:
     def optimizer_seconds_per_param(self, optimizer: str, dtype: torch.dtype) -> float | None:
         """The measured seconds per parameter of `optimizer` stepping `dtype` states (None: not measured)."""
         measured = dict(self.optimizer_s_per_param)
-        return measured.get(f"{optimizer}:{_dtype_name(dtype)}", measured.get(optimizer))
+        return measured.get(f"{optimizer}:{dtype_key(dtype)}", measured.get(optimizer))
 
     @property
     def seconds_per_optimizer_call(self) -> float:
@@ -291,7 +291,8 @@ class Step:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_key(dtype: torch.dtype) -> str:
+    """How CostModel keys a dtype ("float32", "bfloat16")."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -325,7 +326,7 @@ def _phase_s(phase: Phase, step: Step) -> float:
 def _phase_parts(phase: Phase, step: Step) -> tuple[float, float]:
     """(the phase's seconds, its matmuls' share of them)."""
     w, gpu, cost, fused = step.workload, step.gpu, step.cost, step.compute.fused
-    dtype = _dtype_name(_compute_dtype(w.precision))
+    dtype = dtype_key(_compute_dtype(w.precision))
     batched_tflops = dict(cost.batched_tflops).get(dtype)
     if batched_tflops:
         gemm = (_compute_s(phase.gemm_flops - phase.batched_flops, gpu, w.precision, step.compute.tokens, cost)
