@@ -52,6 +52,7 @@ from memfit.estimators.analytic.families import registry  # noqa: E402
 from memfit.measurement import measure  # noqa: E402
 from memfit.measurement.training import text_batches, train_run  # noqa: E402
 from memfit.planner import PlanRequest, plan  # noqa: E402
+from memfit.planner.cost import step_time  # noqa: E402
 from memfit.planner.search import Search, divisors  # noqa: E402
 from memfit.specs.workload import Workload  # noqa: E402
 from memfit.techniques.resolve import resolve  # noqa: E402
@@ -67,37 +68,65 @@ ZOO = [
 TOLERANCE = 0.10
 FINALISTS = 5   # the sweep's fastest feasible configurations measured again beside memfit's plan
 ROUNDS = 3
+PRUNE = 3.0     # a warm-up forward past this many times the fastest step so far: not the fastest (oracle())
 TARGET_SHARE = 0.8
 RESULTS = "benchmarks/results/planner_oracle"
 
 
-class PhaseClock:
-    """Step hooks that note when each step's optimizer phase starts: the step before it is its forward and backward."""
+class TooSlow(Exception):
+    """A configuration's warm-up forward already ran past what the fastest feasible step so far allows."""
 
-    def __init__(self) -> None:
+
+class PhaseClock:
+    """Step hooks that note when each step's optimizer phase starts: the step before it is its forward and backward.
+    Given `forward_limit_s`, the first step's forward (the warm-up's) is watched module by module and stopped
+    (TooSlow) once it runs past that limit."""
+
+    def __init__(self, forward_limit_s: float | None = None) -> None:
         self.step_started: list[float] = []
         self.optimizer_started: list[float] = []
+        self.forward_limit_s = forward_limit_s
+        self.watch = None
 
     def phase(self, name: str) -> None:
         if name == "forward" and len(self.step_started) == len(self.optimizer_started):   # a step's first forward
             self.step_started.append(time.perf_counter())
-        elif name == "optimizer":
-            self.optimizer_started.append(time.perf_counter())
+            if self.forward_limit_s is not None and len(self.step_started) == 1:
+                self.watch = torch.nn.modules.module.register_module_forward_pre_hook(self._within_limit)
+        else:
+            self.stop_watching()
+            if name == "optimizer":
+                self.optimizer_started.append(time.perf_counter())
+
+    def _within_limit(self, module, args) -> None:
+        if time.perf_counter() - self.step_started[0] > self.forward_limit_s:
+            raise TooSlow
+
+    def stop_watching(self) -> None:
+        if self.watch is not None:
+            self.watch.remove()
+            self.watch = None
 
     def mark(self, category: str, tensors) -> None:
         pass
 
 
-def measured(workload: Workload, batches: list[dict], accum: int, *, peak: bool = True) -> tuple[int | None, float]:
+def measured(workload: Workload, batches: list[dict], accum: int, *, peak: bool = True,
+             limit_s: float | None = None) -> tuple[int | None, float]:
     """(peak bytes of one real step, seconds of one optimizer step over `accum` micro-batches): the median forward and
     backward of a micro-batch `accum` times, and the median optimizer step once — as a loop that accumulates
     gradients runs (each timed step here runs one micro-batch and its own optimizer step; the steps after a
-    warm-up one count)."""
-    peak = measure(workload, device="cpu", estimates=()).peak_bytes if peak else None
-    clock = PhaseClock()
-    run = train_run(workload, batches, hooks=clock)
+    warm-up one count). Given `limit_s`, a configuration whose warm-up forward alone, `accum` times, passes it is
+    stopped there (TooSlow), before its peak is measured."""
+    clock = PhaseClock(None if limit_s is None else limit_s / accum)
+    try:
+        run = train_run(workload, batches, hooks=clock)
+    finally:
+        clock.stop_watching()
+        release_freed_memory()
     passes = [o - s for s, o in zip(clock.step_started, clock.optimizer_started)][1:]
     optimizer = [step - p for step, p in zip(run.step_seconds[1:], passes)]
+    peak = measure(workload, device="cpu", estimates=()).peak_bytes if peak else None
     release_freed_memory()
     return peak, accum * median(passes) + median(optimizer)
 
@@ -110,44 +139,91 @@ def release_freed_memory() -> None:
 
 
 def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
-    """Every configuration of the planner's space, measured, with its feasibility under the budget. Each row is saved
-    to PARTIAL as it is measured, and the rows a stopped run saved there for this case and steps are read back, not
-    measured again: a sweep of an hour or more can be finished in a later session."""
+    """Every configuration of the planner's space, measured, with its feasibility under the budget — but for those
+    too slow to be the fastest: a configuration whose warm-up forward alone, times its accumulation steps, passes
+    PRUNE times the fastest feasible step measured so far is stopped there (a forward is about a third of a step,
+    and a warm-up's is slower than those after it). Candidates are measured in the order of the cost model's
+    prediction, so that the bound is tight early: the order saves time, it does not choose what is measured. Each
+    row is saved to PARTIAL as it is measured, and the rows a stopped run saved there for this case, steps and CPU
+    are read back, not measured again: a sweep of an hour or more can be finished in a later session."""
     saved = partial_rows(request, steps)
     if saved:
         console.print(f"[dim]  {len(saved)} configurations read back from {PARTIAL}[/dim]")
     rows = []
-    for candidate, workload, per_replica in Search(request).workloads():
+    for candidate, workload, per_replica in in_predicted_order(request):
         sizes = [m for m in divisors(per_replica) if m % candidate.batch_multiple == 0]
         if workload.with_trait("steps-in-backward"):   # it cannot accumulate: the whole batch at once (as planned)
             sizes = sizes[-1:]
         for micro in sizes:
             row = saved.get((tuple(candidate.labels()), micro))
             if row is None:
-                workload = candidate.workload(request, micro)
-                batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
-                try:
-                    peak, seconds = measured(workload, batches, per_replica // micro)
-                except (MemfitError, RuntimeError) as exc:
-                    console.print(f"[dim]  {' + '.join(candidate.labels())} mb {micro}: failed ({exc})[/dim]")
-                    break
-                row = {"techniques": candidate.labels(), "micro_batch": micro, "grad_accum": per_replica // micro,
-                       "peak_bytes": peak, "step_time_s": seconds, "fits": peak <= request.budget_bytes}
-                console.print(f"[dim]  {' + '.join(candidate.labels())} {micro}×{per_replica // micro}: "
-                              f"{format_bytes(peak)}, {row['step_time_s']:.3f} s{'' if row['fits'] else ' (over)'}"
-                              "[/dim]")
+                row = sweep_row(request, candidate, micro, per_replica, steps, fastest_feasible(rows), console)
                 save_partial(request, steps, [*rows, row])
             rows.append(row)
-            if not row["fits"]:
+            if row["fits"] is False:
                 break   # a larger micro-batch only needs more
     return rows
+
+
+def sweep_row(request: PlanRequest, candidate, micro: int, per_replica: int, steps: int, fastest: float | None,
+              console: Console) -> dict:
+    workload = candidate.workload(request, micro)
+    accum = per_replica // micro
+    row = {"techniques": candidate.labels(), "micro_batch": micro, "grad_accum": accum}
+    batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
+    name = f"{' + '.join(candidate.labels())} {micro}×{accum}"
+    try:
+        peak, seconds = measured(workload, batches, accum, limit_s=PRUNE * fastest if fastest else None)
+    except TooSlow:
+        console.print(f"[dim]  {name}: its warm-up forward passed {PRUNE:g}x the fastest step so far[/dim]")
+        return dict(row, peak_bytes=None, step_time_s=None, fits=None, too_slow_over_s=PRUNE * fastest)
+    except (MemfitError, RuntimeError) as exc:
+        console.print(f"[dim]  {name}: failed ({exc})[/dim]")
+        return dict(row, peak_bytes=None, step_time_s=None, fits=False, failed=str(exc))
+    fits = peak <= request.budget_bytes
+    console.print(f"[dim]  {name}: {format_bytes(peak)}, {seconds:.3f} s{'' if fits else ' (over)'}[/dim]")
+    return dict(row, peak_bytes=peak, step_time_s=seconds, fits=fits)
+
+
+def fastest_feasible(rows: list[dict]) -> float | None:
+    return min((r["step_time_s"] for r in rows if r["fits"]), default=None)
+
+
+def in_predicted_order(request: PlanRequest) -> list:
+    """The search's candidates, fastest first as the cost model predicts them at their smallest micro-batch."""
+    search = Search(request)
+
+    def predicted(entry) -> float:
+        candidate, workload, per_replica = entry
+        try:
+            estimate = search.estimate(workload)
+        except MemfitError:
+            return float("inf")
+        return step_time(workload, estimate, request.gpu, grad_accum=per_replica // candidate.batch_multiple,
+                         num_gpus=candidate.num_gpus, cost=request.cost).total_s
+    return sorted(search.workloads(), key=predicted)
 
 
 PARTIAL = f"{RESULTS}.partial.json"   # the case a stopped sweep was measuring, its rows so far
 
 
 def partial_key(request: PlanRequest, steps: int) -> list:
-    return [request.model, request.seq_len, request.global_batch, request.budget_bytes, steps]
+    return [request.model, request.seq_len, request.global_batch, request.budget_bytes, steps, this_cpu()]
+
+
+def this_cpu() -> str:
+    """The processor the sweep runs on: its measurements hold for that one (a bfloat16 step is 1.3x faster than a
+    float32 one on a CPU with AMX units, 15x slower on one without)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info = fh.read()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = next(line for line in info.splitlines() if line.startswith("flags")).split()
+        name += " (" + (" ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no bf16 units") + ")"
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} CPUs"
 
 
 def partial_rows(request: PlanRequest, steps: int) -> dict[tuple, dict]:
@@ -193,6 +269,7 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     best = min(feasible, key=lambda r: r["step_time_s"]) if feasible else None
     case = {"model": model, "seq_len": seq_len, "global_batch": global_batch, "budget_bytes": budget,
             "plain_peak_bytes": plain.peak_bytes, "configurations_measured": len(rows), "feasible": len(feasible),
+            "too_slow": sum(r["fits"] is None for r in rows),
             "oracle_best": best, "planning_s": round(planning_s, 2), "plan": None,
             "cost_model": {k: v for k, v in vars(cost).items()}, "configurations": rows}
     if not chosen.feasible:
@@ -248,7 +325,7 @@ def side_by_side(request: PlanRequest, rows: list[dict], plan_found, steps: int,
 def render(cases: list[dict]) -> Table:
     table = Table(title="memfit plan vs the oracle (every configuration measured for real on this CPU)",
                   title_justify="left")
-    for column in ("case", "budget", "measured / feasible", "oracle's best", "oracle time", "memfit's plan",
+    for column in ("case", "budget", "measured / too slow / feasible", "oracle's best", "oracle time", "memfit's plan",
                    "plan peak: predicted / measured", "plan time", "vs oracle", "pass"):
         table.add_column(column, justify="left" if column in ("case", "oracle's best", "memfit's plan") else "right")
     for case in cases:
@@ -256,18 +333,21 @@ def render(cases: list[dict]) -> Table:
         name = f"{case['model']} s{case['seq_len']} G{case['global_batch']}"
         best_text = f"{' + '.join(best['techniques'])} {best['micro_batch']}×{best['grad_accum']}" if best else "none"
         if not mine or mine.get("feasible") is False:
-            table.add_row(name, format_bytes(case["budget_bytes"]), f"{case['configurations_measured']} / "
-                          f"{case['feasible']}", best_text, "", "no plan", "", "", "", "no" if best else "yes")
+            table.add_row(name, format_bytes(case["budget_bytes"]), counts(case), best_text, "",
+                          "no plan", "", "", "", "no" if best else "yes")
             continue
         ok = mine["fits_when_run"] and mine.get("time_vs_oracle", 99) <= 1 + TOLERANCE
-        measured = f"{case['configurations_measured']} / {case['feasible']}"
-        table.add_row(name, format_bytes(case["budget_bytes"]), measured,
+        table.add_row(name, format_bytes(case["budget_bytes"]), counts(case),
                       best_text, f"{best['step_time_s']:.3f} s" if best else "",
                       f"{' + '.join(mine['techniques'])} {mine['micro_batch']}×{mine['grad_accum']}",
                       f"{format_bytes(mine['predicted_peak_bytes'])} / {format_bytes(mine['measured_peak_bytes'])}",
                       f"{mine['measured_step_time_s']:.3f} s", f"{mine.get('time_vs_oracle', 0):.3f}",
                       "yes" if ok else "no")
     return table
+
+
+def counts(case: dict) -> str:
+    return f"{case['configurations_measured']} / {case.get('too_slow', 0)} / {case['feasible']}"
 
 
 def passed(case: dict) -> bool:
@@ -290,7 +370,7 @@ def main() -> None:
     console = Console(width=200)
     command = (f"python benchmarks/planner_oracle.py --steps {args.steps} --cases {args.cases}"
                + (" --replan" if args.replan else ""))
-    header = f"{command}\n{platform.platform()}, torch {torch.__version__}, {os.cpu_count()} CPUs\n"
+    header = f"{command}\n{this_cpu()}; {platform.platform()}, torch {torch.__version__}\n"
     done = earlier_cases(args.steps) if args.resume or args.replan else {}
     cases = []
     for entry in ZOO[:args.cases]:   # the results are written after every case: nothing is lost on a stop
@@ -308,13 +388,13 @@ def main() -> None:
 
 
 def earlier_cases(steps: int) -> dict[tuple, dict]:
-    """The cases of an earlier run with these steps, by workload, whose budget is the zoo's budget today."""
+    """The cases of an earlier run with these steps on this CPU, by workload, whose budget is the zoo's budget today."""
     try:
         with open(f"{RESULTS}.json") as fh:
             earlier = json.load(fh)
     except FileNotFoundError:
         return {}
-    if f"--steps {steps} " not in earlier["command"] + " ":
+    if f"--steps {steps} " not in earlier["command"] + " " or earlier.get("cpu") != this_cpu():
         return {}
     fractions = {(model, seq_len, global_batch): fraction for model, seq_len, global_batch, fraction in ZOO}
     kept = {}
@@ -341,7 +421,8 @@ def write(cases: list[dict], header: str, console: Console, final: bool) -> None
         file_console.print(table)
         file_console.print(verdict)
     with open(f"{RESULTS}.json", "w") as fh:
-        json.dump({"command": header.splitlines()[0], "cases": cases, "share_passed": share}, fh, indent=2)
+        json.dump({"command": header.splitlines()[0], "cpu": this_cpu(), "cases": cases, "share_passed": share}, fh,
+                  indent=2)
     docs_sync.sync()
 
 
