@@ -69,6 +69,7 @@ TOLERANCE = 0.10
 FINALISTS = 5   # the sweep's fastest feasible configurations measured again beside memfit's plan
 ROUNDS = 3
 PRUNE = 3.0     # a warm-up forward past this many times the fastest step so far: not the fastest (oracle())
+CONTENDERS = 1.25   # a step slower than this many times the fastest so far cannot be a finalist: no peak measured
 TARGET_SHARE = 0.8
 RESULTS = "benchmarks/results/planner_oracle"
 
@@ -111,13 +112,11 @@ class PhaseClock:
         pass
 
 
-def measured(workload: Workload, batches: list[dict], accum: int, *, peak: bool = True,
-             limit_s: float | None = None) -> tuple[int | None, float]:
-    """(peak bytes of one real step, seconds of one optimizer step over `accum` micro-batches): the median forward and
-    backward of a micro-batch `accum` times, and the median optimizer step once — as a loop that accumulates
-    gradients runs (each timed step here runs one micro-batch and its own optimizer step; the steps after a
-    warm-up one count). Given `limit_s`, a configuration whose warm-up forward alone, `accum` times, passes it is
-    stopped there (TooSlow), before its peak is measured."""
+def step_seconds(workload: Workload, batches: list[dict], accum: int, limit_s: float | None = None) -> float:
+    """Seconds of one optimizer step over `accum` micro-batches: the median forward and backward of a micro-batch
+    `accum` times, and the median optimizer step once — as a loop that accumulates gradients runs (each timed step
+    here runs one micro-batch and its own optimizer step; the steps after a warm-up one count). Given `limit_s`, a
+    configuration whose warm-up forward alone, `accum` times, passes it is stopped there (TooSlow)."""
     clock = PhaseClock(None if limit_s is None else limit_s / accum)
     try:
         run = train_run(workload, batches, hooks=clock)
@@ -126,9 +125,14 @@ def measured(workload: Workload, batches: list[dict], accum: int, *, peak: bool 
         release_freed_memory()
     passes = [o - s for s, o in zip(clock.step_started, clock.optimizer_started)][1:]
     optimizer = [step - p for step, p in zip(run.step_seconds[1:], passes)]
-    peak = measure(workload, device="cpu", estimates=()).peak_bytes if peak else None
+    return accum * median(passes) + median(optimizer)
+
+
+def peak_bytes(workload: Workload) -> int:
+    """The peak of one real step (memfit measure: the CPU allocator's own account)."""
+    peak = measure(workload, device="cpu", estimates=()).peak_bytes
     release_freed_memory()
-    return peak, accum * median(passes) + median(optimizer)
+    return peak
 
 
 def release_freed_memory() -> None:
@@ -142,7 +146,8 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     """Every configuration of the planner's space, measured, with its feasibility under the budget — but for those
     too slow to be the fastest: a configuration whose warm-up forward alone, times its accumulation steps, passes
     PRUNE times the fastest feasible step measured so far is stopped there (a forward is about a third of a step,
-    and a warm-up's is slower than those after it). Candidates are measured in the order of the cost model's
+    and a warm-up's is slower than those after it), and one whose step is over CONTENDERS times that fastest is not
+    measured for its peak (it cannot be a finalist). Candidates are measured in the order of the cost model's
     prediction, so that the bound is tight early: the order saves time, it does not choose what is measured. Each
     row is saved to PARTIAL as it is measured, and the rows a stopped run saved there for this case, steps and CPU
     are read back, not measured again: a sweep of an hour or more can be finished in a later session."""
@@ -173,7 +178,11 @@ def sweep_row(request: PlanRequest, candidate, micro: int, per_replica: int, ste
     batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
     name = f"{' + '.join(candidate.labels())} {micro}×{accum}"
     try:
-        peak, seconds = measured(workload, batches, accum, limit_s=PRUNE * fastest if fastest else None)
+        seconds = step_seconds(workload, batches, accum, limit_s=PRUNE * fastest if fastest else None)
+        if fastest and seconds > CONTENDERS * fastest:
+            console.print(f"[dim]  {name}: {seconds:.3f} s, not a finalist: its peak is not measured[/dim]")
+            return dict(row, peak_bytes=None, step_time_s=seconds, fits=None)
+        peak = peak_bytes(workload)
     except TooSlow:
         console.print(f"[dim]  {name}: its warm-up forward passed {PRUNE:g}x the fastest step so far[/dim]")
         return dict(row, peak_bytes=None, step_time_s=None, fits=None, too_slow_over_s=PRUNE * fastest)
@@ -311,9 +320,8 @@ def side_by_side(request: PlanRequest, rows: list[dict], plan_found, steps: int,
         for i, (row, workload) in enumerate(zip(rows, workloads)):
             batches = text_batches(batch_size=row["micro_batch"], seq_len=workload.effective_seq_len,
                                    num_batches=steps + 1)
-            peak, seconds = measured(workload, batches, row["grad_accum"], peak=peaks[i] is None)
-            peaks[i] = peaks[i] if peaks[i] is not None else peak
-            times[i].append(seconds)
+            times[i].append(step_seconds(workload, batches, row["grad_accum"]))
+            peaks[i] = peaks[i] if peaks[i] is not None else peak_bytes(workload)
     again = [dict(row, peak_bytes=peak, step_time_s=median(seconds), rounds=seconds)
              for row, peak, seconds in zip(rows, peaks, times)]
     for row in again:
