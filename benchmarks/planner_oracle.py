@@ -68,39 +68,42 @@ ZOO = [
 TOLERANCE = 0.10
 FINALISTS = 5   # the sweep's fastest feasible configurations measured again beside memfit's plan
 ROUNDS = 3
-PRUNE = 3.0     # a warm-up forward past this many times the fastest step so far: not the fastest (oracle())
+PRUNE = 3.0     # a warm-up past this many times the fastest step so far: not the fastest (oracle())
 CONTENDERS = 1.25   # a step slower than this many times the fastest so far cannot be a finalist: no peak measured
 TARGET_SHARE = 0.8
 RESULTS = "benchmarks/results/planner_oracle"
 
 
 class TooSlow(Exception):
-    """A configuration's warm-up forward already ran past what the fastest feasible step so far allows."""
+    """A configuration's warm-up already ran past what the fastest feasible step so far allows."""
 
 
 class PhaseClock:
     """Step hooks that note when each step's optimizer phase starts: the step before it is its forward and backward.
-    Given `forward_limit_s`, the first step's forward (the warm-up's) is watched module by module and stopped
-    (TooSlow) once it runs past that limit."""
+    Given a limit, the first step (the warm-up) is stopped (TooSlow) once it runs past it, or once its forward
+    runs past the limit over the accumulation steps (watched module by module)."""
 
-    def __init__(self, forward_limit_s: float | None = None) -> None:
+    def __init__(self, limit_s: float | None = None, accum: int = 1) -> None:
         self.step_started: list[float] = []
         self.optimizer_started: list[float] = []
-        self.forward_limit_s = forward_limit_s
+        self.limit_s, self.accum = limit_s, accum
         self.watch = None
 
     def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.limit_s is not None and len(self.step_started) == 1 and now - self.step_started[0] > self.limit_s:
+            raise TooSlow   # the warm-up's micro-batch and optimizer step alone passed the limit
         if name == "forward" and len(self.step_started) == len(self.optimizer_started):   # a step's first forward
-            self.step_started.append(time.perf_counter())
-            if self.forward_limit_s is not None and len(self.step_started) == 1:
-                self.watch = torch.nn.modules.module.register_module_forward_pre_hook(self._within_limit)
+            self.step_started.append(now)
+            if self.limit_s is not None and len(self.step_started) == 1:
+                self.watch = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_within_limit)
         else:
             self.stop_watching()
             if name == "optimizer":
-                self.optimizer_started.append(time.perf_counter())
+                self.optimizer_started.append(now)
 
-    def _within_limit(self, module, args) -> None:
-        if time.perf_counter() - self.step_started[0] > self.forward_limit_s:
+    def _forward_within_limit(self, module, args) -> None:
+        if (time.perf_counter() - self.step_started[0]) * self.accum > self.limit_s:
             raise TooSlow
 
     def stop_watching(self) -> None:
@@ -116,8 +119,9 @@ def step_seconds(workload: Workload, batches: list[dict], accum: int, limit_s: f
     """Seconds of one optimizer step over `accum` micro-batches: the median forward and backward of a micro-batch
     `accum` times, and the median optimizer step once — as a loop that accumulates gradients runs (each timed step
     here runs one micro-batch and its own optimizer step; the steps after a warm-up one count). Given `limit_s`, a
-    configuration whose warm-up forward alone, `accum` times, passes it is stopped there (TooSlow)."""
-    clock = PhaseClock(None if limit_s is None else limit_s / accum)
+    configuration whose warm-up step (one micro-batch and an optimizer step), or its forward alone `accum` times,
+    passes it is stopped there (TooSlow)."""
+    clock = PhaseClock(limit_s, accum)
     try:
         run = train_run(workload, batches, hooks=clock)
     finally:
@@ -144,10 +148,10 @@ def release_freed_memory() -> None:
 
 def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     """Every configuration of the planner's space, measured, with its feasibility under the budget — but for those
-    too slow to be the fastest: a configuration whose warm-up forward alone, times its accumulation steps, passes
-    PRUNE times the fastest feasible step measured so far is stopped there (a forward is about a third of a step,
-    and a warm-up's is slower than those after it), and one whose step is over CONTENDERS times that fastest is not
-    measured for its peak (it cannot be a finalist). Candidates are measured in the order of the cost model's
+    too slow to be the fastest: a configuration whose warm-up step (one micro-batch and an optimizer step), or its
+    warm-up forward alone times its accumulation steps, passes PRUNE times the fastest feasible step measured so far
+    is stopped there (a forward is about a third of a step, and a warm-up's is slower than those after it), and one
+    whose step is over CONTENDERS times that fastest is not measured for its peak (it cannot be a finalist). Candidates are measured in the order of the cost model's
     prediction, so that the bound is tight early: the order saves time, it does not choose what is measured. Each
     row is saved to PARTIAL as it is measured, and the rows a stopped run saved there for this case, steps and CPU
     are read back, not measured again: a sweep of an hour or more can be finished in a later session."""
@@ -184,7 +188,7 @@ def sweep_row(request: PlanRequest, candidate, micro: int, per_replica: int, ste
             return dict(row, peak_bytes=None, step_time_s=seconds, fits=None)
         peak = peak_bytes(workload)
     except TooSlow:
-        console.print(f"[dim]  {name}: its warm-up forward passed {PRUNE:g}x the fastest step so far[/dim]")
+        console.print(f"[dim]  {name}: its warm-up passed {PRUNE:g}x the fastest step so far[/dim]")
         return dict(row, peak_bytes=None, step_time_s=None, fits=None, too_slow_over_s=PRUNE * fastest)
     except (MemfitError, RuntimeError) as exc:
         console.print(f"[dim]  {name}: failed ({exc})[/dim]")
