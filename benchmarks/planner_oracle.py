@@ -70,23 +70,30 @@ FINALISTS = 5   # the sweep's fastest feasible configurations measured again bes
 ROUNDS = 3
 PRUNE = 3.0     # a warm-up past this many times the fastest step so far: not the fastest (oracle())
 CONTENDERS = 1.25   # a step slower than this many times the fastest so far cannot be a finalist: no peak measured
+ONE_STEP = 1.5      # a first timed step over this many times the fastest so far: not a finalist, the last step timed
 TARGET_SHARE = 0.8
 RESULTS = "benchmarks/results/planner_oracle"
 
 
 class TooSlow(Exception):
-    """A configuration's warm-up already ran past what the fastest feasible step so far allows."""
+    """A configuration already ran past what the fastest feasible step so far allows: in its warm-up (`seconds`
+    None), or in its first timed step (`seconds`: that step's time for the whole batch)."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        super().__init__()
+        self.seconds = seconds
 
 
 class PhaseClock:
     """Step hooks that note when each step's optimizer phase starts: the step before it is its forward and backward.
     Given a limit, the first step (the warm-up) is stopped (TooSlow) once it runs past it, or once its forward
-    runs past the limit over the accumulation steps (watched module by module)."""
+    runs past the limit over the accumulation steps (watched module by module); given `one_step_limit_s`, the first
+    timed step is the last when the whole batch's step it gives is over that."""
 
-    def __init__(self, limit_s: float | None = None, accum: int = 1) -> None:
+    def __init__(self, limit_s: float | None = None, accum: int = 1, one_step_limit_s: float | None = None) -> None:
         self.step_started: list[float] = []
         self.optimizer_started: list[float] = []
-        self.limit_s, self.accum = limit_s, accum
+        self.limit_s, self.accum, self.one_step_limit_s = limit_s, accum, one_step_limit_s
         self.watch = None
 
     def phase(self, name: str) -> None:
@@ -94,6 +101,11 @@ class PhaseClock:
         if self.limit_s is not None and len(self.step_started) == 1 and now - self.step_started[0] > self.limit_s:
             raise TooSlow   # the warm-up's micro-batch and optimizer step alone passed the limit
         if name == "forward" and len(self.step_started) == len(self.optimizer_started):   # a step's first forward
+            if self.one_step_limit_s is not None and len(self.step_started) == 2:   # the first timed step is done
+                first = (self.accum * (self.optimizer_started[1] - self.step_started[1])
+                         + now - self.optimizer_started[1])
+                if first > self.one_step_limit_s:
+                    raise TooSlow(first)
             self.step_started.append(now)
             if self.limit_s is not None and len(self.step_started) == 1:
                 self.watch = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_within_limit)
@@ -115,13 +127,14 @@ class PhaseClock:
         pass
 
 
-def step_seconds(workload: Workload, batches: list[dict], accum: int, limit_s: float | None = None) -> float:
+def step_seconds(workload: Workload, batches: list[dict], accum: int, limit_s: float | None = None,
+                 one_step_limit_s: float | None = None) -> float:
     """Seconds of one optimizer step over `accum` micro-batches: the median forward and backward of a micro-batch
     `accum` times, and the median optimizer step once — as a loop that accumulates gradients runs (each timed step
     here runs one micro-batch and its own optimizer step; the steps after a warm-up one count). Given `limit_s`, a
     configuration whose warm-up step (one micro-batch and an optimizer step), or its forward alone `accum` times,
-    passes it is stopped there (TooSlow)."""
-    clock = PhaseClock(limit_s, accum)
+    passes it is stopped there (TooSlow), and one whose first timed step passes `one_step_limit_s` after it."""
+    clock = PhaseClock(limit_s, accum, one_step_limit_s)
     try:
         run = train_run(workload, batches, hooks=clock)
     finally:
@@ -151,10 +164,12 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     too slow to be the fastest: a configuration whose warm-up step (one micro-batch and an optimizer step), or its
     warm-up forward alone times its accumulation steps, passes PRUNE times the fastest feasible step measured so far
     is stopped there (a forward is about a third of a step, and a warm-up's is slower than those after it), and one
-    whose step is over CONTENDERS times that fastest is not measured for its peak (it cannot be a finalist). Candidates are measured in the order of the cost model's
-    prediction, so that the bound is tight early: the order saves time, it does not choose what is measured. Each
-    row is saved to PARTIAL as it is measured, and the rows a stopped run saved there for this case, steps and CPU
-    are read back, not measured again: a sweep of an hour or more can be finished in a later session."""
+    whose step is over CONTENDERS times that fastest is not measured for its peak (it cannot be a finalist), nor
+    timed past its first step when that one is over ONE_STEP times the fastest.
+    Candidates are measured in the order of the cost model's prediction, so that the bound is tight early: the
+    order saves time, it does not choose what is measured. Each row is saved to PARTIAL as it is measured, and the
+    rows a stopped run saved there for this case, steps and CPU are read back, not measured again: a sweep of an
+    hour or more can be finished in a later session."""
     saved = partial_rows(request, steps)
     if saved:
         console.print(f"[dim]  {len(saved)} configurations read back from {PARTIAL}[/dim]")
@@ -182,12 +197,16 @@ def sweep_row(request: PlanRequest, candidate, micro: int, per_replica: int, ste
     batches = text_batches(batch_size=micro, seq_len=workload.effective_seq_len, num_batches=steps + 1)
     name = f"{' + '.join(candidate.labels())} {micro}×{accum}"
     try:
-        seconds = step_seconds(workload, batches, accum, limit_s=PRUNE * fastest if fastest else None)
+        seconds = step_seconds(workload, batches, accum, limit_s=PRUNE * fastest if fastest else None,
+                               one_step_limit_s=ONE_STEP * fastest if fastest else None)
         if fastest and seconds > CONTENDERS * fastest:
             console.print(f"[dim]  {name}: {seconds:.3f} s, not a finalist: its peak is not measured[/dim]")
             return dict(row, peak_bytes=None, step_time_s=seconds, fits=None)
         peak = peak_bytes(workload)
-    except TooSlow:
+    except TooSlow as slow:
+        if slow.seconds is not None:
+            console.print(f"[dim]  {name}: {slow.seconds:.3f} s in its first timed step, not a finalist[/dim]")
+            return dict(row, peak_bytes=None, step_time_s=slow.seconds, fits=None, timed_steps=1)
         console.print(f"[dim]  {name}: its warm-up passed {PRUNE:g}x the fastest step so far[/dim]")
         return dict(row, peak_bytes=None, step_time_s=None, fits=None, too_slow_over_s=PRUNE * fastest)
     except (MemfitError, RuntimeError) as exc:
