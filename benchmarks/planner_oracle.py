@@ -68,7 +68,7 @@ ZOO = [
 TOLERANCE = 0.10
 FINALISTS = 5   # the sweep's fastest feasible configurations measured again beside memfit's plan
 ROUNDS = 3
-PRUNE = 3.0     # a warm-up past this many times the fastest step so far: not the fastest (oracle())
+PRUNE = 4.0     # a warm-up past this many times the fastest step so far: not the fastest (oracle())
 CONTENDERS = 1.25   # a step slower than this many times the fastest so far cannot be a finalist: no peak measured
 ONE_STEP = 1.5      # a first timed step over this many times the fastest so far: not a finalist, the last step timed
 TARGET_SHARE = 0.8
@@ -86,15 +86,18 @@ class TooSlow(Exception):
 
 class PhaseClock:
     """Step hooks that note when each step's optimizer phase starts: the step before it is its forward and backward.
-    Given a limit, the first step (the warm-up) is stopped (TooSlow) once it runs past it, or once its forward
-    runs past the limit over the accumulation steps (watched module by module); given `one_step_limit_s`, the first
-    timed step is the last when the whole batch's step it gives is over that."""
+    Given a limit, the first step (the warm-up) is stopped (TooSlow) once its forward and backward, times the
+    accumulation steps, or the whole of it (one micro-batch and an optimizer step) run past the limit: watched as
+    every module returns (a global forward hook) and as backward reaches each module's output (a hook on it) until
+    its optimizer phase. Given `one_step_limit_s`, the first timed step is the last when the
+    whole batch's step it gives is over that."""
 
     def __init__(self, limit_s: float | None = None, accum: int = 1, one_step_limit_s: float | None = None) -> None:
         self.step_started: list[float] = []
         self.optimizer_started: list[float] = []
         self.limit_s, self.accum, self.one_step_limit_s = limit_s, accum, one_step_limit_s
         self.watch = None
+        self.gradient_hooks: list = []
 
     def phase(self, name: str) -> None:
         now = time.perf_counter()
@@ -108,13 +111,21 @@ class PhaseClock:
                     raise TooSlow(first)
             self.step_started.append(now)
             if self.limit_s is not None and len(self.step_started) == 1:
-                self.watch = torch.nn.modules.module.register_module_forward_pre_hook(self._forward_within_limit)
-        else:
+                self.watch = torch.nn.modules.module.register_module_forward_hook(self._module_called)
+        elif name == "optimizer":
             self.stop_watching()
-            if name == "optimizer":
-                self.optimizer_started.append(now)
+            self.optimizer_started.append(now)
 
-    def _forward_within_limit(self, module, args) -> None:
+    def _module_called(self, module, args, output) -> None:
+        self._pass_within_limit()
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:   # heard again when backward reaches it
+            self.gradient_hooks.append(first.register_hook(self._gradient))
+
+    def _gradient(self, grad) -> None:
+        self._pass_within_limit()
+
+    def _pass_within_limit(self) -> None:
         if (time.perf_counter() - self.step_started[0]) * self.accum > self.limit_s:
             raise TooSlow
 
@@ -122,6 +133,9 @@ class PhaseClock:
         if self.watch is not None:
             self.watch.remove()
             self.watch = None
+        for handle in self.gradient_hooks:
+            handle.remove()
+        self.gradient_hooks = []
 
     def mark(self, category: str, tensors) -> None:
         pass
@@ -132,8 +146,8 @@ def step_seconds(workload: Workload, batches: list[dict], accum: int, limit_s: f
     """Seconds of one optimizer step over `accum` micro-batches: the median forward and backward of a micro-batch
     `accum` times, and the median optimizer step once — as a loop that accumulates gradients runs (each timed step
     here runs one micro-batch and its own optimizer step; the steps after a warm-up one count). Given `limit_s`, a
-    configuration whose warm-up step (one micro-batch and an optimizer step), or its forward alone `accum` times,
-    passes it is stopped there (TooSlow), and one whose first timed step passes `one_step_limit_s` after it."""
+    configuration whose warm-up step (one micro-batch and an optimizer step), or its forward and backward `accum`
+    times, passes it is stopped there (TooSlow), and one whose first timed step passes `one_step_limit_s` after it."""
     clock = PhaseClock(limit_s, accum, one_step_limit_s)
     try:
         run = train_run(workload, batches, hooks=clock)
@@ -162,10 +176,12 @@ def release_freed_memory() -> None:
 def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     """Every configuration of the planner's space, measured, with its feasibility under the budget — but for those
     too slow to be the fastest: a configuration whose warm-up step (one micro-batch and an optimizer step), or its
-    warm-up forward alone times its accumulation steps, passes PRUNE times the fastest feasible step measured so far
-    is stopped there (a forward is about a third of a step, and a warm-up's is slower than those after it), and one
+    warm-up forward and backward times its accumulation steps, passes PRUNE times the fastest feasible step measured
+    so far is stopped there (a warm-up's first forward can take 5x the later ones at one sequence), and one
     whose step is over CONTENDERS times that fastest is not measured for its peak (it cannot be a finalist), nor
-    timed past its first step when that one is over ONE_STEP times the fastest.
+    timed past its first step when that one is over ONE_STEP times the fastest. A configuration stopped in its
+    warm-up is not tried at larger micro-batches: doubling the micro-batch would have to make a step over
+    PRUNE / CONTENDERS (3.2) times faster for one to be a finalist (the speed-ups measured are in the results).
     Candidates are measured in the order of the cost model's prediction, so that the bound is tight early: the
     order saves time, it does not choose what is measured. Each row is saved to PARTIAL as it is measured, and the
     rows a stopped run saved there for this case, steps and CPU are read back, not measured again: a sweep of an
@@ -186,6 +202,8 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
             rows.append(row)
             if row["fits"] is False:
                 break   # a larger micro-batch only needs more
+            if "too_slow_over_s" in row:
+                break   # a larger one is not PRUNE / CONTENDERS times faster (micro_batch_speedups says how much)
     return rows
 
 
@@ -215,6 +233,20 @@ def sweep_row(request: PlanRequest, candidate, micro: int, per_replica: int, ste
     fits = peak <= request.budget_bytes
     console.print(f"[dim]  {name}: {format_bytes(peak)}, {seconds:.3f} s{'' if fits else ' (over)'}[/dim]")
     return dict(row, peak_bytes=peak, step_time_s=seconds, fits=fits)
+
+
+def micro_batch_speedup(rows: list[dict]) -> float | None:
+    """The most a configuration's step got faster from one micro-batch to the next larger one, over those measured
+    at both (the sweep stops a configuration's larger micro-batches when one is too slow by PRUNE: this is the
+    check on it)."""
+    timed = {(tuple(r["techniques"]), r["micro_batch"]): r["step_time_s"] for r in rows
+             if r.get("step_time_s") and not r.get("timed_steps")}
+    speedups = []
+    for (techniques, micro), seconds in timed.items():
+        larger = min((m for t, m in timed if t == techniques and m > micro), default=None)
+        if larger is not None:
+            speedups.append(seconds / timed[techniques, larger])
+    return round(max(speedups), 3) if speedups else None
 
 
 def fastest_feasible(rows: list[dict]) -> float | None:
@@ -302,6 +334,7 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     case = {"model": model, "seq_len": seq_len, "global_batch": global_batch, "budget_bytes": budget,
             "plain_peak_bytes": plain.peak_bytes, "configurations_measured": len(rows), "feasible": len(feasible),
             "too_slow": sum(r["fits"] is None for r in rows),
+            "largest_micro_batch_speedup": micro_batch_speedup(rows),
             "oracle_best": best, "planning_s": round(planning_s, 2), "plan": None,
             "cost_model": {k: v for k, v in vars(cost).items()}, "configurations": rows}
     if not chosen.feasible:
@@ -451,6 +484,10 @@ def write(cases: list[dict], header: str, console: Console, final: bool) -> None
         file_console.print(header)
         file_console.print(table)
         file_console.print(verdict)
+        file_console.print("the most a step got faster from one micro-batch to the next, by case (a configuration "
+                           f"stopped in its warm-up is not tried larger: {PRUNE / CONTENDERS:.1f}x would be needed): "
+                           + ", ".join(f"{c['model']} s{c['seq_len']} {c.get('largest_micro_batch_speedup')}"
+                                       for c in cases))
     with open(f"{RESULTS}.json", "w") as fh:
         json.dump({"command": header.splitlines()[0], "cpu": this_cpu(), "cases": cases, "share_passed": share}, fh,
                   indent=2)

@@ -56,6 +56,8 @@ LAYOUTS = [   # (row label, the workload's fields; on 2 ranks unless they say ot
     ("pipeline-parallel (1f1b, 2 micro-batches)", {"techniques": ("pipeline-parallel",)}),
     ("fsdp2 × tensor-parallel:size=2 (2-D mesh, 4 ranks: 4 processes on this CPU)",
      {"techniques": ("fsdp2", "tensor-parallel:size=2"), "world_size": 4}),
+    ("fsdp2 × pipeline-parallel:stages=2 (2-D mesh, 4 ranks: 4 processes on this CPU)",
+     {"techniques": ("fsdp2", "pipeline-parallel:stages=2"), "world_size": 4}),
     ("DeepSpeed ZeRO-1 (bf16)", {**DEEPSPEED, "zero_stage": 1}),
     ("DeepSpeed ZeRO-2 (bf16)", {**DEEPSPEED, "zero_stage": 2}),
     ("DeepSpeed ZeRO-3 (bf16)", {**DEEPSPEED, "zero_stage": 3}),
