@@ -278,9 +278,9 @@ def test_a_compute_bound_model_is_planned_with_float32_masters_beside_the_faster
 
 
 def test_sixteen_gpus_search_2d_meshes_and_pay_the_network_between_nodes():
-    """From 16 GPUs the planner pairs tensor parallel within a node (groups of 4 or 8) with FSDP2 across the groups;
-    a collective that spans nodes runs at the network's share per GPU (an instance's own network when planned on
-    one), while tensor parallel within a node keeps NVLink."""
+    """From 16 GPUs the planner pairs tensor parallel within a node (groups of 4 or 8) with FSDP2 across the groups,
+    and pipeline stages of a node each with FSDP2 within them; a collective that spans nodes runs at the network's
+    share per GPU (an instance's own network when planned on one), while one within a node keeps NVLink."""
     from memfit.planner.cost import timing
     from memfit.planner.space import candidates
     from memfit.specs.instances import get_instance
@@ -304,6 +304,13 @@ def test_sixteen_gpus_search_2d_meshes_and_pay_the_network_between_nodes():
     tp_only = parts(("tensor-parallel:size=8", "fsdp2:reshard=false"), 1e9)   # a free network: NVLink alone is left
     assert tp_only["communication"] > 0 and parts(("tensor-parallel:size=8", "fsdp2:reshard=false"), 50.0)[
         "communication"] > tp_only["communication"]
+    # one pipeline stage per node, FSDP2 within it (torchtitan's PP x FSDP): its collectives stay on NVLink
+    stage_per_node = "pipeline-parallel:microbatches=2,stages=2"
+    pipelines = {c.techniques[:2]: c for c in candidates(request, base) if c.techniques[:1] == (stage_per_node,)}
+    assert pipelines[(stage_per_node, "fsdp2")].data_parallel == 8
+    assert pipelines[(stage_per_node, "fsdp2")].batch_multiple == 2
+    within_node = parts((stage_per_node, "fsdp2"), 5.0)["communication"]
+    assert 0 < within_node == parts((stage_per_node, "fsdp2"), 1e9)["communication"]
 
 
 def test_torchtunes_70b_full_fine_tune_on_eight_a100s_with_a_tebibyte_of_host_ram():

@@ -357,9 +357,16 @@ def test_bad_input_is_one_error_and_changes_nothing():
     for techniques, fragment in ((("pipeline-parallel:microbatches=3",), "does not split into 3"),
                                  (("pipeline-parallel:microbatches=1",), "at least as many micro-batches"),
                                  (("pipeline-parallel:schedule=zb",), "1f1b, gpipe"),
-                                 (("pipeline-parallel", "fsdp2"), "the one 2-D mesh memfit runs")):
+                                 (("pipeline-parallel", "fsdp2"), "pipeline-parallel:stages=S"),
+                                 (("pipeline-parallel:stages=2",), "at least 2, below --world-size 2"),
+                                 (("pipeline-parallel:stages=-1",), "stages must be 0")):
         with pytest.raises(MemfitError, match=fragment):
             ResolvedWorkload(model="tiny-llama", batch_size=4, world_size=2, techniques=techniques)
+    with pytest.raises(MemfitError, match="leaves 2 copies of the model to train side by side"):
+        ResolvedWorkload(model="tiny-llama", batch_size=4, world_size=4, techniques=("pipeline-parallel:stages=2",))
+    with pytest.raises(MemfitError, match="at least as many micro-batches"):   # 1F1B over the stages, not the ranks
+        ResolvedWorkload(model="tiny-llama", batch_size=4, world_size=8,
+                         techniques=("pipeline-parallel:stages=4,microbatches=2", "fsdp2"))
     with pytest.raises(MemfitError, match="ties its embeddings"):
         ResolvedWorkload(model="tiny-qwen2", world_size=2, techniques=("pipeline-parallel",))
     with pytest.raises(MemfitError, match="drop chunked-ce"):   # --world-size N alone is DDP

@@ -340,6 +340,8 @@ def test_what_a_live_model_cannot_do_is_said(user_folder):
         memfit.estimate(model, batch[:, :0])
     with pytest.raises(MemfitError, match="a Workload carries its batch shape"):
         memfit.estimate(_workload(batch_size=2, seq_len=16), batch)
+    with pytest.raises(MemfitError, match=r"unknown keyword argument\(s\) inputs.*memfit.estimate\(model, batch\)"):
+        memfit.estimate(model, inputs=lambda: batch)   # the Workload's inputs= is a factory's name, not a batch
     with pytest.raises(MemfitError, match="never runs a live model or optimizer"):
         measure(model, batch)
     with pytest.raises(MemfitError, match=r"has none \(no `model.config`\)"):

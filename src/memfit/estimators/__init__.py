@@ -38,6 +38,9 @@ def count_parameters(workload: Workload) -> int:
     return sum(p.numel() for p in workload.source.build(device="meta", dtype=torch.float32).parameters())
 
 
+ESTIMATE_OPTIONS = frozenset({"full_trace", "modules", "timeline"})   # traced_estimate's own (analytic: modules)
+
+
 def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto", gpu: GPU | str | None = None,
              optimizer=None, step=None, task: str = "train", precision: str | None = None, techniques=(),
              **options) -> MemoryEstimate:
@@ -47,6 +50,13 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
     a meta copy (specs/live.py): nothing model-sized is allocated and the model and `optimizer` (an instance or a
     name) are left as they were; `step` is fn(model, batch, optimizer), the user's own step."""
     live = workload if isinstance(workload, nn.Module) else None   # held: the registry keeps a weak reference
+    unknown = sorted(set(options) - ESTIMATE_OPTIONS)
+    if unknown:
+        hint = (" A live model takes its batch as the second argument: memfit.estimate(model, batch)."
+                if live is not None and "inputs" in unknown else "")
+        raise MemfitError(f"memfit.estimate got unknown keyword argument(s) {', '.join(unknown)}; it takes "
+                          f"{', '.join(sorted(ESTIMATE_OPTIONS))} beside method, gpu, optimizer, step, task, precision "
+                          f"and techniques.{hint}")
     if live is None and not isinstance(workload, Workload):
         raise MemfitError(f"expected a memfit Workload (e.g. Workload(model='gpt2')) or a torch.nn.Module and its "
                           f"batch, got {type(workload).__name__}.")

@@ -212,6 +212,15 @@ class Step:
         return self.group_link_bytes_per_s(self.num_gpus)
 
     @property
+    def data_parallel_link_bytes_per_s(self) -> float:
+        """A collective over the data-parallel ranks: every GPU, but on a pipeline's 2-D mesh the ranks of one stage,
+        which are consecutive ("pp" is the mesh's outer axis: a stage of 8 is one node)."""
+        w = self.workload
+        if w.with_trait("splits-blocks") and 1 < w.data_parallel_size < w.world_size:
+            return self.group_link_bytes_per_s(w.data_parallel_size)
+        return self.link_bytes_per_s
+
+    @property
     def pcie_bytes_per_s(self) -> float:
         return self.gpu.host_link_gbps * 1e9 * LINK_EFFICIENCY
 
@@ -263,7 +272,7 @@ class Step:
         if n == 1:   # one rank (DeepSpeed's ZeRO-3 on one GPU): nothing to gather
             return 0.0
         full_params = self.state_bytes("parameters") * n
-        per_micro = (gathers + 1) * (n - 1) / n * full_params / self.link_bytes_per_s
+        per_micro = (gathers + 1) * (n - 1) / n * full_params / self.data_parallel_link_bytes_per_s
         return max(0.0, per_micro - self.cost.comm_overlap * (self.work_s + self.redo_s)) * self.accum
 
     def gradient_all_reduce_s(self, gradient_bytes: float) -> float:
@@ -271,7 +280,7 @@ class Step:
         n = self.workload.data_parallel_size
         if n == 1:
             return 0.0
-        all_reduce = 2 * (n - 1) / n * gradient_bytes / self.link_bytes_per_s
+        all_reduce = 2 * (n - 1) / n * gradient_bytes / self.data_parallel_link_bytes_per_s
         return max(0.0, all_reduce - self.cost.comm_overlap * self.backward_share(self.work_s))
 
     def activation_host_bytes(self) -> int:

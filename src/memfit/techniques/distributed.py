@@ -78,8 +78,9 @@ class LayoutTechnique(Technique):
     """A way to lay the model out over the ranks: one per workload, or two on a 2-D mesh (`shares_mesh_with`)."""
 
     stage = "shard"
-    conflicts_with = {"layout": ("each lays the model out over every rank (the one 2-D mesh memfit runs is "
-                                 "-t tensor-parallel:size=T with -t fsdp2)", "keep one of them")}
+    conflicts_with = {"layout": ("each lays the model out over every rank (the 2-D meshes memfit runs are -t fsdp2 "
+                                 "with -t tensor-parallel:size=T or -t pipeline-parallel:stages=S)",
+                                 "keep one of them")}
     deepspeed_conflict = ("wraps the model itself (ZeRO data parallel)", "drop -t {other}")
     search_axis = "layout"
 
@@ -274,6 +275,20 @@ LLAMA_LAYOUTS = ("llama", "mistral", "qwen2")   # the model types tensor and pip
 COLLECTIVE_LATENCY_S = 15e-6   # per collective: what a decode step's small all-reduces cost (assumed)
 
 
+def check_mesh_axis(technique, workload, param: str, size: int, what: str) -> None:
+    """A layout that splits each copy of the model over `size` of the ranks (its `param`): at least 2, below the
+    world size and dividing it, with a sharding layout across the copies (a 2-D mesh)."""
+    n, spec = workload.world_size, f"-t {technique.name}:{param}={size}"
+    if size < 2 or n % size or size >= n:
+        raise MemfitError(f"{spec} splits {what}: it must be at least 2, below --world-size {n} and divide it (or "
+                          f"drop {param}= to split over every rank).")
+    partner = workload.layout
+    if partner is None or not technique.shares_mesh_with(partner):
+        raise MemfitError(f"{spec} over {n} ranks leaves {n // size} copies of the model to train side by side: add "
+                          f"a sharding layout over them (-t fsdp2, torchtitan's 2-D mesh), or drop {param}= to split "
+                          "over every rank.")
+
+
 def check_split_over_ranks(name: str, workload, parts: str) -> None:
     """A technique that splits the model's `parts` over the ranks needs several ranks, no --zero and a
     Llama-layout model."""
@@ -352,17 +367,9 @@ class TensorParallel(LayoutTechnique):
 
     def check(self, workload) -> None:
         check_split_over_ranks(self.name, workload, "the q/k/v/o and gate/up/down projections")
-        n, t = workload.world_size, self.split(workload.world_size)
+        t = self.split(workload.world_size)
         if self.size:
-            if self.size < 2 or n % self.size or self.size >= n:
-                raise MemfitError(f"-t {self.name}:size={self.size} splits each block over groups of that many "
-                                  f"ranks: it must be at least 2, below --world-size {n} and divide it (or drop "
-                                  "size= to split over every rank).")
-            partner = workload.layout
-            if partner is None or not self.shares_mesh_with(partner):
-                raise MemfitError(f"-t {self.name}:size={self.size} over {n} ranks leaves {n // self.size} copies of "
-                                  "the model to train side by side: add a sharding layout over them (-t fsdp2, "
-                                  "torchtitan's 2-D mesh), or drop size= to split over every rank.")
+            check_mesh_axis(self, workload, "size", self.size, "each block over groups of that many ranks")
         if workload.optimizer_impl in ("foreach", "fused"):
             raise MemfitError(f"-t {self.name} leaves the norms and embeddings plain tensors beside DTensor weights, "
                               f"and --optimizer-impl {workload.optimizer_impl} takes a list of one kind; use "

@@ -1,7 +1,7 @@
 """Pipeline parallel (torch.distributed.pipelining): each rank holds a contiguous run of the blocks.
 
-  pipeline-parallel[:microbatches=M,schedule=1f1b|gpipe]
-          Rank s of N keeps blocks [s L/N, (s+1) L/N); the first rank also the embeddings, the last the
+  pipeline-parallel[:microbatches=M,schedule=1f1b|gpipe,stages=S]
+          Stage s of N keeps blocks [s L/N, (s+1) L/N); the first stage also the embeddings, the last the
           final norm, the LM head and the loss. A step splits the batch into M micro-batches; the
           activations between ranks travel by send/recv. GPipe (Huang et al., 2019) runs every
           micro-batch's forward, then every backward: each rank holds M micro-batches' activations.
@@ -11,6 +11,9 @@
           Memory per rank: its blocks' weights, gradients and optimizer states (1/N of the blocks), the
           embeddings or the head, and the activations of the micro-batches in flight, each 1/M of the
           batch. Llama, Mistral and Qwen2 layouts with untied embeddings.
+          stages=S (torchtitan's PP x FSDP layout): S stages over a 2-D mesh ("pp" outermost, "dp"
+          within), each stage's run of blocks sharded by -t fsdp2 over the N/S ranks of its "dp" axis;
+          rank r is stage r // (N/S). Without stages=, every rank is a stage.
 
 The loss is the model's own (`loss_function` of the Hugging Face model); the mean over micro-batches
 is sent from the last rank to the others so every rank reports the step's loss.
@@ -26,7 +29,12 @@ from torch import nn
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import register
-from memfit.techniques.distributed import LayoutTechnique, check_split_over_ranks, require_process_group
+from memfit.techniques.distributed import (
+    LayoutTechnique,
+    check_mesh_axis,
+    check_split_over_ranks,
+    require_process_group,
+)
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -38,59 +46,91 @@ class PipelineParallel(LayoutTechnique):
     risk = "numerical"      # the batch's loss is a mean of micro-batch means: another summation order
     traits = frozenset({"layout", "shards-weights", "splits-blocks", "own-backward", "wraps-forward"})
     summary = "pipeline parallel (torch.distributed.pipelining): each rank holds a run of the blocks; 1f1b or gpipe"
+    stage = "split"     # the model is cut into stages before -t fsdp2 shards each stage (rules.ORDER)
     microbatches: int = 2
     schedule: str = "1f1b"
+    stages: int = 0     # stages on a 2-D mesh with a sharding layout across each; 0: every rank is a stage
 
     def __post_init__(self) -> None:
         require_positive_int(self.microbatches, "-t pipeline-parallel: microbatches")
+        if self.stages < 0:
+            raise MemfitError(f"-t pipeline-parallel: stages must be 0 (every rank) or at least 2, got {self.stages}.")
         if self.schedule not in SCHEDULES:
             raise MemfitError(f"-t pipeline-parallel: schedule must be one of {', '.join(SCHEDULES)}, "
                               f"got {self.schedule!r}.")
 
     @classmethod
     def search_values(cls, request, workload):
+        """Over every GPU; from 16 GPUs (two nodes and more) also one stage per node of 8, with a sharding layout
+        within each stage (the planner pairs it: planner/space.py)."""
         n = request.num_gpus
-        return [f"{cls.name}:microbatches={n}"] if request.task == "train" and n > 1 else []
+        if request.task != "train" or n < 2:
+            return []
+        meshes = [f"{cls.name}:microbatches={n // 8},stages={n // 8}"] if n >= 16 and n % 8 == 0 else []
+        return [f"{cls.name}:microbatches={n}"] + meshes
+
+    def num_stages(self, world_size: int) -> int:
+        return self.stages or world_size
+
+    def stage_of(self, rank: int, world_size: int) -> int:
+        """The stage `rank` runs: the mesh's "pp" axis is the outer one, so a stage is N/S consecutive ranks."""
+        return rank // (world_size // self.num_stages(world_size))
 
     def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
-        return num_gpus, 1, self.microbatches   # the micro-batch splits into the schedule's micro-batches
+        # each stage's "dp" ranks see their share of the batch, split into the schedule's micro-batches
+        return num_gpus, num_gpus // self.num_stages(num_gpus), self.microbatches
 
     def model_ranks(self, world_size: int) -> int:
-        return world_size
+        return self.num_stages(world_size)
+
+    def shares_mesh_with(self, other) -> bool:
+        return self.stages > 0 and "shards-on-mesh" in other.traits
 
     depth_linear = False   # each stage holds other blocks
 
     def analytic_layers(self, num_layers: int, rank: int, workload) -> int:
-        return len(stage_layers(num_layers, rank, workload.world_size))
+        n = workload.world_size
+        return len(stage_layers(num_layers, self.stage_of(rank, n), self.num_stages(n)))
 
     def analytic_ranks(self, world_size: int, method: str):
-        """Traced: every stage. Analytic: the first rank holds the most blocks (stage_layers gives the extra ones
-        to the first stages), the embeddings and the most micro-batches in flight (1F1B), the last the head and
-        the logits; a middle rank holds no more than the first of anything, so those two bound every rank."""
+        """Traced: every stage (its first rank on a 2-D mesh: the others shard the same blocks). Analytic: the first
+        stage holds the most blocks (stage_layers gives the extra ones to the first stages), the embeddings and the
+        most micro-batches in flight (1F1B), the last the head and the logits; a middle stage holds no more than the
+        first of anything, so those two bound every rank."""
+        per_stage = world_size // self.num_stages(world_size)
+        firsts = list(range(0, world_size, per_stage))
         if method == "traced":
-            return list(range(world_size)), "each stage holds other blocks"
-        return sorted({0, world_size - 1}), "pipeline stages: the first and the last bound the rest"
+            return firsts, "each stage holds other blocks"
+        return sorted({firsts[0], firsts[-1]}), "pipeline stages: the first and the last bound the rest"
 
     def analytic_weights(self, program) -> None:
-        program.keep_stage(first=program.rank == 0, last=program.rank == program.workload.world_size - 1)
+        n = program.workload.world_size
+        stage = self.stage_of(program.rank, n)
+        program.keep_stage(first=stage == 0, last=stage == self.num_stages(n) - 1)
 
     def analytic_windows(self, windows, workload):   # the schedule cuts the batch into micro-batch views
         return dataclasses.replace(windows, views=True)
 
     def analytic_train(self, program) -> bool:
-        program.pipeline_schedule(self.schedule, self.microbatches)
+        n = program.workload.world_size
+        program.pipeline_schedule(self.schedule, self.microbatches, self.stage_of(program.rank, n),
+                                  self.num_stages(n))
         return True
 
     def cost_compute(self, compute) -> None:
-        """Each rank computes 1/N of the FLOPs; the schedule's bubble stretches the step by (M + N - 1) / M."""
-        compute.split = compute.world_size
-        compute.bubble = (self.microbatches + compute.world_size - 1) / self.microbatches
+        """Each rank computes 1/S of its copy's FLOPs; the schedule's bubble stretches the step by (M + S - 1) / M."""
+        stages = self.num_stages(compute.world_size)
+        compute.split = stages
+        compute.bubble = (self.microbatches + stages - 1) / self.microbatches
 
     def check(self, workload) -> None:
         check_split_over_ranks(self.name, workload, "the embeddings, blocks and head")
         if workload.task != "train":
             raise MemfitError(f"-t {self.name} runs a training schedule; drop it for --task inference.")
-        n, source = workload.world_size, workload.source
+        world, source = workload.world_size, workload.source
+        if self.stages:
+            check_mesh_axis(self, workload, "stages", self.stages, "the blocks over that many stages")
+        n = self.num_stages(world)
         if source.config().tie_word_embeddings:
             raise MemfitError(f"-t {self.name}: {workload.model} ties its embeddings to the LM head, which would "
                               "live on the first and the last rank with gradients summed on neither.")
@@ -104,9 +144,20 @@ class PipelineParallel(LayoutTechnique):
                               f"({self.microbatches} < {n}); raise microbatches or use schedule=gpipe.")
 
     def apply_(self, setup: StepSetup) -> None:
+        import torch.distributed as dist
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import init_device_mesh
+
         require_process_group(self.name)
+        group = None   # every rank a stage: the default group
+        if self.stages:   # torchtitan's layout: "pp" the outer axis, the sharding layout over "dp" within a stage
+            with unset_fake_temporarily():   # the mesh reads real values
+                setup.mesh = init_device_mesh(setup.device_type, (self.stages, dist.get_world_size() // self.stages),
+                                              mesh_dim_names=("pp", "dp"))
+            group = setup.mesh["pp"].get_group()
         setup.pipeline = Pipeline(setup.model, microbatches=self.microbatches, schedule=self.schedule,
-                                  device_type=setup.device_type, logits_dtype=setup.precision.autocast_dtype)
+                                  device_type=setup.device_type, logits_dtype=setup.precision.autocast_dtype,
+                                  group=group)
         setup.model = setup.pipeline.stage_module
 
 
@@ -134,11 +185,11 @@ class Pipeline:
     """This rank's stage of `model` (cut in place) and the schedule that runs a step over the ranks."""
 
     def __init__(self, model: nn.Module, *, microbatches: int, schedule: str, device_type: str,
-                 logits_dtype: torch.dtype | None = None) -> None:
+                 logits_dtype: torch.dtype | None = None, group=None) -> None:
         import torch.distributed as dist
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        rank, n = dist.get_rank(), dist.get_world_size()
+        rank, n = dist.get_rank(group), dist.get_world_size(group)   # this rank's stage, of the group's stages
         self.first, self.last, self.microbatches = rank == 0, rank == n - 1, microbatches
         base = model.model
         base.layers = nn.ModuleList(base.layers[i] for i in stage_layers(len(base.layers), rank, n))
@@ -149,7 +200,7 @@ class Pipeline:
         self.stage_module = _Stage(model, self.first, self.last)
         self._model = model
         self._logits_dtype = logits_dtype   # autocast's, else the weights'
-        self._device, self._rank, self._ranks = torch.device(device_type), rank, n
+        self._device, self._rank, self._ranks, self._group = torch.device(device_type), rank, n, group
         self._schedule_kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         self._schedule = None
 
@@ -159,7 +210,7 @@ class Pipeline:
 
         stage = PipelineStage(self.stage_module, self._rank, self._ranks, self._device,
                               input_args=self._example(batch_size, seq, first=True),
-                              output_args=self._example(batch_size, seq, first=False))
+                              output_args=self._example(batch_size, seq, first=False), group=self._group)
         if dist.get_backend() == "fake":
             _vote_static(stage)
         return self._schedule_kind(stage, n_microbatches=self.microbatches, loss_fn=self._loss)
@@ -193,7 +244,7 @@ class Pipeline:
         else:
             self._schedule.step(return_outputs=False)
         loss = torch.stack([part.detach() for part in losses]).mean() if losses else torch.zeros((), device=ids.device)
-        dist.broadcast(loss, src=dist.get_world_size() - 1)
+        dist.broadcast(loss, group_src=self._ranks - 1, group=self._group)
         return loss
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

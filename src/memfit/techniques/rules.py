@@ -33,8 +33,9 @@ ORDER: tuple[tuple[str, str], ...] = (
                     "for checkpointing before they are sharded (torchtitan's order)"),
     ("offload", "what lives in host RAM is settled before sharding: FSDP2 takes its CPU offload policy when it "
                 "shards the blocks"),
-    ("split", "tensor parallel splits each block's linears before they are sharded: on a 2-D mesh FSDP2 then shards "
-              "what each rank holds over the data-parallel axis (torchtitan's order: TP, then FSDP)"),
+    ("split", "tensor parallel splits each block's linears, and pipeline parallel cuts the model into stages, before "
+              "they are sharded: on a 2-D mesh FSDP2 then shards what each rank holds over the data-parallel axis "
+              "(torchtitan's order: PP and TP, then FSDP)"),
     ("shard", "blocks are sharded (or the model replicated) after checkpointing wraps them, so each block's "
               "all-gather surrounds its recompute too"),
     ("optimizer", "the optimizer is built last, over the parameters as the steps above left them"),

@@ -103,14 +103,14 @@ class Program:
                                      (self.num_layers, self.student_layers), batch, tokens)
         return self.family.train(self.engine, self.spec, self.num_layers, batch, tokens)
 
-    def pipeline_schedule(self, schedule: str, microbatches: int) -> None:
+    def pipeline_schedule(self, schedule: str, microbatches: int, stage: int, stages: int) -> None:
         """This rank's micro-batches in the schedule's order (techniques/pipeline.py): "gpipe" runs every forward,
-        then every backward; "1f1b" runs min(M, N - rank) forwards, then alternates a backward and a forward,
-        then the remaining backwards. Each micro-batch's tape and output (the last rank's: its logits) live
-        until its backward; a stage that is not the last starts its backward from the gradient the next rank
+        then every backward; "1f1b" runs min(M, S - stage) forwards, then alternates a backward and a forward,
+        then the remaining backwards. Each micro-batch's tape and output (the last stage's: its logits) live
+        until its backward; a stage that is not the last starts its backward from the gradient the next one
         sends."""
         e, w = self.engine, self.workload
-        n, m, rank = w.world_size, microbatches, self.rank
+        n, m, rank = stages, microbatches, stage
         first, last = rank == 0, rank == n - 1
         micro = w.batch_size // m
         if schedule == "gpipe":
