@@ -53,9 +53,9 @@ def state_weights(workload: ResolvedWorkload, *, traced: bool = False) -> tuple[
         return weights, n, notes
     if stage >= 3:
         weights["parameters"] = 1
-        if workload.layout is None:   # --zero 3 alone; FSDP2's gathers are the analytic engine's own (blocks.py)
+        if workload.layout is None:   # --zero 3 alone; a sharding layout's gathers are the engine's own (blocks.py)
             notes.append("ZeRO-3 all-gather buffers of the layer being computed are not included (analytic); "
-                         "-t fsdp2 gathers each block for real")
+                         "a sharding layout (FSDP2) gathers each block in the estimate")
     return weights, n, notes
 
 
