@@ -4,9 +4,11 @@ On a zoo of small training workloads on this machine's CPU, each with a memory b
 without techniques, the oracle runs every configuration of the planner's search space for real: every
 combination of techniques the composition rules accept, at every micro-batch that splits the global batch
 (smaller to larger, until the measured peak passes the budget; a step in backward only at the whole batch, as it
-cannot accumulate). A configuration is feasible when its measured peak (memfit measure's CPU allocator tracking) is
-within the budget; its step time is that of one optimizer step over the global batch as an accumulating loop runs
-it: the median forward and backward of a micro-batch times the accumulation steps, plus the median optimizer step.
+cannot accumulate) — but those too slow to be the fastest are stopped early, by rules that cannot drop a finalist
+(`oracle`). The measurements hold for one processor (`this_cpu`, named in the results). A configuration is
+feasible when its measured peak (memfit measure's CPU allocator tracking) is within the budget; its step time is
+that of one optimizer step over the global batch as an accumulating loop runs it: the median forward and backward of
+a micro-batch times the accumulation steps, plus the median optimizer step.
 memfit's top plan — from the analytic estimator and the cost model only, with the CPU described by rates measured
 kernel class by kernel class on runs of its own (`calibrate`) — must fit when run, and its measured step time must
 be within 10 % of the oracle's best in at least 80 % of the cases.
@@ -89,8 +91,8 @@ class PhaseClock:
     Given a limit, the first step (the warm-up) is stopped (TooSlow) once its forward and backward, times the
     accumulation steps, or the whole of it (one micro-batch and an optimizer step) run past the limit: watched as
     every module returns (a global forward hook) and as backward reaches each module's output (a hook on it) until
-    its optimizer phase. Given `one_step_limit_s`, the first timed step is the last when the
-    whole batch's step it gives is over that."""
+    its optimizer phase. Given `one_step_limit_s`, the first timed step is the last when the whole batch's step it
+    gives is over that."""
 
     def __init__(self, limit_s: float | None = None, accum: int = 1, one_step_limit_s: float | None = None) -> None:
         self.step_started: list[float] = []
@@ -177,7 +179,7 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
     """Every configuration of the planner's space, measured, with its feasibility under the budget — but for those
     too slow to be the fastest: a configuration whose warm-up step (one micro-batch and an optimizer step), or its
     warm-up forward and backward times its accumulation steps, passes PRUNE times the fastest feasible step measured
-    so far is stopped there (a warm-up's first forward can take 5x the later ones at one sequence), and one
+    so far is stopped there (a warm-up's pass was measured at most 1.4x a later one's, quiet), and one
     whose step is over CONTENDERS times that fastest is not measured for its peak (it cannot be a finalist), nor
     timed past its first step when that one is over ONE_STEP times the fastest. A configuration stopped in its
     warm-up is not tried at larger micro-batches: doubling the micro-batch would have to make a step over
@@ -203,7 +205,7 @@ def oracle(request: PlanRequest, steps: int, console: Console) -> list[dict]:
             if row["fits"] is False:
                 break   # a larger micro-batch only needs more
             if "too_slow_over_s" in row:
-                break   # a larger one is not PRUNE / CONTENDERS times faster (micro_batch_speedups says how much)
+                break   # a larger one is not PRUNE / CONTENDERS times faster (micro_batch_speedup says how much)
     return rows
 
 

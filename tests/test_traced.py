@@ -22,6 +22,18 @@ SETTINGS = {"train-fp32": dict(task="train"), "train-bf16-mixed": dict(task="tra
             "inference": dict(task="inference")}
 
 
+def _cpu_runs_a_bfloat16_lstm() -> bool:
+    """oneDNN builds its bf16 LSTM primitive only on CPUs with bfloat16 support (AVX512-BF16 or AMX): elsewhere the
+    real run and the trace's kernel probe both fail to create it."""
+    lstm = torch.nn.LSTM(4, 4)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(torch.randn(2, 1, 4))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _workload(name, setting):
     model, inputs, seq = ZOO[name]
     kwargs = dict(SETTINGS[setting])
@@ -33,6 +45,8 @@ def _workload(name, setting):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(ZOO))
 def test_traced_matches_the_measured_cpu_run(name, setting):
+    if name == "lstm" and setting == "train-bf16-mixed" and not _cpu_runs_a_bfloat16_lstm():
+        pytest.skip("this CPU's oneDNN has no bfloat16 LSTM primitive (no AVX512-BF16 or AMX)")
     measured = measure(_workload(name, setting), estimates=("traced",))
     traced = measured.extra["estimates"]["traced"]
     assert rel(traced["peak_bytes"], measured.peak_bytes) < 0.01
