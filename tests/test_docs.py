@@ -4,7 +4,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-from memfit import PlanRequest, get_gpu, plan
+from memfit import PlanRequest, plan
+from memfit.specs.instances import get_instance
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,7 +40,9 @@ def test_the_readme_example_is_what_the_planner_prints_today():
     text = (ROOT / "README.md").read_text()
     quickstart = text.split("## Quickstart", 1)[1].split("```")[1].split()
     assert quickstart == ["./scripts/demo.sh", "./scripts/test.sh"]
-    result = plan(PlanRequest(model="llama-3.1-8b", gpu=get_gpu("rtx-4090"), seq_len=4096, global_batch=64))
+    workstation = get_instance("rtx-4090-workstation")   # the demo's machine (scripts/demo.sh)
+    result = plan(PlanRequest(model="llama-3.1-8b", gpu=workstation.gpu, seq_len=4096, global_batch=64,
+                              instance=workstation, host_ram_bytes=workstation.host_ram_bytes))
     best = result.plans[0]
     first_row = re.search(r"│ 1 │ (.+?) │ +(\d+ × \d+) │", text)
     shown = first_row.group(1).strip()
