@@ -64,12 +64,17 @@ def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration
     assert timed["time_source"] == "calibrated and assumed" and set(timed["time_parts_s"]) >= {"compute", "optimizer"}
 
 
-def test_a_vision_model_is_timed_too(capsys):
-    """A classifier has no vocabulary; the step-time model times it from its parameters and attention."""
-    code, out, _ = run(capsys, "estimate", "tiny-vit", "--task", "train", "--batch-size", "4", "--method", "analytic",
-                       "--gpu", "a10g", "--json")
-    data = json.loads(out)
-    assert code == 0 and data["step_time_s"] > 0 and data["tokens_per_second_per_gpu"] > 0
+def test_a_model_whose_batch_is_not_tokens_is_timed_in_samples(capsys):
+    """A classifier has no vocabulary; the step-time model times it from its parameters and attention, and counts
+    images, not image side x batch as tokens. A custom module's batch (here a convnet's) counts samples too: its
+    second dimension need not be a sequence."""
+    for model in (["tiny-vit", "--method", "analytic"], ["memfit.examples.convnet:build", "--inputs",
+                                                          "memfit.examples.convnet:make_inputs"]):
+        code, out, _ = run(capsys, "estimate", *model, "--task", "train", "--batch-size", "4", "--gpu", "a10g",
+                           "--json")
+        data = json.loads(out)
+        assert code == 0 and "tokens_per_second_per_gpu" not in data and data["throughput_unit"] == "samples/s per GPU"
+        assert data["samples_per_second_per_gpu"] == pytest.approx(4 / data["step_time_s"], rel=1e-3)
 
 
 def test_paged_states_that_do_not_fit_beside_the_step_cross_pcie_each_step():

@@ -437,9 +437,12 @@ def _inference_batch(step: Step) -> None:
 def timing(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, cost: CostModel = ASSUMED) -> dict:
     """The cost model's time for one fixed configuration (what `memfit estimate --gpu` reports beside the memory):
     one optimizer step of the workload's batch on each rank (train), or the prefill and every decode step of its
-    batch (inference), and the tokens per second per GPU that makes (generated tokens when it decodes)."""
+    batch (inference), and the tokens per second per GPU that makes (generated tokens when it decodes; samples for
+    a model whose batch is not token sequences)."""
     timed = step_time(workload, estimate, gpu, grad_accum=1, num_gpus=workload.world_size, cost=cost)
-    n = workload.world_size
-    tokens = workload.batch_size * (workload.new_tokens or workload.effective_seq_len) * workload.data_parallel_size
-    return {"step_time_s": round(timed.total_s, 6), "tokens_per_second_per_gpu": round(tokens / timed.total_s / n, 3),
-            "time_parts_s": {k: round(v, 6) for k, v in timed.parts.items()}, "time_source": cost.source}
+    per_sample, unit = workload.throughput_per_sample
+    done = workload.batch_size * workload.data_parallel_size * per_sample
+    key = "samples_per_second_per_gpu" if unit == "samples" else "tokens_per_second_per_gpu"
+    return {"step_time_s": round(timed.total_s, 6), key: round(done / timed.total_s / workload.world_size, 3),
+            "throughput_unit": f"{unit}/s per GPU", "time_parts_s": {k: round(v, 6) for k, v in timed.parts.items()},
+            "time_source": cost.source}

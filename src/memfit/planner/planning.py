@@ -100,8 +100,8 @@ def _timed(result: Evaluated, request: PlanRequest, workload: ResolvedWorkload, 
     timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
                       num_gpus=result.candidate.num_gpus, cost=request.cost)
     result.time = timed
-    tokens = request.sequences * (request.new_tokens or workload.effective_seq_len)
-    result.throughput = tokens / timed.total_s / result.candidate.num_gpus
+    done = request.sequences * workload.throughput_per_sample[0]   # tokens (or samples) per optimizer step
+    result.throughput = done / timed.total_s / result.candidate.num_gpus
     return result
 
 

@@ -49,7 +49,7 @@ class PlanResult:
             "throughput": round(chosen.throughput, 3), "accuracy_risk": chosen.risk,
             "training_change": chosen.change,
             # beyond the schema's required fields
-            "throughput_unit": "generated tokens/s per GPU" if self.request.new_tokens else "tokens/s per GPU",
+            "throughput_unit": f"{chosen.workload(self.request).throughput_per_sample[1]}/s per GPU",
             "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
             "headroom_bytes": self.request.gpu.memory_bytes - chosen.device_bytes,
             "peak_phase": estimate.peak_phase, "time_parts_s": {k: round(v, 6) for k, v in chosen.time.parts.items()},

@@ -52,7 +52,7 @@ class Evaluated:
     fits: bool
     short: str | None = None    # "device memory" | "host RAM" | "local NVMe"
     time: StepTime | None = None
-    throughput: float = 0.0     # tokens per second per GPU
+    throughput: float = 0.0     # tokens (or samples: throughput_per_sample) per second per GPU
     risk: str = "lossless"
     change: str = "exact"       # what the plan changes in training (techniques.base.CHANGES)
     ppl_increase: float | None = None

@@ -12,6 +12,8 @@ from memfit.report.tables import savings_table
 
 
 def _seconds(value: float) -> str:
+    if value < 0.01:
+        return f"{value * 1e6:.0f} µs" if value < 1e-3 else f"{value * 1000:.1f} ms"
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s" if value < 100 else f"{value:.0f} s"
 
 
@@ -22,7 +24,9 @@ def plans_table(result: PlanResult) -> Table:
     title = (f"memfit plan — {request.model} {request.task}, {batch}, {request.num_gpus} × {request.gpu.name} "
              f"({format_bytes(request.gpu.memory_bytes)}, {request.margin:.0%} margin), objective {request.objective}")
     table = Table(title=title, title_justify="left")
-    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", "tok/s/GPU", "changes"):
+    rate = "samples/s/GPU" if result.plans and result.plan_json(0)["throughput_unit"].startswith("samples") else \
+        "tok/s/GPU"
+    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", rate, "changes"):
         table.add_column(column, justify="left" if column in ("techniques", "changes") else "right",
                          min_width=26 if column == "techniques" else None, overflow="fold")
     for index in range(len(result.plans)):
@@ -69,11 +73,12 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
 
 
 def price_line(plan: dict) -> str:
-    price = plan["price"]
-    per_million = plan["usd_per_million_tokens"]
+    price, per_million = plan["price"], plan["usd_per_million_tokens"]
+    if per_million is None:
+        return f"on {plan['instance']}: no price"
+    unit = plan["throughput_unit"].split("/")[0]   # tokens, or samples for a model whose batch is not tokens
     return (f"on {plan['instance']} at ${_usd(plan['usd_per_hour'])}/h ({price['kind']}, {price['date']}, "
-            f"{price['source']}): ${_usd(per_million)} per million tokens" if per_million is not None else
-            f"on {plan['instance']}: no price")
+            f"{price['source']}): ${_usd(per_million)} per million {unit}")
 
 
 def _usd(value: float) -> str:

@@ -115,9 +115,9 @@ def print_estimate(estimate: MemoryEstimate, console: Console | None = None) -> 
         console.print(f"[dim]note: {note}[/dim]")
     if "step_time_s" in estimate.extra:
         extra = estimate.extra
-        unit = "generated tokens" if estimate.workload.get("new_tokens") else "tokens"
-        console.print(f"[dim]step time {extra['step_time_s']:.3g} s, {extra['tokens_per_second_per_gpu']:,.0f} "
-                      f"{unit}/s per GPU (step-time model, {extra['time_source']} constants: planner/cost.py)[/dim]")
+        rate = extra.get("tokens_per_second_per_gpu", extra.get("samples_per_second_per_gpu"))
+        console.print(f"[dim]step time {extra['step_time_s']:.3g} s, {rate:,.0f} {extra['throughput_unit']} "
+                      f"(step-time model, {extra['time_source']} constants: planner/cost.py)[/dim]")
     if estimate.extra.get("zero_table"):
         console.print(zero_table(estimate.extra["zero_table"]))
     if estimate.extra.get("technique_savings"):

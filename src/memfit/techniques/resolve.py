@@ -104,6 +104,17 @@ class ResolvedWorkload(Workload):
         return effective_seq_len(self, self.source)
 
     @property
+    def throughput_per_sample(self) -> tuple[int, str]:
+        """What one sequence of the batch adds to throughput, and its unit: the tokens it generates (decoding) or
+        runs (a text model's step); one sample otherwise: an image, or a custom module's batch, whose second
+        dimension need not be a sequence (a 64 x 512 batch of features is 64 samples, not 32,768 tokens)."""
+        if self.new_tokens:
+            return self.new_tokens, "generated tokens"
+        if self.source.is_hf and self.source.head != "image-classification":
+            return self.effective_seq_len, "tokens"
+        return 1, "samples"
+
+    @property
     def total_tokens(self) -> int:
         """Sequence length the model sees at the end of decoding."""
         return self.effective_seq_len + self.new_tokens
