@@ -84,8 +84,11 @@ def layout_rows(steps: int, console: Console) -> list[dict]:
     measured = dict(zip(pytorch, measure_many([workloads[i] for i in pytorch], estimates=("traced", "analytic"))))
     measured |= dict(zip(deepspeed, measure_many([workloads[i] for i in deepspeed], estimates=("analytic",))))
     console.print(f"[dim]measured {len(workloads)} layouts on their ranks: {time.perf_counter() - started:.0f} s[/dim]")
-    trained = train_ranks_runs(workloads, steps=steps, lr=LR)
-    console.print(f"[dim]trained them {steps} steps: {time.perf_counter() - started:.0f} s[/dim]")
+    trained = []   # one launch per layout, so that each reports when it is done (a bf16 layout takes minutes)
+    for (label, _), workload in zip(LAYOUTS, workloads):
+        trained += train_ranks_runs([workload], steps=steps, lr=LR)
+        console.print(f"[dim]trained {label} {steps} steps ({len(trained)} of {len(workloads)}): "
+                      f"{time.perf_counter() - started:.0f} s[/dim]")
     batches = text_batches(batch_size=BATCH, seq_len=SEQ, num_batches=steps)
     rows = []
     for label, one in (("one process", baseline), ("one process, bf16-mixed", bf16_baseline)):
