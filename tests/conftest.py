@@ -2,7 +2,9 @@ import os
 import warnings
 
 import pytest
+import torch
 
+from memfit.core.precision import PRECISIONS
 from memfit.measurement import measure
 from memfit.measurement.training import text_batches, train_run
 from memfit.techniques.resolve import ResolvedWorkload
@@ -21,35 +23,47 @@ EXAMPLES = {
 
 # the shape of the real CPU runs the technique tests measure: a step of a few seconds with a clear peak
 SHAPE = {"model": "tiny-llama", "task": "train", "batch_size": 4, "seq_len": 256}
+# a step that computes in bfloat16 or float16 runs 15-35x slower than in float32 on a CPU without bfloat16 units
+# (an AMD EPYC with AVX2 only): those runs, and the float32 runs they are compared with, take a quarter of the tokens
+HALF_SHAPE = {**SHAPE, "batch_size": 2, "seq_len": 128}
+LOSS_SHAPE = {**SHAPE, "seq_len": 192}   # the losses fixture's five steps on the bundled text
+
+
+def shape_for(techniques: tuple[str, ...], default: dict = SHAPE) -> dict:
+    """`default`, or HALF_SHAPE when the techniques compute in half precision."""
+    names = [spec.partition(":")[0] for spec in techniques]
+    precision = next((PRECISIONS[name] for name in names if name in PRECISIONS), PRECISIONS["fp32"])
+    return default if (precision.autocast_dtype or precision.param_dtype) == torch.float32 else HALF_SHAPE
 
 
 @pytest.fixture(scope="session")
 def measured():
-    """measured(techniques, model=, task=): one real run with both estimates beside it, made once per session
-    (many tests compare against the same baseline)."""
+    """measured(techniques, model=, task=, shape=): one real run with both estimates beside it, made once per
+    session (many tests compare against the same baseline); at SHAPE's batch and sequence unless `shape` is given."""
     runs = {}
 
-    def run(techniques: tuple[str, ...], model: str = "tiny-llama", task: str = "train"):
-        if (techniques, model, task) not in runs:
-            shape = {**SHAPE, "model": model, "task": task} | ({"new_tokens": 8} if task == "inference" else {})
-            runs[techniques, model, task] = measure(ResolvedWorkload(**shape, techniques=techniques),
-                                                    estimates=("traced", "analytic"))
-        return runs[techniques, model, task]
+    def run(techniques: tuple[str, ...], model: str = "tiny-llama", task: str = "train", shape: dict = SHAPE):
+        key = (techniques, model, task, shape["batch_size"], shape["seq_len"])
+        if key not in runs:
+            fields = {**shape, "model": model, "task": task} | ({"new_tokens": 8} if task == "inference" else {})
+            runs[key] = measure(ResolvedWorkload(**fields, techniques=techniques), estimates=("traced", "analytic"))
+        return runs[key]
 
     return run
 
 
 @pytest.fixture(scope="session")
 def losses():
-    """losses(techniques, model=): five training steps on the bundled text, once per session."""
+    """losses(techniques, model=, shape=): five training steps on the bundled text, once per session."""
     runs = {}
 
-    def run(techniques: tuple[str, ...], model: str = "tiny-llama") -> list[float]:
-        if (techniques, model) not in runs:
-            workload = ResolvedWorkload(model=model, task="train", batch_size=4, seq_len=192, techniques=techniques)
-            batches = text_batches(batch_size=4, seq_len=192, num_batches=5)
-            runs[techniques, model] = train_run(workload, batches, lr=1e-3).losses
-        return runs[techniques, model]
+    def run(techniques: tuple[str, ...], model: str = "tiny-llama", shape: dict = LOSS_SHAPE) -> list[float]:
+        batch, seq = shape["batch_size"], shape["seq_len"]
+        if (techniques, model, batch, seq) not in runs:
+            workload = ResolvedWorkload(model=model, task="train", batch_size=batch, seq_len=seq, techniques=techniques)
+            batches = text_batches(batch_size=batch, seq_len=seq, num_batches=5)
+            runs[techniques, model, batch, seq] = train_run(workload, batches, lr=1e-3).losses
+        return runs[techniques, model, batch, seq]
 
     return run
 

@@ -11,7 +11,7 @@ from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 from memfit.techniques.compile import _fused_nodes
-from tests.conftest import SHAPE, rel
+from tests.conftest import SHAPE, rel, shape_for
 
 
 def test_a_pointwise_chain_is_fused_up_to_what_leaves_it():
@@ -30,10 +30,11 @@ def test_a_pointwise_chain_is_fused_up_to_what_leaves_it():
 def test_compiled_blocks_traced_as_inductor_runs_them(precision):
     """Inductor's C++ backend runs the compiled blocks for real; the trace (Inductor's partitioner under fake
     tensors, fused intermediates not counted) is within 5 % of its peak, and compiling lowers the peak."""
-    workload = Workload(**SHAPE, precision=precision, techniques=("compile",))
+    shape = shape_for((precision,))
+    workload = Workload(**shape, precision=precision, techniques=("compile",))
     run = measure(workload, estimates=("traced",))
     assert rel(run.extra["estimates"]["traced"]["peak_bytes"], run.peak_bytes) < 0.05
-    eager = estimate(Workload(**SHAPE, precision=precision), method="traced")
+    eager = estimate(Workload(**shape, precision=precision), method="traced")
     assert run.peak_bytes < 0.95 * eager.peak_bytes, (run.peak_bytes, eager.peak_bytes)
 
 

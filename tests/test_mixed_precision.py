@@ -6,7 +6,7 @@ import torch
 import memfit
 from memfit.measurement.training import text_batches
 from memfit.techniques.resolve import ResolvedWorkload
-from tests.conftest import predicted, rel
+from tests.conftest import HALF_SHAPE, predicted, rel
 
 
 def test_fp16_overflow_skips_the_step_and_backs_off():
@@ -34,13 +34,13 @@ def test_bf16_master_holds_float32_masters_and_gradients_and_is_predicted(measur
     gradient at a time. Beside pure bf16 it holds 4 bytes of master and 4 of gradient per parameter and AdamW's
     states in float32 (twice bf16's), less the bf16 gradients; accumulating over windows adds into the float32
     gradients. Both estimators within 0.1 % of the real runs."""
-    bf16, master = measured(("bf16",)), measured(("bf16-master",))
+    bf16, master = measured(("bf16",), shape=HALF_SHAPE), measured(("bf16-master",), shape=HALF_SHAPE)
     numel = master.extra["estimates"]["analytic"]["num_parameters"]
     half, full = (r.extra["estimates"]["analytic"]["model_state_bytes"] for r in (bf16, master))
     assert half["gradients"] == 2 * numel   # the bf16 gradients; bf16-master's float32 ones, and a half in flight
     assert 0 <= full["gradients"] - 4 * numel < half["gradients"] / 4
     assert full["optimizer_states"] - 2 * half["optimizer_states"] == pytest.approx(4 * numel, rel=1e-3)
-    accumulated = measured(("bf16-master", "sequence-chunks:window=64"))
+    accumulated = measured(("bf16-master", "sequence-chunks:window=64"), shape=HALF_SHAPE)
     for run in (master, accumulated):
         for method in ("traced", "analytic"):
             assert rel(predicted(run, method), run.peak_bytes) < 1e-3, (method, run.peak_bytes)

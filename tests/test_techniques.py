@@ -15,7 +15,7 @@ from memfit.measurement.training import text_batches
 from memfit.specs.workload import Workload
 from memfit.techniques.base import REGISTRY, parse_technique
 from memfit.techniques.resolve import ResolvedWorkload, resolve
-from tests.conftest import EXAMPLES, SHAPE, host_predicted_as_measured, predicted, rel
+from tests.conftest import EXAMPLES, LOSS_SHAPE, SHAPE, host_predicted_as_measured, predicted, rel, shape_for
 
 # (techniques measured, techniques of the baseline they are compared with)
 MODES = [
@@ -59,7 +59,10 @@ def eager_llama(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("techniques,baseline", MODES)
 def test_predicted_peak_and_saving_match_a_real_run(techniques, baseline, measured):
-    run, base = measured(techniques), measured(baseline)
+    # autocast alone saves the activations it stores in half less the half copies of the weights: at HALF_SHAPE the
+    # copies outweigh it (-1 %), so it is measured at SHAPE (-10 %)
+    shape = SHAPE if techniques in (("bf16-mixed",), ("fp16-mixed",)) else shape_for(techniques)
+    run, base = measured(techniques, shape=shape), measured(baseline, shape=shape)
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
     assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     saving = base.peak_bytes - run.peak_bytes
@@ -107,7 +110,8 @@ def test_sdpa_gives_eager_attention_results(eager_llama, losses):
 
 @pytest.mark.parametrize("techniques", [m.values[0] if hasattr(m, "values") else m[0] for m in MODES])
 def test_results_change_only_as_the_risk_label_says(techniques, losses):
-    got, base = losses(techniques), losses(())
+    shape = shape_for(techniques, LOSS_SHAPE)
+    got, base = losses(techniques, shape=shape), losses((), shape=shape)
     assert got[-1] < got[0] - 0.1, f"the loss must still decrease: {got}"
     risks = {parse_technique(spec).risk for spec in techniques}
     if risks == {"lossless"}:
@@ -159,7 +163,8 @@ COMPOSITIONS = [
 
 @pytest.mark.parametrize("techniques", COMPOSITIONS)
 def test_compositions_of_three_or_more(techniques, measured):
-    run, base = measured(techniques), measured(())
+    shape = shape_for(techniques)
+    run, base = measured(techniques, shape=shape), measured((), shape=shape)
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
     assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
     assert run.peak_bytes < base.peak_bytes
@@ -168,7 +173,8 @@ def test_compositions_of_three_or_more(techniques, measured):
 @pytest.mark.parametrize("techniques", [("checkpointing:mode=offload",), ("cpu-offload",), COMPOSITIONS[-1]])
 def test_offload_reports_the_host_ram_it_needs(techniques, measured):
     """Offload moves memory to the host: the run's host tensors against the predicted host RAM."""
-    run, base = measured(techniques), measured(())
+    shape = shape_for(techniques)
+    run, base = measured(techniques, shape=shape), measured((), shape=shape)
     assert base.host_bytes == 0 and run.host_bytes > 0.2 * base.peak_bytes
     host_predicted_as_measured(run)
 
