@@ -41,7 +41,7 @@ class PlanResult:
 
     def plan_json(self, index: int) -> dict:
         chosen = self.plans[index]
-        estimate = chosen.estimate
+        estimate, workload = chosen.estimate, chosen.workload(self.request)
         data = {
             "techniques": chosen.techniques, "micro_batch": chosen.micro_batch, "grad_accum": chosen.grad_accum,
             "world_size": chosen.candidate.num_gpus, "gpu": self.request.gpu.name, "peak_bytes": chosen.device_bytes,
@@ -49,13 +49,13 @@ class PlanResult:
             "throughput": round(chosen.throughput, 3), "accuracy_risk": chosen.risk,
             "training_change": chosen.change,
             # beyond the schema's required fields
-            "throughput_unit": f"{chosen.workload(self.request).throughput_per_sample[1]}/s per GPU",
+            "throughput_unit": f"{workload.throughput_per_sample[1]}/s per GPU",
             "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
             "headroom_bytes": self.request.gpu.memory_bytes - chosen.device_bytes,
             "peak_phase": estimate.peak_phase, "time_parts_s": {k: round(v, 6) for k, v in chosen.time.parts.items()},
             "ppl_increase": chosen.ppl_increase,
             "sources": {"memory": estimate.method, "time": self.request.cost.source},
-            "workload": chosen.workload(self.request).to_json(),
+            "workload": workload.to_json(),
         }
         if estimate.reserved_bytes is not None:   # a GPU target: what the plan's fit was judged on
             data["reserved_bytes"] = estimate.reserved_bytes

@@ -24,13 +24,12 @@ def plans_table(result: PlanResult) -> Table:
     title = (f"memfit plan — {request.model} {request.task}, {batch}, {request.num_gpus} × {request.gpu.name} "
              f"({format_bytes(request.gpu.memory_bytes)}, {request.margin:.0%} margin), objective {request.objective}")
     table = Table(title=title, title_justify="left")
-    rate = "samples/s/GPU" if result.plans and result.plan_json(0)["throughput_unit"].startswith("samples") else \
-        "tok/s/GPU"
-    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", rate, "changes"):
+    plans = [result.plan_json(index) for index in range(len(result.plans))]
+    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", _rate_column(plans),
+                   "changes"):
         table.add_column(column, justify="left" if column in ("techniques", "changes") else "right",
                          min_width=26 if column == "techniques" else None, overflow="fold")
-    for index in range(len(result.plans)):
-        plan = result.plan_json(index)
+    for index, plan in enumerate(plans):
         changes = plan["training_change"]   # what it changes in training (memfit techniques explains each)
         if plan["ppl_increase"]:
             changes += f" (ppl +{plan['ppl_increase']:.1%})"
@@ -72,13 +71,21 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
                   f"{result.elapsed_s:.1f} s[/dim]")
 
 
+def _unit(plan: dict) -> str:
+    """What the plan's throughput counts: tokens, or samples for a model whose batch is not tokens."""
+    return plan["throughput_unit"].split("/")[0]
+
+
+def _rate_column(plans: list[dict]) -> str:
+    return "samples/s/GPU" if plans and _unit(plans[0]) == "samples" else "tok/s/GPU"
+
+
 def price_line(plan: dict) -> str:
     price, per_million = plan["price"], plan["usd_per_million_tokens"]
     if per_million is None:
         return f"on {plan['instance']}: no price"
-    unit = plan["throughput_unit"].split("/")[0]   # tokens, or samples for a model whose batch is not tokens
     return (f"on {plan['instance']} at ${_usd(plan['usd_per_hour'])}/h ({price['kind']}, {price['date']}, "
-            f"{price['source']}): ${_usd(per_million)} per million {unit}")
+            f"{price['source']}): ${_usd(per_million)} per million {_unit(plan)}")
 
 
 def _usd(value: float) -> str:
