@@ -12,17 +12,20 @@ from memfit.estimators.kernels import ATTENTION_BACKWARD, kernel_profile
 from memfit.planner.cost import LINK_EFFICIENCY, CostModel, dtype_key
 from memfit.specs.hardware import CPU_KERNELS, GPU
 from memfit.specs.workload import Workload
+from memfit.steps.host import host_copy
 from memfit.steps.optim import make_optimizer
-from memfit.steps.train import call_model
+from memfit.steps.train import call_model, loss_of
 from memfit.techniques import REGISTRY
+from memfit.techniques.blocks import repeated_blocks
 from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
 from memfit.techniques.resolve import resolve
 
 
-def cpu_as_gpu(memory_bytes: int, hidden: int, tokens: int) -> GPU:
+def cpu_as_gpu(memory_bytes: int, model: str, seq_len: int, batch: int) -> GPU:
     """This CPU described as the planner's cost model reads a GPU: measured matmul throughput (float32 and
     bfloat16), memory bandwidth (a large copy between warm buffers, read and write), a "host link" that is what
-    offloading moves a second here (offload_link), no interconnect, no CUDA context."""
+    offloading the model's saved tensors moves a second here (offload_link, at micro-batch `batch`), no
+    interconnect, no CUDA context."""
     def matmul_tflops(dtype: torch.dtype) -> float:
         a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
         return 2 * 1024**3 / _seconds(lambda: a @ b) / 1e12
@@ -32,27 +35,54 @@ def cpu_as_gpu(memory_bytes: int, hidden: int, tokens: int) -> GPU:
     bandwidth = 2 * source.numel() / _seconds(lambda: target.copy_(source)) / 1e9   # read + write
     bf16 = matmul_tflops(torch.bfloat16)
     # the cost model derates a data-sheet link by LINK_EFFICIENCY; this rate is one reached
-    host_link = offload_link(hidden, tokens) / LINK_EFFICIENCY
+    host_link = offload_link(model, seq_len, batch) / LINK_EFFICIENCY
     return GPU(name="cpu (measured)", vendor="cpu", memory_bytes=memory_bytes, fp32_tflops=matmul_tflops(torch.float32),
                bf16_tflops=bf16, fp16_tflops=bf16, memory_bandwidth_gbps=bandwidth, interconnect="none",
                interconnect_gbps=0.0, host_link_gbps=host_link, context_bytes=0)
 
 
-def offload_link(hidden: int, tokens: int) -> float:
-    """GB a second that offloading tensors to host memory moves on this CPU, through memfit's own offload hooks: an
-    MLP block (linear, SiLU, linear) over `tokens` x `hidden` activations, its forward and backward timed with its
-    saved tensors offloaded (a copy into fresh host memory out, another back: 9 x hidden float32 values a token, each
-    way) and without."""
-    block = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.SiLU(),
-                                torch.nn.Linear(4 * hidden, hidden))
-    x = torch.randn(tokens, hidden, requires_grad=True)
+def offload_link(model: str, seq_len: int, batch: int, pairs: int = 7) -> float:
+    """GB a second that memfit's offload hooks move on this CPU, measured on the model's own forward and backward
+    over one micro-batch: run alternately without and with every block's saved tensors copied to host memory and
+    back (the hooks of checkpointing:mode=offload, which copy into fresh memory each way: a CPU has no copy engine,
+    and fresh pages fault), `pairs` times each; the bytes are those the hooks copied (counted, twice: out and back),
+    over the median of the pairs' differences (interleaving keeps a shared machine's drift out of the difference;
+    one small block timed apart read 3 to 14 GB/s from run to run)."""
+    import memfit.techniques.offload as offload
 
-    def step():
-        block(x).sum().backward()
-    plain = _seconds(step)
-    offload_saved_tensors_(block, parameter_storages(block))
-    moved = 2 * tokens * 9 * hidden * 4
-    return moved / max(_seconds(step) - plain, 1e-9) / 1e9
+    workload = resolve(Workload(model=model, task="train", batch_size=batch, seq_len=seq_len))
+    plain = workload.source.build(device="cpu", dtype=torch.float32)
+    offloaded = workload.source.build(device="cpu", dtype=torch.float32)
+    keep = parameter_storages(offloaded)
+    for _, block in repeated_blocks(offloaded, None):
+        offload_saved_tensors_(block, keep)
+    inputs = workload.source.make_batch(batch_size=batch, seq_len=seq_len, task="train", dtype=torch.float32)
+    copied = []
+
+    def counted(tensor, *args, **kwargs):
+        copied.append(tensor.numel() * tensor.element_size())
+        return host_copy(tensor, *args, **kwargs)
+
+    def step(module):
+        loss_of(call_model(module, inputs)).backward()
+        module.zero_grad(set_to_none=True)
+
+    step(plain), step(offloaded)   # warm-up
+    offload.host_copy, saved = counted, offload.host_copy
+    try:
+        step(offloaded)
+        moved, differences = 2 * sum(copied), []
+        for _ in range(pairs):
+            differences.append(-_timed(lambda: step(plain)) + _timed(lambda: step(offloaded)))
+    finally:
+        offload.host_copy = saved
+    return moved / max(median(differences), 1e-9) / 1e9
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def _seconds(fn, runs: int = 7) -> float:

@@ -49,7 +49,6 @@ from rich.table import Table  # noqa: E402
 from memfit.core.errors import MemfitError  # noqa: E402
 from memfit.core.units import format_bytes  # noqa: E402
 from memfit.estimators.analytic import analytic_estimate  # noqa: E402
-from memfit.estimators.analytic.families import registry  # noqa: E402
 from memfit.measurement.training import text_batches  # noqa: E402
 from memfit.planner import PlanRequest, plan  # noqa: E402
 from memfit.planner.cost import step_time  # noqa: E402
@@ -216,8 +215,7 @@ def run_case(model: str, seq_len: int, global_batch: int, fraction: float, steps
     plain_workload = resolve(Workload(model=model, task="train", batch_size=global_batch, seq_len=seq_len))
     plain = analytic_estimate(plain_workload)
     budget = int(plain.peak_bytes * fraction)
-    spec = registry.family_of(plain_workload.source)[1]
-    gpu = cpu_as_gpu(budget, getattr(spec, "hidden", None) or spec.d_model, seq_len * max(divisors(global_batch)))
+    gpu = cpu_as_gpu(budget, model, seq_len, max(divisors(global_batch)))
     cost = calibrate(gpu, model, seq_len, divisors(global_batch))
     console.print(f"calibrated: {cost}")
     # speed_margin 0: the oracle checks the cost model's pick of the fastest plan, not the preference for the one
