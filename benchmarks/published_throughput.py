@@ -32,8 +32,8 @@ RESULTS = HERE / "results"
 TT3B_TOKENS = 2 * 4096
 CAPPED = "the source's A100s are power-capped at 330 W (about 1.7 TB/s measured); memfit's A100 is the data sheet's"
 INT4 = "torchao's int4 weight-only (groups of 64) predicted as bitsandbytes NF4 (4-bit weights either way)"
-MIXTRAL_INT8 = ("gpt-fast quantizes its own experts to int8; int8-weight-only on transformers' Mixtral quantizes "
-                "nn.Linear layers only, which its fused experts are not (memfit reads them in bf16)")
+MIXTRAL_INT8 = ("gpt-fast quantizes its own experts to int8, as int8-weight-only does transformers' (per expert "
+                "and row, with torchao)")
 SAC_COMPILE = "compile over selective-op checkpointing is refused by memfit: the eager step is timed"
 TP_INFER = ("the source runs compiled with reduce-overhead (CUDA graphs) over a cube mesh; memfit's tensor-parallel "
             "all-reduces cost its NVLink bandwidth")

@@ -35,6 +35,24 @@ def test_quantized_inference_keeps_the_bytes_per_weight_predicted(technique, kep
     assert run.peak_bytes < base.peak_bytes
 
 
+def test_int8_weight_only_quantizes_a_mixture_of_experts_experts_too(measured):
+    """Mixtral's experts are 3-D parameters, no nn.Linear: int8-weight-only quantizes them too, per expert and row
+    (transformers' eager experts loop runs them), so nearly every weight takes a byte instead of 4. No routing is
+    known before the run: both estimates take every token as routed to every expert, an upper bound on the loop's
+    temporaries that a decode step of one sequence reaches; the weights to the byte."""
+    decode = {**SHAPE, "batch_size": 1, "seq_len": 16}
+    run, base = (measured(t, model="tiny-mixtral", task="inference", shape=decode) for t in (("int8-weight-only",), ()))
+    for method in ("traced", "analytic"):
+        assert run.extra["estimates"][method]["at_peak"]["parameters"] == run.at_peak["parameters"]
+        assert rel(predicted(run, method), run.peak_bytes) < 0.01
+    quantized_weights = (base.at_peak["parameters"] - EMBEDDINGS) / 4   # the embeddings stay float32
+    assert 1.0 <= (run.at_peak["parameters"] - EMBEDDINGS) / quantized_weights < 1.1
+    prefill = {**SHAPE, "batch_size": 2, "seq_len": 128}
+    run = measured(("int8-weight-only",), model="tiny-mixtral", task="inference", shape=prefill)
+    for method in ("traced", "analytic"):
+        assert run.peak_bytes <= predicted(run, method) < 1.3 * run.peak_bytes
+
+
 def test_quantized_encoder_embeds_real_sentences_nearly_as_float32():
     """The real pretrained all-MiniLM-L6-v2 on real held-out sentences: every format changes the embeddings
     (lossy), more bits change them less, and NF4 beats FP4 at the same 4 bits (the QLoRA paper's claim)."""

@@ -36,17 +36,30 @@ def test_a_measured_cost_model_replaces_the_assumed_constants():
 
 def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_are_routed_to():
     """Mixtral's decode step at batch 1 reads the shared weights and 2 of 8 experts per layer; a prefill of many
-    tokens reads them all; a dense model reads everything."""
+    tokens reads them all; a dense model reads everything. With int8 experts (int8-weight-only quantizes them, as
+    gpt-fast does) an expert is a byte a weight, and the shared weights' share of what a step reads grows."""
     from memfit.planner.cost import ModelShape
 
-    moe = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
+    moe = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8,
+                           precision="bf16")
     n = analytic_estimate(moe).num_parameters
     shape = ModelShape.of(moe, n)
-    assert shape.weights_read_fraction(1, n) == pytest.approx((n - shape.expert_params * 6 / 8) / n)
-    assert shape.weights_read_fraction(4096, n) == pytest.approx(1.0)
-    assert 0.25 < shape.weights_read_fraction(1, n) < shape.weights_read_fraction(8, n) < 1
+    assert shape.expert_bytes == 2 * shape.expert_params
+    assert shape.weights_read(1, 2 * n) == pytest.approx(2 * n - shape.expert_bytes * 6 / 8)
+    assert shape.weights_read(4096, 2 * n) == pytest.approx(2 * n)
+    assert 0.25 * 2 * n < shape.weights_read(1, 2 * n) < shape.weights_read(8, 2 * n) < 2 * n
     dense = ResolvedWorkload(model="llama-3.1-8b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
-    assert ModelShape.of(dense, 8_000_000_000).weights_read_fraction(1, 8_000_000_000) == 1.0
+    assert ModelShape.of(dense, 8_000_000_000).weights_read(1, 16_000_000_000) == 16_000_000_000
+
+    int8 = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8,
+                            precision="bf16", techniques=("int8-weight-only",))
+    estimate = analytic_estimate(int8)
+    stored = estimate.model_state_bytes["parameters"]
+    quantized = ModelShape.of(int8, estimate.num_parameters)
+    assert quantized.expert_params < quantized.expert_bytes < 1.01 * quantized.expert_params
+    assert 0.9 * stored < quantized.expert_bytes < stored   # the experts are almost all of the int8 model
+    # two experts of eight per layer, and every shared weight: attention's int8 codes, bf16 embeddings and norms
+    assert quantized.weights_read(1, stored) == pytest.approx(stored - quantized.expert_bytes * 6 / 8)
 
 
 def test_estimate_reports_the_step_time_the_planner_gives_the_same_configuration(capsys, tmp_path):

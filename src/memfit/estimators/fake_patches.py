@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
@@ -68,6 +69,11 @@ class FakeKernelFixes(TraceMode):
     kernel also takes fp32; the output shape does not depend on the dtype.
     `.item()` of a computed value (Adafactor's update norm): fake tensors have no value; memory does
     not depend on it, so the trace reads 1 (and False for booleans) and goes on.
+    `aten.nonzero` of a computed mask (transformers' eager experts loop: which experts the tokens were
+    routed to, then one expert's (slot, token) mask): fake tensors have no values, so the trace takes
+    the most a router can give — every expert hit, and every token routed to each (once: a token
+    picks an expert in one of its slots, so a 2-D mask holds one nonzero per column at most). An
+    upper bound on the loop's temporaries; a balanced router gives each expert top_k / experts of that.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -75,6 +81,10 @@ class FakeKernelFixes(TraceMode):
         if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "item_memo", None) is None \
                 and getattr(args[0], "constant", None) is None:
             return False if args[0].dtype == torch.bool else 1
+        if func is torch.ops.aten.nonzero.default and isinstance(args[0], FakeTensor) \
+                and getattr(args[0], "constant", None) is None:
+            rows = args[0].shape[-1] if args[0].dim() == 2 else args[0].numel()
+            return torch.empty((rows, args[0].dim()), dtype=torch.int64, device=args[0].device)
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             with _disable_current_modes():
                 metas = [torch.empty(a.shape, device="meta", dtype=torch.bfloat16 if a.is_floating_point() else a.dtype)

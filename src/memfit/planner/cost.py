@@ -116,6 +116,7 @@ class ModelShape:
     active_params: int
     causal: bool
     expert_params: int = 0   # a mixture of experts: the experts' parameters, all layers
+    expert_bytes: int = 0    # and the bytes they are stored in (int8 experts: codes and each row's scale and zero)
     experts: int = 0
     top_k: int = 0
     counted_flops_per_token: float = 0.0   # a custom model: its forward's FLOPs counted on a fake copy (no shape)
@@ -129,25 +130,30 @@ class ModelShape:
         hidden = getattr(spec, "hidden", None) or spec.d_model
         heads = spec.heads
         head_dim = getattr(spec, "head_dim", None) or getattr(spec, "d_kv", None) or hidden // heads
-        active, expert_params = num_parameters, 0
+        active, expert_params, expert_bytes = num_parameters, 0, 0
         experts = getattr(spec, "experts", 0)
         if experts:   # only top_k of the experts run per token
             expert_params = workload.source.num_layers * experts * 3 * hidden * spec.intermediate
             active -= expert_params * (experts - spec.top_k) // experts
+            expert_bytes = expert_params * get_precision(workload.precision).param_dtype.itemsize
+            if workload.with_trait("int8-experts"):   # a float32 scale and an int8 zero point per row
+                expert_bytes = expert_params + 5 * workload.source.num_layers * experts * (2 * spec.intermediate
+                                                                                          + hidden)
         layers = workload.source.num_layers + getattr(spec, "decoder_layers", 0)
         return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
                    active_params=active, causal=type(spec).__name__ in ("DecoderSpec", "GPT2Spec"),
-                   expert_params=expert_params, experts=experts, top_k=getattr(spec, "top_k", 0))
+                   expert_params=expert_params, expert_bytes=expert_bytes, experts=experts,
+                   top_k=getattr(spec, "top_k", 0))
 
-    def weights_read_fraction(self, tokens: int, num_parameters: int) -> float:
-        """The fraction of the weights one forward over `tokens` tokens reads: all of a dense model; of a mixture
-        of experts, the shared weights and the experts its tokens are routed to — with each token choosing top_k
-        of E experts, E * (1 - (1 - top_k / E) ** tokens) of them per layer on average (a decode step of a small
-        batch reads a few; a prefill, all)."""
-        if not self.experts or not num_parameters:
-            return 1.0
+    def weights_read(self, tokens: int, parameter_bytes: int) -> float:
+        """The bytes of weights one forward over `tokens` tokens reads: all of a dense model's; of a mixture of
+        experts, the shared weights and the experts its tokens are routed to — with each token choosing top_k of E
+        experts, E * (1 - (1 - top_k / E) ** tokens) of them per layer on average (a decode step of a small batch
+        reads a few; a prefill, all)."""
+        if not self.experts:
+            return parameter_bytes
         touched = 1 - (1 - self.top_k / self.experts) ** tokens   # the fraction of the experts read
-        return (num_parameters - self.expert_params * (1 - touched)) / num_parameters
+        return parameter_bytes - min(self.expert_bytes, parameter_bytes) * (1 - touched)
 
     def forward_flops(self, batch: int, seq: int) -> float:
         if self.counted_flops_per_token:
@@ -424,7 +430,7 @@ def _inference_batch(step: Step) -> None:
     decode = 0.0
     if w.new_tokens:
         kv_mean = step.estimate.at_peak.get("kv_cache", 0) * (seq + w.new_tokens / 2) / (seq + w.new_tokens)
-        weights = step.state_bytes("parameters") * c.shape.weights_read_fraction(batch, step.estimate.num_parameters)
+        weights = c.shape.weights_read(batch, step.state_bytes("parameters"))
         memory_s = (weights + kv_mean) / step.hbm_bytes_per_s
         flops_s = _compute_s(c.shape.forward_flops(batch, 1) + 4 * c.shape.layers * batch * seq * c.shape.attn_width,
                              gpu, w.precision, None, cost) * factor

@@ -58,6 +58,8 @@ TRAITS = {
                        "for (it takes the offload over)",
     "subclass-weights": "turns weights into tensor subclasses (quantized codes)",
     "quantized-linears": "quantizes (or fake-quantizes) the linear layers' weights",
+    "int8-experts": "stores a mixture of experts' expert weights as int8 codes too (a float32 scale and an int8 zero "
+                    "point per row)",
     "adapters": "freezes the base and trains low-rank adapters beside it",
     "replaces-loss": "computes the step's loss itself",
     "shapes-batch": "changes the batch memfit's step feeds the model (truncates it or splits it into windows)",

@@ -5,7 +5,12 @@
                      instead of 4 or 2). A linear converts the whole weight to the activations' dtype,
                      multiplies, then applies the row scales: per call the weight's size in that dtype
                      and one more output-sized tensor are temporaries (measured on the CPU kernel).
-                     Embeddings stay as they are; a head tied to them gets its own int8 copy.
+                     Embeddings stay as they are; a head tied to them gets its own int8 copy. A mixture of
+                     experts' expert weights (transformers' 3-D gate_up_proj and down_proj, which are no
+                     nn.Linear) are quantized too, per expert and row (torchao's FqnToConfig), as gpt-fast
+                     quantizes its experts: left in bf16 they would be almost all of a Mixtral's weights.
+                     torchao's int8 tensor has no grouped matmul, so the experts run transformers' "eager"
+                     loop (each routed expert's weight selected, converted and multiplied in turn).
   int8-dynamic       torchao's Int8DynamicActivationInt8WeightConfig (inference): the same int8 weights, and
                      per call each token's activations quantized to int8 (a scale per token) for an integer
                      matmul. Per call: float temporaries of the input's size
@@ -64,7 +69,7 @@ class Int8WeightOnly(Technique):
     risk = "lossy"
     stage = "quantize"
     summary = "torchao int8 weight-only: every nn.Linear weight as int8 codes with a float32 scale per row"
-    traits = frozenset({"subclass-weights", "quantized-linears"})
+    traits = frozenset({"subclass-weights", "quantized-linears", "int8-experts"})
     conflicts_with = ONE_QUANTIZATION
     oom_fixes = ("int8-weight-only",)
     search_axis = "weights"
@@ -99,6 +104,15 @@ class Int8WeightOnly(Technique):
         if not any(isinstance(m, torch.nn.Linear) for m in setup.model.modules()):
             raise MemfitError(f"-t {self.name}: the model has no nn.Linear to quantize.")
         quantize_(setup.model, self.torchao_config())
+        if any(".experts." in name and name.endswith(EXPERT_WEIGHTS) for name, _ in setup.model.named_parameters()):
+            from torchao.quantization import FqnToConfig
+
+            pattern = r"re:.*\.experts\.(" + "|".join(EXPERT_WEIGHTS) + ")$"
+            quantize_(setup.model, FqnToConfig({pattern: self.torchao_config()}), filter_fn=None)
+            setup.model.set_experts_implementation("eager")   # int8 tensors have no grouped matmul
+
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")   # transformers' fused experts (Mixtral): 3-D, per expert
 
 
 @register

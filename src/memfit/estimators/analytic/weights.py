@@ -3,7 +3,8 @@ fake-quantized linears, low-rank adapters.
 
   quantize_linears("int8_weight" | "int8_dynamic")
                      every linear weight as int8 codes, a float32 scale and an int8 zero point per output row
-                     (torchao); a head tied to the embeddings gets its own codes.
+                     (torchao); a head tied to the embeddings gets its own codes; a mixture of experts' expert
+                     weights too, per expert and row (their linears: families/moe.py's eager loop).
   quantize_linears("4bit", double_quant)
                      every linear but the LM head as two 4-bit codes per byte and bitsandbytes' quantization
                      state: one absmax per block of 64 weights (float32, or with double quantization a uint8 code,
@@ -42,15 +43,20 @@ KERNELS = ("int8_weight", "int8_dynamic", "4bit")   # quantized linears ops.line
 
 def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = False) -> None:
     assert kind in KERNELS, kind
-    linears = set(_module_names(family, "quantized linears").values()) | {"router"}
+    linears = set(_module_names(family, "quantized linears").values())
     if kind.startswith("int8"):   # torchao quantizes the head too; a tied one gets its own codes
         linears.add("lm_head")
         if getattr(spec, "tied", False) and "lm_head" not in e.params:
             e.param("lm_head", e.params["embed"].shape)
+    experts = {"experts.gate_up", "experts.down"} if kind.startswith("int8") else set()   # per expert and row
     for name, param in list(e.params.items()):
-        if name.rsplit(".", 1)[-1] not in linears or len(param.shape) != 2:
+        if name.split(".", 2)[-1] in experts:   # layers.{i}.experts.gate_up
+            rows = param.numel // param.shape[-1]
+        elif name.rsplit(".", 1)[-1] not in linears or len(param.shape) != 2:
             continue
-        numel, rows = param.numel, param.shape[0]
+        else:
+            rows = param.shape[0]
+        numel = param.numel
         if kind.startswith("int8"):
             codes = Param(e, name, numel, "int8", trainable=False)
             state = [Param(e, name + ".scale", rows, "float32", False), Param(e, name + ".zero", rows, "int8", False)]
@@ -74,7 +80,7 @@ def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = Fa
 def fake_quantize_linears(e: Engine, family) -> None:
     """Every linear (the LM head included: torchao prepares every nn.Linear) fake-quantizes its weight and input
     in each forward; the weights stay float32 and train."""
-    linears = set(_module_names(family, "fake-quantized linears").values()) | {"router", "lm_head"}
+    linears = set(_module_names(family, "fake-quantized linears").values()) | {"lm_head"}
     for name, param in e.params.items():
         if name.rsplit(".", 1)[-1] in linears and len(param.shape) == 2:
             param.quant = ("fake_quant", param.dtype, [], False)

@@ -1,5 +1,8 @@
-"""Mixture-of-experts MLPs (Mixtral): the router's softmax and top-k, then transformers' grouped_mm experts."""
+"""Mixture-of-experts MLPs (Mixtral): the router's softmax and top-k, then transformers' grouped_mm experts, or, with
+int8 expert weights (torchao has no grouped matmul for them), its eager loop over the experts."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -10,7 +13,8 @@ def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
     """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts. Local variables
     live until the function returns, as in `grouped_mm_experts_forward`."""
     router_logits, weights, top_index = _router(e, x, d, layer, tokens)
-    out = _grouped_experts(e, x, weights, d, layer, tokens)
+    quantized = e.params[f"layers.{layer}.experts.gate_up"].quant is not None
+    out = (_eager_experts if quantized else _grouped_experts)(e, x, weights, d, layer, tokens)
     del router_logits, weights, top_index
     return out
 
@@ -53,3 +57,42 @@ def _grouped_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int
     summed = e.record(e.new(tokens * h, weighted.dtype), [weighted], [])
     del sorted_ids, perm, gathered, sample_w, histc_input, counts, offsets, proj, weighted, inv_perm
     return ops.cast(e, summed, x.dtype)
+
+
+def _eager_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int) -> Sym:
+    """transformers' eager experts loop (inference): a one-hot mask of the routing, the experts hit, then per
+    expert its (slot, token) pairs, its tokens gathered, its two linears (torchao's int8 kernel for int8 experts),
+    the routing weight applied (float32) and added into the output in place. Each variable keeps its tensor until
+    the next expert's replaces it, as in the loop. No routing is known before the run: every expert counts as hit
+    by every token, as the fake trace takes it (estimators/fake_patches.py): an upper bound."""
+    p = f"layers.{layer}."
+    k, h, inter, hit = d.top_k, d.hidden, d.intermediate, d.experts + 1    # one_hot adds a sentinel expert
+    slots = tokens * k
+    # one expert's weight, as `experts.gate_up_proj[expert_idx]` selects it: what the linear kernels read
+    w_gate_up, w_down = (SimpleNamespace(numel=w.numel // d.experts, shape=w.shape[1:], quant=w.quant, lora=None)
+                         for w in (e.params[p + "experts.gate_up"], e.params[p + "experts.down"]))
+    out = e.new(tokens * h, x.dtype)                                     # zeros_like
+    mask = e.new(slots * hit, "int64")                                   # one_hot(top_k_index, E + 1)
+    counts = e.new(hit, "int64")                                         # mask.sum((-1, -2)) > 0
+    hit_mask = e.new(hit, "bool")
+    del counts
+    hit_index = e.new(hit, "int64")                                      # .nonzero()
+    del hit_mask
+    pairs = state = gate_up = hidden = None
+    for _ in range(hit):
+        chosen = e.new(1, "bool")                                        # expert_idx == num_experts
+        del chosen
+        pairs = e.new(2 * tokens, "int64")                               # torch.where(expert_mask[expert_idx])
+        state = e.new(tokens * h, x.dtype)                               # hidden_states[token_idx]
+        gate_up = ops.linear(e, state, w_gate_up, 2 * inter)
+        act = e.new(tokens * inter, x.dtype)
+        hidden = e.new(tokens * inter, x.dtype)                          # act_fn(gate) * up
+        del act
+        hidden = ops.linear(e, hidden, w_down, h)
+        routing = e.new(tokens, weights.dtype)                           # top_k_weights[token_idx, top_k_pos]
+        hidden = e.new(tokens * h, ops.promote(x.dtype, weights.dtype))
+        del routing
+        added = ops.cast(e, hidden, out.dtype)                           # .to(out.dtype), then index_add_
+        del added
+    del mask, hit_index, pairs, state, gate_up, hidden
+    return out
