@@ -93,18 +93,19 @@ def _usd(value: float) -> str:
 
 
 def print_instance_ranking(ranking: InstanceRanking, console: Console) -> None:
-    """Each priced machine's best plan, cheapest per million tokens first, then the machines nothing fits."""
+    """Each priced machine's best plan, cheapest per million tokens (or samples) first, then the machines nothing
+    fits."""
     fitting = ranking.fitting
     if fitting:
-        request = fitting[0].request
+        request, plans = fitting[0].request, [result.plan_json(0) for result in fitting]
+        unit = _unit(plans[0])
         table = Table(title=f"memfit plan — {request.model} {request.task} on every priced instance, cheapest per "
-                            "million tokens first (on-demand list prices: `memfit instances` has each date and "
+                            f"million {unit} first (on-demand list prices: `memfit instances` has each date and "
                             "source; --price NAME=USD to use yours)", title_justify="left")
-        for column in ("#", "instance", "GPUs", "$/h", "plan", "micro×acc", "peak/GPU", "host RAM", "tok/s/GPU",
-                       "$/M tokens"):
+        for column in ("#", "instance", "GPUs", "$/h", "plan", "micro×acc", "peak/GPU", "host RAM",
+                       _rate_column(plans), f"$/M {unit}"):
             table.add_column(column, justify="left" if column in ("instance", "GPUs", "plan") else "right")
-        for index, result in enumerate(fitting):
-            plan = result.plan_json(0)
+        for index, (result, plan) in enumerate(zip(fitting, plans)):
             table.add_row(str(index + 1), plan["instance"], f"{result.request.num_gpus} × {result.request.gpu.name}",
                           _usd(plan["usd_per_hour"]), " + ".join(plan["techniques"]),
                           f"{plan['micro_batch']} × {plan['grad_accum']}", format_bytes(plan["peak_bytes"], 1),
