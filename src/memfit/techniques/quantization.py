@@ -68,7 +68,8 @@ class Int8WeightOnly(Technique):
     name = "int8-weight-only"
     risk = "lossy"
     stage = "quantize"
-    summary = "torchao int8 weight-only: every nn.Linear weight as int8 codes with a float32 scale per row"
+    summary = ("torchao int8 weight-only: every nn.Linear weight (and a mixture's expert weights) as int8 codes with "
+               "a float32 scale per row")
     traits = frozenset({"subclass-weights", "quantized-linears", "int8-experts"})
     conflicts_with = ONE_QUANTIZATION
     oom_fixes = ("int8-weight-only",)

@@ -10,8 +10,8 @@ from memfit.estimators.analytic.symbols import Sym, View
 
 
 def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
-    """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts. Local variables
-    live until the function returns, as in `grouped_mm_experts_forward`."""
+    """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts (local variables live until
+    the function returns, as in `grouped_mm_experts_forward`), or its eager loop when the experts are int8."""
     router_logits, weights, top_index = _router(e, x, d, layer, tokens)
     quantized = e.params[f"layers.{layer}.experts.gate_up"].quant is not None
     out = (_eager_experts if quantized else _grouped_experts)(e, x, weights, d, layer, tokens)
@@ -67,7 +67,7 @@ def _eager_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int) 
     by every token, as the fake trace takes it (estimators/fake_patches.py): an upper bound."""
     p = f"layers.{layer}."
     k, h, inter, hit = d.top_k, d.hidden, d.intermediate, d.experts + 1    # one_hot adds a sentinel expert
-    slots = tokens * k
+    slots = tokens * k    # the routing mask's (slot, token) pairs
     # one expert's weight, as `experts.gate_up_proj[expert_idx]` selects it: what the linear kernels read
     w_gate_up, w_down = (SimpleNamespace(numel=w.numel // d.experts, shape=w.shape[1:], quant=w.quant, lora=None)
                          for w in (e.params[p + "experts.gate_up"], e.params[p + "experts.down"]))
