@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
@@ -29,11 +30,33 @@ def real_data_decisions():
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
+    hooks = [register_module_forward_pre_hook(_entering_experts),
+             register_module_forward_hook(_leaving_experts, always_call=True)]
     try:
         yield
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+        for hook in hooks:
+            hook.remove()
+
+
+_in_experts = [0]   # how deep the run is inside a mixture's experts module (transformers' fused experts)
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "gate_up_proj", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 3
+
+
+def _entering_experts(module, args):
+    if _is_experts(module):
+        _in_experts[0] += 1
+
+
+def _leaving_experts(module, args, output):
+    if _is_experts(module):
+        _in_experts[0] -= 1
 
 
 def _device_mesh_patches() -> list:
@@ -69,8 +92,9 @@ class FakeKernelFixes(TraceMode):
     kernel also takes fp32; the output shape does not depend on the dtype.
     `.item()` of a computed value (Adafactor's update norm): fake tensors have no value; memory does
     not depend on it, so the trace reads 1 (and False for booleans) and goes on.
-    `aten.nonzero` of a computed mask (transformers' eager experts loop: which experts the tokens were
-    routed to, then one expert's (slot, token) mask): fake tensors have no values, so the trace takes
+    `aten.nonzero` of a computed mask inside a mixture's experts module (transformers' eager experts loop:
+    which experts the tokens were routed to, then one expert's (slot, token) mask; anywhere else it stays
+    an error, which names the user's line): fake tensors have no values, so the trace takes
     the most a router can give — every expert hit, and every token routed to each (once: a token
     picks an expert in one of its slots, so a 2-D mask holds one nonzero per column at most). An
     upper bound on the loop's temporaries; a balanced router gives each expert top_k / experts of that.
@@ -81,7 +105,7 @@ class FakeKernelFixes(TraceMode):
         if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "item_memo", None) is None \
                 and getattr(args[0], "constant", None) is None:
             return False if args[0].dtype == torch.bool else 1
-        if func is torch.ops.aten.nonzero.default and isinstance(args[0], FakeTensor) \
+        if func is torch.ops.aten.nonzero.default and _in_experts[0] and isinstance(args[0], FakeTensor) \
                 and getattr(args[0], "constant", None) is None:
             rows = args[0].shape[-1] if args[0].dim() == 2 else args[0].numel()
             return torch.empty((rows, args[0].dim()), dtype=torch.int64, device=args[0].device)
