@@ -41,9 +41,16 @@ VIT_H = str(CONFIGS / "vit-huge-patch14-45" / "config.json")
 VIT_L = str(CONFIGS / "vit-large-patch16-224" / "config.json")
 ALL_LINEARS = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
 TUNE_LINEARS = "q_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"   # torchtune: q, v, output proj + MLP
-TT3B = dict(model=LLAMA_3B, task="train", batch_size=2, seq_len=4096, precision="bf16", optimizer_impl="foreach")
-TT3B_LORA = dict(TT3B, optimizer_impl="fused")
-TT3B_LORA_TECHNIQUES = ("chunked-ce:chunks=8", "checkpointing:mode=offload")
+# torchtune's AdamW is fused: its configs set `fused: True` wherever they name torch.optim.AdamW, and the table's
+# baseline (25.5 GiB, short unpacked sequences) is under the 29.9 GiB that weights, gradients and states take with
+# foreach's parameter-sized temporary alone
+TT3B = dict(model=LLAMA_3B, task="train", batch_size=2, seq_len=4096, precision="bf16", optimizer_impl="fused")
+TT_FUSED = "AdamW fused, as torchtune's configs set it (foreach's temporary alone would exceed its 25.5 GiB baseline)"
+# torchtune's CEWithChunkedOutputLoss: the model's head over 8 slices, every slice's bf16 logits kept, the float32
+# upcast + cross-entropy compiled per slice
+TT_CHUNKED = "chunked-ce:chunks=8,mode=upcast"
+TT3B_LORA_TECHNIQUES = (TT_CHUNKED, "checkpointing:mode=offload")
+TT_ADAPTERS = "adapter_dtype=model"   # torchtune's LoRA matrices in the model's bf16 (peft's default upcasts them)
 VIT_H_RUN = dict(model=VIT_H, task="train", batch_size=8, seq_len=224, precision="bf16-mixed")
 # torchtitan's Llama-3.1-8B pre-training: FSDP2 over 8 GPUs with MixedPrecisionPolicy (bf16 params, fp32 reduce),
 # torchtitan's op-level selective checkpointing, fp32 AdamW states
@@ -75,37 +82,39 @@ def row(id, reported, unit, metric, gpu, workload=None, miss=None, notes=(), com
 
 
 ROWS = [
-    row("tt3b-compile", 51.0, GiB, "alloc", "a100-80gb", TT3B, compiled=True),
-    row("tt3b-chunked", 42.9, GiB, "alloc", "a100-80gb", dict(TT3B, techniques=("chunked-ce:chunks=8",)),
-        compiled=True),
+    row("tt3b-compile", 51.0, GiB, "alloc", "a100-80gb", TT3B, compiled=True, notes=[TT_FUSED]),
+    row("tt3b-chunked", 42.9, GiB, "alloc", "a100-80gb", dict(TT3B, techniques=(TT_CHUNKED,)),
+        compiled=True, notes=[TT_FUSED]),
     row("tt3b-ac", 24.9, GiB, "alloc", "a100-80gb",
-        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing")), compiled=True),
+        dict(TT3B, techniques=(TT_CHUNKED, "checkpointing")), compiled=True, notes=[TT_FUSED]),
     row("tt3b-optbwd", 23.1, GiB, "alloc", "a100-80gb",
-        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing", "optimizer-in-backward")), compiled=True),
+        dict(TT3B, techniques=(TT_CHUNKED, "checkpointing", "optimizer-in-backward")), compiled=True,
+        notes=[TT_FUSED]),
     row("tt3b-actoffload", 21.8, GiB, "alloc", "a100-80gb",
-        dict(TT3B, techniques=("chunked-ce:chunks=8", "checkpointing:mode=offload", "optimizer-in-backward")),
-        compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload (saved tensors to host)"]),
+        dict(TT3B, techniques=(TT_CHUNKED, "checkpointing:mode=offload", "optimizer-in-backward")),
+        compiled=True, notes=[TT_FUSED, "AC + activation offloading run as checkpointing:mode=offload (saved tensors "
+                                        "to host)"]),
     row("tt3b-8bit", 17.6, GiB, "alloc", "a100-80gb",
-        dict(TT3B, optimizer_impl=None, techniques=("chunked-ce:chunks=8", "checkpointing:mode=offload",
-                                                    "optimizer-in-backward", "paged-adamw8bit")),
+        dict(TT3B, optimizer_impl=None, techniques=(TT_CHUNKED, "checkpointing:mode=offload",
+                                                    "optimizer-in-backward", "adamw8bit")),
         compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload",
-               "unexplained: the row before it is 21.8 GiB with 12 GiB of bf16 AdamW states, so 8-bit states (6 GiB, "
-               "paged outside the allocator as the config says) leave about 10 GiB, not 17.6"]),
+               "8-bit AdamW states in the allocator (bitsandbytes AdamW8bit): the README names the optimizer "
+               "`AdamW8bit`, and the config's paged PagedAdamW8bit would leave about 10 GiB (the row before, 21.8 "
+               "GiB, less 12 GiB of bf16 states), not 17.6"]),
     row("tt3b-lora", 8.5, GiB, "alloc", "a100-80gb",
-        dict(TT3B_LORA, techniques=(f"lora:rank=64,alpha=128,targets={TUNE_LINEARS}",
-                                    *TT3B_LORA_TECHNIQUES)),
+        dict(TT3B, techniques=(f"lora:rank=64,alpha=128,targets={TUNE_LINEARS},{TT_ADAPTERS}", *TT3B_LORA_TECHNIQUES)),
         compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload"]),
     row("tt3b-qlora", 4.6, GiB, "alloc", "a100-80gb",
-        dict(TT3B_LORA, techniques=(f"qlora:rank=64,alpha=128,targets={TUNE_LINEARS}",
-                                    *TT3B_LORA_TECHNIQUES)),
+        dict(TT3B, techniques=(f"qlora:rank=64,alpha=128,targets={TUNE_LINEARS},{TT_ADAPTERS}", *TT3B_LORA_TECHNIQUES)),
         compiled=True, notes=["AC + activation offloading run as checkpointing:mode=offload"]),
     row("tt8b-4090-full", 18.9, GiB, "alloc", "rtx-4090",
         dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=2048, precision="bf16",
-             techniques=("paged-adamw8bit", "optimizer-in-backward", "checkpointing", "chunked-ce:chunks=8")),
+             techniques=("paged-adamw8bit", "optimizer-in-backward", "checkpointing", TT_CHUNKED)),
         compiled=True),
     row("tt8b-4090-qlora", 7.4, GiB, "alloc", "rtx-4090",
         dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=2048, precision="bf16", optimizer_impl="fused",
-             techniques=(f"qlora:rank=8,alpha=16,targets={ALL_LINEARS}", "checkpointing", "chunked-ce:chunks=8")),
+             techniques=(f"qlora:rank=8,alpha=16,targets={ALL_LINEARS},{TT_ADAPTERS}", "checkpointing",
+                         TT_CHUNKED)),
         compiled=True),
     row("titan8b-fsdp8", 82.4, GiB, "reserved", "h100-96gb", TITAN8B, notes=[TITAN_NOTE]),
     row("titan8b-fsdp8-compile", 77.0, GiB, "reserved", "h100-96gb", TITAN8B, compiled=True, notes=[TITAN_NOTE]),

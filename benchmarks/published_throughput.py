@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from published_gpu import GEN, TITAN8B, TITAN_NOTE, TT3B, write_results
+from published_gpu import GEN, TITAN8B, TITAN_NOTE, TT3B, TT_CHUNKED, write_results
 from rich.markup import escape
 from rich.table import Table
 
@@ -61,12 +61,12 @@ GEN200C = dict(GEN200, techniques=(GRAPHS,))    # ... compiled, as both sources 
 ROWS = [
     train("tt3b-packed", TT3B_TOKENS / 7075, "a100-80gb", TT3B),
     train("tt3b-compile", TT3B_TOKENS / 8998, "a100-80gb", dict(TT3B, techniques=("compile",))),
-    train("tt3b-chunked", TT3B_TOKENS / 9174, "a100-80gb", dict(TT3B, techniques=("compile", "chunked-ce:chunks=8"))),
+    train("tt3b-chunked", TT3B_TOKENS / 9174, "a100-80gb", dict(TT3B, techniques=("compile", TT_CHUNKED))),
     train("tt3b-ac", TT3B_TOKENS / 7210, "a100-80gb",
-          dict(TT3B, techniques=("compile", "chunked-ce:chunks=8", "checkpointing"))),
+          dict(TT3B, techniques=("compile", TT_CHUNKED, "checkpointing"))),
     train("tt8b-4090", 2 * 2048 / 1650, "rtx-4090",
           dict(model="llama-3.1-8b", task="train", batch_size=2, seq_len=2048, precision="bf16",
-               techniques=("paged-adamw8bit", "optimizer-in-backward", "checkpointing", "chunked-ce:chunks=8",
+               techniques=("paged-adamw8bit", "optimizer-in-backward", "checkpointing", TT_CHUNKED,
                            "compile")),
           notes=["tokens/s over one epoch: the first steps' compile time is in it"]),
     train("titan8b-8", 2 * 8192 / 5762, "h100-96gb", TITAN8B, notes=[TITAN_NOTE]),

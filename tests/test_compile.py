@@ -26,6 +26,26 @@ def test_a_pointwise_chain_is_fused_up_to_what_leaves_it():
     assert ops == [("_to_copy", True), ("pow", True), ("add", True), ("_to_copy", False), ("mm", False)]
 
 
+def test_a_view_of_a_fused_result_and_a_gather_stay_in_the_kernel():
+    """Cross-entropy's pattern: a pointwise result read through a view by a gather, summed. Inductor loads the
+    gathered elements inside the kernel: only the sum leaves it."""
+    def f(x, index):
+        return torch.gather((x.float() * 2).view(4, 8), 1, index).sum()
+
+    graph = make_fx(f)(torch.ones(32, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=torch.int64)).graph
+    fused = _fused_nodes(graph)
+    ops = [(str(n.target).split(".")[1], n in fused) for n in graph.nodes if n.op == "call_function"]
+    assert ops == [("_to_copy", True), ("mul", True), ("view", True), ("gather", True), ("sum", False)]
+
+
+def test_torchtunes_chunked_loss_compiles_its_slices(measured):
+    """chunked-ce:mode=upcast under -t compile compiles each slice's upcast and cross-entropy, as torchtune does:
+    backward keeps the slices' logits and not their float32 log-probabilities; the trace within 5 % of the run."""
+    run = measure(Workload(**SHAPE, techniques=("chunked-ce:mode=upcast", "compile")), estimates=("traced",))
+    assert rel(run.extra["estimates"]["traced"]["peak_bytes"], run.peak_bytes) < 0.05
+    assert run.peak_bytes < 0.9 * measured(("chunked-ce:mode=upcast",)).peak_bytes
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_compiled_blocks_traced_as_inductor_runs_them(precision):
     """Inductor's C++ backend runs the compiled blocks for real; the trace (Inductor's partitioner under fake

@@ -15,7 +15,16 @@ from memfit.measurement.training import text_batches
 from memfit.specs.workload import Workload
 from memfit.techniques.base import REGISTRY, parse_technique
 from memfit.techniques.resolve import ResolvedWorkload, resolve
-from tests.conftest import EXAMPLES, LOSS_SHAPE, SHAPE, host_predicted_as_measured, predicted, rel, shape_for
+from tests.conftest import (
+    EXAMPLES,
+    HALF_SHAPE,
+    LOSS_SHAPE,
+    SHAPE,
+    host_predicted_as_measured,
+    predicted,
+    rel,
+    shape_for,
+)
 
 # (techniques measured, techniques of the baseline they are compared with)
 MODES = [
@@ -23,6 +32,7 @@ MODES = [
     (("checkpointing:every=2",), ()),
     (("checkpointing:mode=selective",), ()),
     (("chunked-ce",), ()),
+    (("chunked-ce:mode=upcast",), ()),
     (("checkpointing", "chunked-ce:chunks=4"), ("checkpointing",)),
     (("truncate:max_len=128",), ()),
     (("sequence-chunks:window=64",), ()),
@@ -137,6 +147,20 @@ def test_optimizer_in_backward_saves_the_gradients_and_changes_no_result(losses)
             assert rel(predicted(run, method), run.peak_bytes) < 0.01, (impl, method)
     got, base = losses(("optimizer-in-backward",)), losses(())
     assert all(rel(a, b) < 1e-6 for a, b in zip(got, base)), (got, base)
+
+
+def test_lora_adapters_in_the_models_dtype_as_torchtune_keeps_them(measured):
+    """peft upcasts a bfloat16 model's adapters to float32 (and each adapted linear's input with them);
+    adapter_dtype=model keeps them in bfloat16, as torchtune's LoRA does: less memory, and both estimators on
+    the real run."""
+    upcast = measured(("bf16", "lora"), shape=HALF_SHAPE)
+    kept = measured(("bf16", "lora:adapter_dtype=model"), shape=HALF_SHAPE)
+    assert kept.peak_bytes < upcast.peak_bytes
+    assert rel(predicted(upcast, "traced"), upcast.peak_bytes) < 0.02
+    for method in ("traced", "analytic"):
+        assert rel(predicted(kept, method), kept.peak_bytes) < 0.02, method
+    with pytest.raises(MemfitError, match="adapter_dtype must be one of float32, model"):
+        parse_technique("lora:adapter_dtype=bf16")
 
 
 def test_optimizer_in_backward_refuses_what_needs_every_gradient_at_once():

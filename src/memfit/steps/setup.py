@@ -66,6 +66,8 @@ class StepSetup:
     pipeline: Any = None              # a pipeline schedule that runs each step's micro-batches itself
     scheduler: Any = None             # the user's LR scheduler, on `optimizer` (apply_)
     phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
+    # -t compile's torch.compile (its backend and mode), for code a technique runs beside the blocks (a loss)
+    compile_fn: Callable[[Callable], Callable] | None = None
 
     def autocast(self):
         return autocast_region(self.precision, self.device_type, self.autocast_fn)

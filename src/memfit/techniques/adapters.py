@@ -13,6 +13,11 @@
           states, and per target the adapter's activations: A x (rank per token) saved for backward and
           two output-sized temporaries. Backward still runs through every block for the input
           gradients, so the base model's activations are saved as before.
+          adapter_dtype=float32 (peft's default, autocast_adapter_dtype): over a bfloat16 or float16 base
+          the adapters, their gradients and states are float32, and each adapted linear casts its input
+          to float32 for them; adapter_dtype=model keeps them in the model's dtype, as torchtune's LoRA
+          does (and peft with autocast_adapter_dtype=False). The analytic estimator models the adapters in
+          the model's dtype only.
   qlora[:rank=16,alpha=32,targets=q_proj|v_proj,format=nf4,double_quant=true]
           QLoRA (Dettmers et al., 2023): the frozen base's linears as bitsandbytes 4-bit codes (bnb-4bit,
           quantization.py), LoRA adapters beside the targets as above. The adapters and every
@@ -37,6 +42,7 @@ DEFAULT_TARGETS = ("q_proj", "v_proj")
 ALL_LINEAR = "all-linear"   # peft's rule: every linear but the output head
 # what the planner tries under --allow lossy (each with its measured perplexity cost, estimators/effects.py)
 SEARCHED_ADAPTERS = ("", ":rank=64", f":targets={ALL_LINEAR}")
+ADAPTER_DTYPES = ("float32", "model")
 QLORA_DEQUANT = 1.2   # QLoRA's compute against LoRA's: every 4-bit weight dequantized in forward and backward (assumed)
 
 
@@ -61,6 +67,7 @@ class Lora(Technique):
     alpha: int | None = None        # default 2 x rank
     targets: str | None = None      # module-name suffixes joined by "|"; default q_proj|v_proj (transformers
     #                                 models), every linear but the output head (other models: peft's all-linear)
+    adapter_dtype: str = "float32"  # float32 (peft's default) | model (the model's dtype: torchtune's)
 
     def __post_init__(self) -> None:
         require_positive_int(self.rank, "-t lora: rank")
@@ -70,6 +77,9 @@ class Lora(Technique):
                 and not all(re.fullmatch(r"[\w.]+", t) for t in self.targets.split("|"))):
             raise MemfitError(f"-t lora: targets are module names joined by '|' (or {ALL_LINEAR}), got "
                               f"{self.targets!r}.")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            raise MemfitError(f"-t {self.name}: adapter_dtype must be one of {', '.join(ADAPTER_DTYPES)}, got "
+                              f"{self.adapter_dtype!r}.")
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -118,7 +128,10 @@ class Lora(Technique):
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha or 2 * self.rank, lora_dropout=0.0,
                             target_modules=targets)
         with _traceable(setup.model):
-            setup.model = get_peft_model(setup.model, config)
+            setup.model = get_peft_model(setup.model, config,
+                                         autocast_adapter_dtype=self.adapter_dtype == "float32")
+        if self.adapter_dtype == "model":   # peft builds a 4-bit base's adapters in float32 all the same
+            _cast_adapters(setup.model, setup.precision.param_dtype)
 
 
 @register
@@ -153,6 +166,16 @@ class Qlora(Lora):
     def apply_(self, setup: StepSetup) -> None:
         quantize_4bit_(setup, self.name, self.format, self.double_quant)
         super().apply_(setup)
+
+
+def _cast_adapters(model, dtype: torch.dtype) -> None:
+    """Every LoRA matrix in `dtype` (a fresh parameter: Module.to cannot swap a traced run's fake tensors)."""
+    for name, module in model.named_modules():
+        if ".lora_A." in f".{name}." or ".lora_B." in f".{name}.":
+            for key, param in list(module.named_parameters(recurse=False)):
+                if param.dtype != dtype:
+                    cast = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                    setattr(module, key, cast)
 
 
 def _is_transformers_model(model) -> bool:

@@ -5,7 +5,8 @@
             cheapest set of tensors to recompute pointwise work from (matmul and attention outputs, not the
             upcasts, norms and activations between them), and Inductor fuses chains of pointwise ops and
             reductions into kernels whose intermediates never reach memory. The loss, the embeddings and the
-            head stay eager. Same results up to rounding (numerical).
+            head stay eager, but for chunked-ce:mode=upcast's per-slice cross-entropy, which torchtune
+            compiles too. Same results up to rounding (numerical).
   compile:mode=reduce-overhead
             the same, its kernels replayed as CUDA graphs (torch.compile's mode): the host launches a step's
             kernels at once instead of one by one, which is what makes small-batch decoding fast (gpt-fast and
@@ -35,7 +36,8 @@ from memfit.techniques.blocks import repeated_blocks
 
 MODES = ("default", "reduce-overhead")
 # ops Inductor lowers to loops it can fuse with their neighbours, besides those tagged pointwise or reduction
-_ALSO_FUSED = {"aten._to_copy.default", "aten.clone.default"}
+# (gather: a pointwise loop that loads its input at the gathered indices)
+_ALSO_FUSED = {"aten._to_copy.default", "aten.clone.default", "aten.gather.default"}
 
 
 @register
@@ -72,13 +74,17 @@ class Compile(Technique):
         backend = _traced_backend() if fake else "inductor"
         on_cuda = any(p.is_cuda for p in setup.model.parameters())
         options = {"mode": self.mode} if on_cuda and not fake and self.mode != "default" else {}
+        def compile_fn(function):
+            compiled = torch.compile(_own_code(function), backend=backend, **options)
+            return functools.partial(_recompiled_as_needed, compiled) if fake else compiled
+
         compiled = {}   # one compiled forward per block class, the block an input: one graph for all the blocks
         for _, block in repeated_blocks(setup.model):
             kind = type(block)
             if kind not in compiled:
-                compiled[kind] = torch.compile(_own_code(kind.forward), backend=backend, **options)
-            call = functools.partial(compiled[kind], block)
-            block.forward = functools.partial(_recompiled_as_needed, call) if fake else call
+                compiled[kind] = compile_fn(kind.forward)
+            block.forward = functools.partial(compiled[kind], block)
+        setup.compile_fn = compile_fn
 
 
 def _recompiled_as_needed(call, *args, **kwargs):
@@ -135,13 +141,22 @@ def _fusible(node: torch.fx.Node) -> bool:
 def _consumers(node: torch.fx.Node):
     """The nodes that read `node`'s memory, through views of it."""
     for user in node.users:
-        if isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+        if _is_view(user):
             yield from _consumers(user)
         else:
             yield user
 
 
 def _fused_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Pointwise ops and reductions whose every consumer is one too: Inductor keeps their results in a kernel."""
-    return {node for node in graph.nodes
-            if _fusible(node) and all(_fusible(user) for user in _consumers(node))}
+    """Pointwise ops and reductions whose every consumer is one too: Inductor keeps their results in a kernel;
+    and the views of those results, which the consumers read through."""
+    fused = {node for node in graph.nodes
+             if _fusible(node) and all(_fusible(user) for user in _consumers(node))}
+    for node in graph.nodes:   # in order: a view of a view of a fused result comes after the first view
+        if _is_view(node) and node.args and node.args[0] in fused:
+            fused.add(node)
+    return fused
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view

@@ -9,10 +9,17 @@ chunked cross-entropy.
                           labels of every later window are masked so each token is learned once.
                           Memory of a W-token step; no attention across windows (lossy).
   chunked-ce:chunks=K     the LM head and cross-entropy run over K slices of the sequence, each
-                          under checkpoint, so the float32 `batch x seq x vocab` logits never exist
-                          at once: 1/K of them at a time, recomputed in backward (torchtune's
-                          chunked loss, with the head inside the chunk as Liger's fused loss does).
-                          Results equal up to summation order (numerical).
+                          under checkpoint, so no `batch x seq x vocab` logits outlive their slice:
+                          1/K of them at a time, recomputed in backward (the head inside the chunk, as
+                          Liger's fused loss keeps no logits either). Results equal up to summation
+                          order (numerical).
+  chunked-ce:mode=upcast  torchtune's CEWithChunkedOutputLoss: the model's head runs over the K slices
+                          in its forward and every slice's half-precision logits are kept for backward;
+                          only the float32 upcast and the cross-entropy run a slice at a time. Eager,
+                          each slice's float32 log-probabilities are kept (together as large as the
+                          whole float32 logits); with -t compile the slice's upcast + cross-entropy is
+                          compiled, as torchtune compiles it, and keeps its half-precision input and
+                          the log-sum-exp only.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from memfit.techniques.base import Technique, register
 from memfit.techniques.checkpointing import step_checkpoint
 
 IGNORE_INDEX = -100
+CHUNKED_CE_MODES = ("recompute", "upcast")
 
 
 def _require_causal_lm(workload, name: str) -> None:
@@ -143,19 +151,23 @@ class ChunkedCrossEntropy(Technique):
     deepspeed_conflict = ("runs its forward around the model; chunked-ce would call the model past it",
                           "drop chunked-ce")
     chunks: int = 8
+    mode: str = "recompute"
 
     def __post_init__(self) -> None:
         require_positive_int(self.chunks, "-t chunked-ce: chunks")
+        if self.mode not in CHUNKED_CE_MODES:
+            raise MemfitError(f"-t chunked-ce: mode must be one of {', '.join(CHUNKED_CE_MODES)}, got {self.mode!r}.")
 
     @classmethod
     def search_values(cls, request, workload):
         return [cls.name] if request.task == "train" else []
 
     def analytic_policy(self, workload) -> dict:
-        return {"loss_chunks": self.chunks}
+        return {"loss_chunks": self.chunks, "loss_logits_kept": self.mode == "upcast"}
 
     def cost_compute(self, compute) -> None:   # the LM head runs again in backward (it is checkpointed)
-        compute.recompute += 2 * compute.shape.hidden * compute.shape.vocab * compute.tokens
+        if self.mode == "recompute":
+            compute.recompute += 2 * compute.shape.hidden * compute.shape.vocab * compute.tokens
 
     def check(self, workload) -> None:
         _require_causal_lm(workload, self.name)
@@ -163,19 +175,18 @@ class ChunkedCrossEntropy(Technique):
             raise MemfitError("-t chunked-ce changes the training loss; inference keeps only the last logits already.")
 
     def apply_(self, setup: StepSetup) -> None:
-        setup.loss = functools.partial(chunked_causal_lm_loss, chunks=self.chunks, checkpoint=step_checkpoint(setup))
+        if self.mode == "upcast":
+            setup.loss = functools.partial(upcast_chunked_lm_loss, chunks=self.chunks, setup=setup)
+        else:
+            setup.loss = functools.partial(chunked_causal_lm_loss, chunks=self.chunks,
+                                           checkpoint=step_checkpoint(setup))
 
 
 def chunked_causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, checkpoint) -> torch.Tensor:
     """Hugging Face's causal-LM loss (labels shifted left, -100 ignored, mean over the counted tokens),
     computed slice by slice from the base model's last hidden state; `checkpoint` is the step's
     (checkpointing.step_checkpoint)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
-    hidden = model.base_model(**inputs).last_hidden_state
-    head = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
+    hidden, head, cap, targets = _loss_inputs(model, batch)
     total = None
     for h, y in zip(hidden.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
         part = checkpoint(_slice_loss, h, y, head, cap)
@@ -183,8 +194,36 @@ def chunked_causal_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, 
     return total / (targets != IGNORE_INDEX).sum()
 
 
+def upcast_chunked_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, setup: StepSetup) -> torch.Tensor:
+    """The same loss as torchtune's model and CEWithChunkedOutputLoss compute it: the head over every slice of the
+    last hidden state first (the model's chunked output, kept), then each slice's float32 cross-entropy, compiled
+    with -t compile (setup.compile_fn) as torchtune compiles its `compute_cross_entropy`."""
+    hidden, head, cap, targets = _loss_inputs(model, batch)
+    logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
+    cross_entropy = setup.compile_fn(_upcast_cross_entropy) if setup.compile_fn else _upcast_cross_entropy
+    total = None
+    for z, y in zip(logits, targets.chunk(chunks, dim=1)):
+        part = cross_entropy(z, y, cap)
+        total = part if total is None else total + part
+    return total / (targets != IGNORE_INDEX).sum()
+
+
+def _loss_inputs(model: torch.nn.Module, batch: dict):
+    """The base model's last hidden state, the LM head, its logit soft-cap and the shifted targets."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
+    hidden = model.base_model(**inputs).last_hidden_state
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return hidden, model.get_output_embeddings(), cap, targets
+
+
 def _slice_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, cap: float | None) -> torch.Tensor:
-    logits = head(hidden).float()
+    return _upcast_cross_entropy(head(hidden), targets, cap)
+
+
+def _upcast_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, cap: float | None) -> torch.Tensor:
+    logits = logits.float()
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")

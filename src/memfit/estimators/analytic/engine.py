@@ -35,6 +35,7 @@ class Policy:
     checkpoint_selective: str | None = None   # "selective": keep every matmul and attention output; "selective-op":
     #                                           torchtitan's op policy (recompute.Region.keeps)
     loss_chunks: int = 0        # chunked cross-entropy: LM head + loss over this many sequence slices
+    loss_logits_kept: bool = False   # chunked-ce:mode=upcast: every slice's logits kept, not recomputed
     fsdp: bool = False          # FSDP2: each block's parameters all-gathered while it runs (blocks.py)
     fsdp_reshard: bool = True   # FSDP2 frees a block's gathered parameters after its forward (else after backward)
     state_dtype: str | None = None   # FSDP2's MixedPrecisionPolicy: parameter shards, gradients and optimizer states

@@ -20,27 +20,42 @@ def lm_head(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, q_l
 def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: int, seq: int, chunks: int,
                     softcap: bool = False) -> Sym:
     """techniques/sequence.py `chunked_causal_lm_loss`: labels padded once, then per slice of the
-    sequence a checkpointed LM head + float32 cross-entropy (sum), the sums added, divided by the count."""
+    sequence a checkpointed LM head + float32 cross-entropy (sum), the sums added, divided by the count;
+    or (policy.loss_logits_kept, `upcast_chunked_lm_loss`) the head over every slice first, its logits kept,
+    then each slice's cross-entropy."""
     padded = e.new(batch * (seq + 1), "int64")          # F.pad(labels, (0, 1), value=-100)
     step = -(-seq // chunks)                           # torch.chunk's slice length
     hidden_per_token = hidden.numel // (batch * seq)
+    slices = [(View(hidden, batch * size * hidden_per_token), size)
+              for size in (min(step, seq - start) for start in range(0, seq, step))]
+    kept = [_slice_head(e, rows, table, vocab, batch) for rows, _ in slices] if e.policy.loss_logits_kept else None
     total = None
-    for start in range(0, seq, step):
-        size = min(step, seq - start)
-        part = recompute.checkpointed(e, partial(_slice_loss, e, table=table, vocab=vocab, batch=batch, tokens=size,
-                                      softcap=softcap, labels=padded), View(hidden, batch * size * hidden_per_token))
+    for i, (rows, size) in enumerate(slices):
+        if kept:
+            part = _slice_cross_entropy(e, kept[i], batch=batch, tokens=size, softcap=softcap)
+        else:
+            part = recompute.checkpointed(e, partial(_slice_loss, e, table=table, vocab=vocab, batch=batch,
+                                                     tokens=size, softcap=softcap), rows)
         total = part if total is None else ops.add(e, total, part)
     counted = e.new(batch * seq, "bool")               # targets != -100
     count = e.new(1, "int64")
     del counted
-    return ops.mul(e, total, count)                    # total / count
+    loss = ops.mul(e, total, count)                    # total / count
+    del kept, padded                                   # the slices' logits live until the loss returns
+    return loss
 
 
-def _slice_loss(e: Engine, hidden: Sym, *, table: Param, vocab: int, batch: int, tokens: int, softcap: bool,
-                labels: Sym) -> Sym:
+def _slice_head(e: Engine, hidden: Sym, table: Param, vocab: int, batch: int) -> Sym:
     rows = hidden if batch == 1 else ops.copy(e, hidden)    # a slice of (b, s, h) is contiguous only for b = 1
-    logits = ops.linear(e, rows, table, vocab)
-    del rows
+    return ops.linear(e, rows, table, vocab)
+
+
+def _slice_loss(e: Engine, hidden: Sym, *, table: Param, vocab: int, batch: int, tokens: int, softcap: bool) -> Sym:
+    return _slice_cross_entropy(e, _slice_head(e, hidden, table, vocab, batch), batch=batch, tokens=tokens,
+                                softcap=softcap)
+
+
+def _slice_cross_entropy(e: Engine, logits: Sym, *, batch: int, tokens: int, softcap: bool) -> Sym:
     if softcap:                                             # tanh(logits / cap) * cap
         logits = ops.scalar_op(e, logits)
         logits = ops.unary_saving_output(e, logits, "tanh")
