@@ -74,6 +74,7 @@ class Compile(Technique):
         backend = _traced_backend() if fake else "inductor"
         on_cuda = any(p.is_cuda for p in setup.model.parameters())
         options = {"mode": self.mode} if on_cuda and not fake and self.mode != "default" else {}
+        @functools.cache   # one compiled function per function, whatever calls it each step
         def compile_fn(function):
             compiled = torch.compile(_own_code(function), backend=backend, **options)
             return functools.partial(_recompiled_as_needed, compiled) if fake else compiled

@@ -139,7 +139,8 @@ class ChunkedCrossEntropy(Technique):
     name = "chunked-ce"
     risk = "numerical"
     stage = "loss"
-    summary = "LM head + cross-entropy over sequence slices under checkpoint: full logits never exist"
+    summary = ("LM head + cross-entropy over sequence slices under checkpoint: full logits never exist "
+               "(mode=upcast: torchtune's, every slice's logits kept)")
     time_factor = 1.02
     traits = frozenset({"replaces-loss"})
     oom_fixes = ("chunked-ce",)
