@@ -32,10 +32,10 @@ def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: 
     total = None
     for i, (rows, size) in enumerate(slices):
         if kept:
-            part = _slice_cross_entropy(e, kept[i], batch=batch, tokens=size, softcap=softcap)
-        else:
+            part = _slice_cross_entropy(e, [kept[i]], batch=batch, tokens=size, softcap=softcap, labels=padded)
+        else:   # the checkpoint holds its inputs, the targets (a view of the padded labels) among them
             part = recompute.checkpointed(e, partial(_slice_loss, e, table=table, vocab=vocab, batch=batch,
-                                                     tokens=size, softcap=softcap), rows)
+                                                     tokens=size, softcap=softcap, labels=padded), rows)
         total = part if total is None else ops.add(e, total, part)
     counted = e.new(batch * seq, "bool")               # targets != -100
     count = e.new(1, "int64")
@@ -50,12 +50,17 @@ def _slice_head(e: Engine, hidden: Sym, table: Param, vocab: int, batch: int) ->
     return ops.linear(e, rows, table, vocab)
 
 
-def _slice_loss(e: Engine, hidden: Sym, *, table: Param, vocab: int, batch: int, tokens: int, softcap: bool) -> Sym:
-    return _slice_cross_entropy(e, _slice_head(e, hidden, table, vocab, batch), batch=batch, tokens=tokens,
-                                softcap=softcap)
+def _slice_loss(e: Engine, hidden: Sym, *, table: Param, vocab: int, batch: int, tokens: int, softcap: bool,
+                labels: Sym) -> Sym:
+    return _slice_cross_entropy(e, [_slice_head(e, hidden, table, vocab, batch)], batch=batch, tokens=tokens,
+                                softcap=softcap, labels=labels)
 
 
-def _slice_cross_entropy(e: Engine, logits: Sym, *, batch: int, tokens: int, softcap: bool) -> Sym:
+def _slice_cross_entropy(e: Engine, held: list[Sym], *, batch: int, tokens: int, softcap: bool, labels: Sym) -> Sym:
+    """logits.float(), soft-capped, and F.cross_entropy over the flattened slice; it saves its targets: a copy of
+    the strided slice (batch > 1) or a view of the padded `labels`. `held`: the logits, handed over in a list so
+    that they die here when nothing else holds them."""
+    logits = held.pop()
     if softcap:                                             # tanh(logits / cap) * cap
         logits = ops.scalar_op(e, logits)
         logits = ops.unary_saving_output(e, logits, "tanh")
@@ -66,7 +71,7 @@ def _slice_cross_entropy(e: Engine, logits: Sym, *, batch: int, tokens: int, sof
     log_probs = ops.softmax(e, ops.autocast_input(e, logits32, "cross_entropy"), "log_softmax")
     del logits32
     loss, total_weight = e.new(1, "float32"), e.new(1, "float32")
-    return e.record(loss, [log_probs], [log_probs, total_weight] + ([target] if target is not None else []))
+    return e.record(loss, [log_probs], [log_probs, total_weight, labels if target is None else target])
 
 
 def dense(e: Engine, x: Sym, name: str, out_features: int) -> Sym:
