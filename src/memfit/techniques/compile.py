@@ -79,12 +79,8 @@ class Compile(Technique):
             compiled = torch.compile(_own_code(function), backend=backend, **options)
             return functools.partial(_recompiled_as_needed, compiled) if fake else compiled
 
-        compiled = {}   # one compiled forward per block class, the block an input: one graph for all the blocks
-        for _, block in repeated_blocks(setup.model):
-            kind = type(block)
-            if kind not in compiled:
-                compiled[kind] = compile_fn(kind.forward)
-            block.forward = functools.partial(compiled[kind], block)
+        for _, block in repeated_blocks(setup.model):   # one compiled forward per block class, the block an input
+            block.forward = functools.partial(compile_fn(type(block).forward), block)
         setup.compile_fn = compile_fn
 
 
