@@ -11,11 +11,14 @@ from memfit.techniques.resolve import ResolvedWorkload
 from tests.conftest import SHAPE, predicted, rel
 
 EMBEDDINGS = 4096 * 256 * 4     # tiny-llama's embeddings (and its untied head), float32
+DOWN_PROJS = 4 * 688 * 256 * 4  # its MLPs' down projections: 688 inputs, which no int4 group size divides
 
 
 @pytest.mark.parametrize("technique,kept,bytes_per_weight", [
     ("int8-weight-only", EMBEDDINGS, 1.0),          # torchao quantizes the head too
     ("int8-dynamic", EMBEDDINGS, 1.0),
+    # + a float32 scale and zero per 64 inputs; torchao skips the linears the group does not divide
+    ("int4-weight-only:group_size=64", EMBEDDINGS + DOWN_PROJS, 0.5 + 2 * 4 / 64),
     ("bnb-4bit", 2 * EMBEDDINGS, 0.5),              # bitsandbytes keeps the head (transformers' rule)
     ("bnb-4bit:format=fp4,double_quant=false", 2 * EMBEDDINGS, 0.5),
 ])
@@ -91,7 +94,7 @@ def test_qat_trains_through_fake_quantization_and_converts_to_int8(measured, los
     assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
 
 
-def test_4bit_refuses_what_it_cannot_do():
+def test_4bit_techniques_refuse_what_they_cannot_do():
     with pytest.raises(MemfitError, match="qlora"):
         ResolvedWorkload(**SHAPE, techniques=("bnb-4bit",))
     with pytest.raises(MemfitError, match="format"):
@@ -104,6 +107,15 @@ def test_4bit_refuses_what_it_cannot_do():
         ResolvedWorkload(**{**SHAPE, "task": "inference"}, techniques=("qat",))
     with pytest.raises(MemfitError, match="adapters freeze them"):
         ResolvedWorkload(**SHAPE, techniques=("qat", "lora"))
+    with pytest.raises(MemfitError, match="qlora"):
+        ResolvedWorkload(**SHAPE, techniques=("int4-weight-only",))
+    inference = {**SHAPE, "task": "inference"}
+    with pytest.raises(MemfitError, match="32, 64, 128, 256"):
+        ResolvedWorkload(**inference, techniques=("int4-weight-only:group_size=48",))
+    with pytest.raises(MemfitError, match="weights' own dtype"):
+        ResolvedWorkload(**inference, precision="bf16-mixed", techniques=("int4-weight-only",))
+    with pytest.raises(MemfitError, match="Conv1D"):
+        ResolvedWorkload(**{**inference, "model": "tiny-gpt2"}, techniques=("int4-weight-only",))
 
 
 def test_effect_carries_the_measured_accuracy_cost_with_its_source():

@@ -26,6 +26,18 @@
                      backward, the rounded weight and input and their pre-clamp values (a range mask) are
                      saved (two weight-sized and two input-sized float tensors), plus the same again as
                      forward temporaries.
+  int4-weight-only[:group_size=32|64|128|256]
+                     torchao's int4 weight-only quantization with the tinygemm layout (Int4WeightOnlyConfig,
+                     tile_packed_to_4d, on CUDA; its CPU twin PrototypeInt4WeightOnlyConfig, Int4OpaqueTensor)
+                     on every nn.Linear whose input size the group divides (torchao skips the others), the LM
+                     head included: two 4-bit codes per byte, and per group of `group_size` inputs of each
+                     output row a scale and a zero point in the weight's dtype. A call runs one kernel on the
+                     packed weight: its output is the only tensor (no dequantized weight). Quantizing a loaded
+                     weight (on the device it is on) takes its float copies (x - min, / scale, round: each
+                     weight-sized, in its dtype), an int32 copy and the packed codes; the float weight is freed
+                     after: what a model loaded in half precision and quantized on the GPU leaves to the caching
+                     allocator is in the traced estimate's allocation sequence. CUDA's tinygemm computes in bf16
+                     only (default group: torchao's, 128).
   bnb-4bit[:format=nf4|fp4,double_quant=true]
                      bitsandbytes' Linear4bit (Dettmers et al., QLoRA) on every nn.Linear but the LM head
                      (transformers' rule): two 4-bit codes per byte, one scale per block of 64 weights
@@ -181,6 +193,67 @@ def convert_qat_(model: torch.nn.Module) -> torch.nn.Module:
     quantize_(model, QATConfig(step="convert"))
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     return model
+
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Int4WeightOnly(Technique):
+    name = "int4-weight-only"
+    risk = "lossy"
+    stage = "quantize"
+    summary = ("torchao int4 weight-only (tinygemm layout): every nn.Linear weight as 4-bit codes with a scale and a "
+               "zero point per group of inputs, the LM head included")
+    traits = frozenset({"subclass-weights", "quantized-linears"})
+    conflicts_with = FOUR_BIT_CONFLICTS
+    oom_fixes = ("int4-weight-only",)
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise MemfitError(f"-t {self.name}: group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                              f"not {self.group_size}.")
+
+    def check(self, workload) -> None:
+        if workload.task != "inference":
+            raise MemfitError(f"-t {self.name} packs the weights for an inference kernel; to train on a 4-bit "
+                              "base, use -t qlora.")
+        if get_precision(workload.precision).autocast_dtype is not None:
+            raise MemfitError(f"-t {self.name} computes in the weights' own dtype (bfloat16 for CUDA's tinygemm "
+                              f"kernel); use --precision {precision_names(autocast=False, master=False)}, not "
+                              f"{workload.precision}.")
+        refuse_conv1d(self.name, workload)
+
+    def analytic_weights(self, program) -> None:
+        program.quantize_linears("int4_weight", group_size=self.group_size)
+
+    def apply_(self, setup: StepSetup) -> None:
+        os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+        from torchao.quantization import quantize_
+
+        linears = [m for m in setup.model.modules() if isinstance(m, torch.nn.Linear)]
+        if not any(m.in_features % self.group_size == 0 for m in linears):
+            raise MemfitError(f"-t {self.name}: the model has no nn.Linear whose input size {self.group_size} "
+                              "divides (torchao skips those).")
+        weight = linears[0].weight
+        if weight.device.type == "cuda":
+            if weight.dtype != torch.bfloat16:
+                raise MemfitError(f"-t {self.name}: CUDA's tinygemm int4 kernel takes bfloat16 weights, not "
+                                  f"{weight.dtype}.")
+            from torchao.quantization import Int4WeightOnlyConfig
+
+            config = Int4WeightOnlyConfig(group_size=self.group_size, int4_packing_format="tile_packed_to_4d",
+                                          set_inductor_config=False)
+        else:
+            if self.group_size not in (32, 64, 128):
+                raise MemfitError(f"-t {self.name}: torchao's CPU int4 kernel takes groups of 32, 64 or 128, not "
+                                  f"{self.group_size}.")
+            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+            config = PrototypeInt4WeightOnlyConfig(group_size=self.group_size, set_inductor_config=False)
+        quantize_(setup.model, config)   # (Inductor's settings stay the user's: torchao would change them)
 
 
 FORMATS = ("nf4", "fp4")

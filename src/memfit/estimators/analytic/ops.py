@@ -64,7 +64,8 @@ def _saves(a: Sym, b: Sym) -> list[Sym]:
 
 def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
     if w.quant is not None and w.quant[0] != "4bit":
-        kernel = {"int8_weight": int8_linear, "int8_dynamic": int8_dynamic_linear, "fake_quant": qat_linear}
+        kernel = {"int8_weight": int8_linear, "int8_dynamic": int8_dynamic_linear, "int4_weight": int4_linear,
+                  "fake_quant": qat_linear}
         return kernel[w.quant[0]](e, x, w, out_features, bias)
     if w.quant is not None:   # peft's LoRA layer for 4-bit linears clones the base output first
         out = linear_4bit(e, x, w, out_features, bias)
@@ -98,6 +99,13 @@ def int8_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     if bias is not None:
         out = e.new(tokens * out_features, x.dtype)
     return out
+
+
+def int4_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
+    """torchao's int4 weight-only linear (inference): one kernel on the packed codes, its output the only tensor
+    (the bias added in place). CUDA's path also pads a bf16 copy of the input to a multiple of 1024 inputs (none
+    for Llama's sizes): not modelled."""
+    return e.new(x.numel // w.shape[1] * out_features, x.dtype)
 
 
 def qat_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:

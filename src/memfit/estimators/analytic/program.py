@@ -66,8 +66,9 @@ class Program:
                                                    self.num_layers, student_layers, int8)
         self.student_layers, self.declared = student_layers, True
 
-    def quantize_linears(self, kernel: str, *, double_quant: bool = False) -> None:
-        weights.quantize_linears(self.engine, self.family, self.spec, kernel, double_quant=double_quant)
+    def quantize_linears(self, kernel: str, *, double_quant: bool = False, group_size: int = 0) -> None:
+        weights.quantize_linears(self.engine, self.family, self.spec, kernel, double_quant=double_quant,
+                                 group_size=group_size)
 
     def fake_quantize_linears(self) -> None:
         weights.fake_quantize_linears(self.engine, self.family)

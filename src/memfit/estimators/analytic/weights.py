@@ -5,6 +5,10 @@ fake-quantized linears, low-rank adapters.
                      every linear weight as int8 codes, a float32 scale and an int8 zero point per output row
                      (torchao); a head tied to the embeddings gets its own codes; a mixture of experts' expert
                      weights too, per expert and row (their linears: families/moe.py's eager loop).
+  quantize_linears("int4_weight", group_size)
+                     every linear weight whose input size the group divides, the head included (a tied one gets
+                     its own codes), as two 4-bit codes per byte and, per group of inputs of each row, a scale
+                     and a zero point in the weight's dtype (torchao's tinygemm layout).
   quantize_linears("4bit", double_quant)
                      every linear but the LM head as two 4-bit codes per byte and bitsandbytes' quantization
                      state: one absmax per block of 64 weights (float32, or with double quantization a uint8 code,
@@ -38,21 +42,26 @@ def _module_names(family, what: str) -> dict[str, str]:
     return names
 
 
-KERNELS = ("int8_weight", "int8_dynamic", "4bit")   # quantized linears ops.linear runs
+KERNELS = ("int8_weight", "int8_dynamic", "int4_weight", "4bit")   # quantized linears ops.linear runs
 
 
-def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = False) -> None:
+def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = False, group_size: int = 0) -> None:
     assert kind in KERNELS, kind
     linears = set(_module_names(family, "quantized linears").values())
-    if kind.startswith("int8"):   # torchao quantizes the head too; a tied one gets its own codes
+    if kind.startswith("int"):   # torchao quantizes the head too; a tied one gets its own codes
         linears.add("lm_head")
         if getattr(spec, "tied", False) and "lm_head" not in e.params:
             e.param("lm_head", e.params["embed"].shape)
     experts = {"experts.gate_up", "experts.down"} if kind.startswith("int8") else set()   # per expert and row
+
+    def quantizable(name: str, param: Param) -> bool:   # (int4: torchao skips a linear the group cannot split)
+        return (name.rsplit(".", 1)[-1] in linears and len(param.shape) == 2
+                and not (kind == "int4_weight" and param.shape[1] % group_size))
+
     for name, param in list(e.params.items()):
         if name.split(".", 2)[-1] in experts:   # layers.{i}.experts.gate_up
             rows = param.numel // param.shape[-1]
-        elif name.rsplit(".", 1)[-1] not in linears or len(param.shape) != 2:
+        elif not quantizable(name, param):
             continue
         else:
             rows = param.shape[0]
@@ -60,6 +69,9 @@ def quantize_linears(e: Engine, family, spec, kind: str, double_quant: bool = Fa
         if kind.startswith("int8"):
             codes = Param(e, name, numel, "int8", trainable=False)
             state = [Param(e, name + ".scale", rows, "float32", False), Param(e, name + ".zero", rows, "int8", False)]
+        elif kind == "int4_weight":
+            codes = Param(e, name, numel // 2, "uint8", trainable=False)
+            state = [Param(e, name + ".scale_and_zero", 2 * numel // group_size, param.dtype, False)]
         else:
             codes = Param(e, name, -(-numel // 2), "uint8", trainable=False)
             blocks = -(-numel // BLOCK)
