@@ -33,7 +33,7 @@ from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 
-from memfit.core.units import MiB
+from memfit.core.units import MiB, format_bytes
 from memfit.specs.hardware import AllocatorSettings
 
 MIN_BLOCK_SIZE = 512            # kMinBlockSize
@@ -117,7 +117,10 @@ class CachingAllocator:
         block.allocated = True
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
-        if self.reserved > self.peak_reserved:
+        # fragmentation at the peak: reserved less allocated at the busiest moment of the reserved peak (with a warm
+        # cache the reserved figure stays flat while the tensors fill it)
+        if self.reserved > self.peak_reserved or (self.reserved == self.peak_reserved
+                                                  and self.allocated > self.allocated_at_peak_reserved):
             self.peak_reserved, self.allocated_at_peak_reserved = self.reserved, self.allocated
         return block
 
@@ -130,6 +133,11 @@ class CachingAllocator:
         for neighbour in (block.prev, block.next):
             self._merge(pool, block, neighbour)
         self._insert(pool, block)
+
+    def reset_peaks(self) -> None:
+        """torch.cuda.reset_peak_memory_stats(): the peaks restart from what is reserved and allocated now."""
+        self.peak_reserved, self.peak_allocated = self.reserved, self.allocated
+        self.allocated_at_peak_reserved = self.allocated
 
     def empty_cache(self) -> bool:
         """release_cached_blocks: whole free segments go back to the driver; expandable ones unmap free pages."""
@@ -355,47 +363,72 @@ class Replay:
 
     reserved_bytes: int          # the peak of reserved memory (max_memory_reserved)
     allocated_bytes: int         # the peak of allocated memory (max_memory_allocated)
-    fragmentation_bytes: int     # reserved minus allocated when reserved peaked
+    fragmentation_bytes: int     # reserved minus allocated at the busiest moment of the reserved peak
     cache_flushes: int = 0       # times the allocator released its cache to retry a failed cudaMalloc
     out_of_memory: bool = False  # the device ran out even after releasing the cache
+    setup_reserved_bytes: int = 0   # the reserved peak before the measured step (loading, quantizing, warm-up)
+    start_reserved_bytes: int = 0   # what the set-up (before the warm-up) leaves reserved into the step
 
     def to_json(self) -> dict:
         return {"reserved_bytes": self.reserved_bytes, "allocated_bytes": self.allocated_bytes,
                 "fragmentation_bytes": self.fragmentation_bytes, "cache_flushes": self.cache_flushes,
-                "out_of_memory": self.out_of_memory}
+                "out_of_memory": self.out_of_memory, "setup_reserved_bytes": self.setup_reserved_bytes,
+                "start_reserved_bytes": self.start_reserved_bytes}
 
 
 Event = tuple[Hashable, int, Hashable]   # (tensor, the bytes it holds from now on (0: freed), stream)
 PHASE_START = "<phase start>"            # an event's tensor: a phase of the step (forward, backward, ...) starts
+STEP_START = "<measured step>"           # an event's tensor: the measured step starts (its peaks reset there)
 
 
 def replay(events: Iterable[Event], settings: AllocatorSettings | None = None, capacity: int | None = None) -> Replay:
     """Run the events through a fresh allocator. A tensor whose size changes (a storage resized in place, as
-    FSDP2 does) frees its block and takes a new one; a phase start empties the cache when the settings say so."""
+    FSDP2 does) frees its block and takes a new one; a phase start empties the cache when the settings say so.
+    The measured step's start resets the peaks, as `torch.cuda.reset_peak_memory_stats()` does there (the
+    reserved peak restarts from what is reserved then: the cache that loading and the warm-up left, unless the
+    settings empty it first); what came before is reported as `setup_reserved_bytes`, and what the set-up alone
+    (the events before the first marker: loading, a conversion on the device) leaves reserved into the measured
+    step as `start_reserved_bytes`."""
     allocator = CachingAllocator(settings, capacity)
     blocks: dict[Hashable, _Block | None] = {}
+    setup_peak = 0
+    left_by_setup: int | None = None   # reserved as the set-up ends; 0 once the cache is emptied after it
     try:
         for key, nbytes, stream in events:
-            if key == PHASE_START:
-                if allocator.settings.empty_cache_between_phases:
+            if key in (PHASE_START, STEP_START):
+                left_by_setup = allocator.reserved if left_by_setup is None else left_by_setup
+                if key == STEP_START:
+                    setup_peak = allocator.peak_reserved
+                if (allocator.settings.empty_cache_between_phases if key == PHASE_START
+                        else allocator.settings.empty_cache_before_step):
                     allocator.empty_cache()
+                    left_by_setup = 0   # what stays is the step's own fragmentation, which the step's reserve has
+                if key == STEP_START:
+                    allocator.reset_peaks()
                 continue
             allocator.free(blocks.pop(key, None))
             if nbytes > 0:
                 blocks[key] = allocator.malloc(nbytes, stream)
     except OutOfMemory:
         return Replay(max(allocator.peak_reserved, allocator.reserved), allocator.peak_allocated,
-                      allocator.peak_reserved - allocator.allocated_at_peak_reserved, allocator.cache_flushes, True)
+                      allocator.peak_reserved - allocator.allocated_at_peak_reserved, allocator.cache_flushes, True,
+                      setup_peak, left_by_setup or 0)
     return Replay(allocator.peak_reserved, allocator.peak_allocated,
-                  allocator.peak_reserved - allocator.allocated_at_peak_reserved, allocator.cache_flushes)
+                  allocator.peak_reserved - allocator.allocated_at_peak_reserved, allocator.cache_flushes,
+                  setup_reserved_bytes=setup_peak, start_reserved_bytes=left_by_setup or 0)
 
 
 def predict_reserve(events: list[Event], settings: AllocatorSettings, capacity: int, peak_bytes: int,
-                    sampled: str | None = None) -> tuple[Replay, str | None]:
+                    sampled: str | None = None, start_reserved: int | None = None) -> tuple[Replay, str | None]:
     """The allocator's figures for a step whose tensors peak at `peak_bytes`, and a note for the estimate.
     `events` are the whole step's, or (`sampled`: what they are, e.g. "the step at 2 layers") those of a step like
-    it: what the allocator reserves beyond the tensors does not grow linearly with depth (it depends on which
-    freed blocks the next requests fit), so its share of the sample's peak is scaled to `peak_bytes`."""
+    it at fewer layers. Then the sample's reserve (what the allocator holds beyond the tensors at its peak) is carried
+    over as it is: repeated blocks free and request the same sizes, so each layer reuses the blocks the one before
+    it freed, and the reserve does not grow with depth (replays of one step at 2, 3, 4 and 8 layers and at full depth
+    gave reserves that went up and down by a few hundred MiB, never in proportion to the peak). What the set-up
+    leaves cached does grow with depth (weights converted on the device free their originals, layer by layer):
+    `start_reserved`, what the model's set-up leaves reserved into its step (Replay.start_reserved_bytes,
+    extrapolated from the samples by the caller), is a floor for its reserved peak."""
     if peak_bytes > capacity:
         return (Replay(peak_bytes, peak_bytes, 0, out_of_memory=True),
                 "allocator not simulated: the tensors alone exceed the device")
@@ -408,11 +441,18 @@ def predict_reserve(events: list[Event], settings: AllocatorSettings, capacity: 
             return replayed, f"the simulated allocator releases its cache {times} to make room (a device sync each)"
         return replayed, None
     sample = replay(events, settings)
-    share = (sample.reserved_bytes - sample.allocated_bytes) / max(1, sample.allocated_bytes)
-    reserve = int(share * peak_bytes)
-    return (Replay(peak_bytes + reserve, peak_bytes, reserve),
-            f"allocator reserve simulated on {sampled} ({share:.1%} of its peak) and scaled "
-            "to the model's peak")
+    reserve = max(0, sample.reserved_bytes - sample.allocated_bytes)
+    note = (f"allocator reserve simulated on {sampled} ({format_bytes(reserve)} beyond its tensors) and carried "
+            "over to the model's peak")
+    left = (start_reserved or 0) - peak_bytes
+    if left > reserve:
+        reserve = left
+        note = (f"allocator reserve: what the set-up leaves reserved into the step ({format_bytes(start_reserved)}, "
+                f"extrapolated in depth from {sampled} and the shallower samples) exceeds the step's own "
+                "reserve, and the step runs inside it: weights converted on the device free their originals into "
+                "the cache (converting before moving the model to the GPU, or torch.cuda.empty_cache() after, "
+                "avoids it)")
+    return Replay(peak_bytes + reserve, peak_bytes, reserve, start_reserved_bytes=start_reserved or 0), note
 
 
 def simulate_reserved(events: list[Event], settings: AllocatorSettings, capacity: int | None) -> Replay:

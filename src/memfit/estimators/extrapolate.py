@@ -141,6 +141,13 @@ def extrapolate_host(samples: dict[int, dict[str, int]], layers: int) -> int:
     return max(_line(samples, layers, lambda phase: f"host RAM in {phase}").values(), default=0)
 
 
+def extend_roughly(samples: dict[int, int], layers: int) -> int:
+    """A figure close to linear in depth but not exactly so (the caching allocator's reserved bytes: segments round
+    it) extended to `layers` along the line through the two deepest samples; never below zero."""
+    (n1, first), (n2, last) = sorted(samples.items())[-2:]
+    return max(0, last + (last - first) * (layers - n2) // (n2 - n1))
+
+
 def peak_of(regions: dict[tuple[str, int], RegionPeak]) -> tuple[RegionPeak, dict[str, int], dict[str, int]]:
     """(the peak region, component peaks, peak total per phase)."""
     top = max(regions.values(), key=lambda r: r.total)

@@ -31,12 +31,14 @@ def allocator_capacity(gpu: GPU) -> int:
 
 
 def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations: list[Event],
-                      sampled: str | None = None) -> None:
+                      sampled: str | None = None, start_reserved: int | None = None) -> None:
     """Add the device's overheads to a tensor-peak estimate and decide whether it fits: the allocator's reserve,
     simulated on the step's `allocations` (`sampled`: what they are when they are not the step itself, e.g. the
-    step at fewer layers: caching_allocator.predict_reserve), and the assumed context and workspace."""
+    step at fewer layers, and `start_reserved` the model's reserved bytes as its step starts:
+    caching_allocator.predict_reserve), and the assumed context and workspace."""
     settings = allocator_settings(workload)
-    allocator, note = predict_reserve(allocations, settings, allocator_capacity(gpu), estimate.peak_bytes, sampled)
+    allocator, note = predict_reserve(allocations, settings, allocator_capacity(gpu), estimate.peak_bytes, sampled,
+                                      start_reserved)
     # what the allocator reserves beyond its own allocated peak, added to the estimate's peak (they differ only
     # where the estimator adds tensors the replay does not see: DeepSpeed's states)
     reserved = estimate.peak_bytes + max(0, allocator.reserved_bytes - allocator.allocated_bytes)
@@ -53,6 +55,11 @@ def add_gpu_overheads(estimate: MemoryEstimate, gpu: GPU, workload, allocations:
                              "allocator_reserve": "simulated", "reserved_bytes": "simulated"})
     if note:
         estimate.notes.append(note)
+    if allocator.setup_reserved_bytes > reserved:
+        estimate.notes.append(
+            f"before the step the allocator reserves {format_bytes(allocator.setup_reserved_bytes)}, more than the "
+            "step itself: the weights as loaded, then changed on the device (a quantization: quantizing before "
+            "moving the model to the GPU avoids that peak)")
     estimate.apply_device(gpu.memory_bytes)
     if estimate.paged_bytes:
         spilled = estimate.paged_out_bytes

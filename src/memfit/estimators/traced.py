@@ -26,10 +26,12 @@ from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.estimators.batch_interpolation import NotInterpolable, interpolate
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.caching_allocator import replay
 from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 from memfit.estimators.extrapolate import (
     NotLinear,
     RegionPeak,
+    extend_roughly,
     extrapolate,
     extrapolate_host,
     extrapolation_depths,
@@ -37,7 +39,7 @@ from memfit.estimators.extrapolate import (
     region_peaks,
 )
 from memfit.estimators.fake_patches import FakeKernelFixes, real_data_decisions
-from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads
+from memfit.estimators.gpu_overhead import CUDA_ALLOCATION_ROUND_BYTES, add_gpu_overheads, allocator_settings
 from memfit.estimators.kernel_probe import KernelScratchProbe
 from memfit.estimators.modules import module_rows
 from memfit.estimators.sharding import per_rank, ranks_to_estimate, state_weights
@@ -319,8 +321,14 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
     )
     if gpu:
         estimate.paged_bytes = paged_bytes
+        start_reserved = None
+        if sampled_depth:   # the cache the set-up leaves grows with depth: caching_allocator.predict_reserve
+            settings = allocator_settings(workload)
+            start_reserved = extend_roughly(
+                {n: replay(r.trace.allocations(weights, divisor), settings).start_reserved_bytes
+                 for n, r in runs.items()}, layers)
         add_gpu_overheads(estimate, gpu, workload, run.trace.allocations(weights, divisor),
-                          f"the step at {sampled_depth} layers" if sampled_depth else None)
+                          f"the step at {sampled_depth} layers" if sampled_depth else None, start_reserved)
     if modules:
         estimate.modules = module_rows(run.trace, run.model, run.stacks, layers)
     if timeline:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.core.categories import CATEGORIES, zero_categories
-from memfit.estimators.caching_allocator import PHASE_START, Event
+from memfit.estimators.caching_allocator import PHASE_START, STEP_START, Event
 from memfit.estimators.fake_patches import TraceMode
 from memfit.steps.fusion import in_fused_region
 from memfit.steps.hooks import plain_tensors
@@ -112,14 +112,17 @@ class Trace:
 
     def allocations(self, weights: dict[str, int] | None = None, divisor: int = 1) -> list[Event]:
         """The device's allocations in order, for the caching allocator (caching_allocator.replay): (storage,
-        bytes it holds from now on, stream 0) for the storages alive before tracking began, then every event of
-        the warm-up and measured steps with the phases' starts; sharded bytes per rank with `weights` and
-        `divisor` (sharding.py)."""
+        bytes it holds from now on, stream 0) for the storages alive before tracking began, then every event in
+        order: the set-up (the techniques applied, e.g. a quantization on the device) and the warm-up step, a
+        STEP_START marker where the measured step begins, a PHASE_START marker where each of its phases begins;
+        sharded bytes per rank with `weights` and `divisor` (sharding.py)."""
         weight = self._storage_weights([self.category_of(s) for s in self.storages], weights, False)
         size = {i: s.nbytes for i, s in enumerate(self.storages) if s.born == -1}
         out = [(i, -(-nbytes * weight[i] // divisor), 0) for i, nbytes in size.items() if weight[i]]
         phase_starts = {index for index, _ in self.phase_marks}
         for index, (sid, delta) in enumerate(self.events):
+            if index == self.start:
+                out.append((STEP_START, 0, 0))
             if index in phase_starts:
                 out.append((PHASE_START, 0, 0))
             if weight[sid]:

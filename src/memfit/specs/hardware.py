@@ -53,6 +53,8 @@ class AllocatorSettings:
     expandable_segments: bool = False
     max_split_size: int | None = None   # bytes (max_split_size_mb); None: no limit
     empty_cache_between_phases: bool = False   # torch.cuda.empty_cache() as each phase starts (release-cache)
+    empty_cache_before_step: bool = False      # the cache emptied before the measured step: CUDA graphs' capture
+    #                                            in the warm-up (compile:mode=reduce-overhead) calls empty_cache
 
 
 @lru_cache(maxsize=1)

@@ -10,8 +10,10 @@
   compile:mode=reduce-overhead
             the same, its kernels replayed as CUDA graphs (torch.compile's mode): the host launches a step's
             kernels at once instead of one by one, which is what makes small-batch decoding fast (gpt-fast and
-            torchao's generate run so). A CPU has no CUDA graphs: it runs the default mode there. The graphs'
-            private memory pool is not modelled (a decode step's few activations).
+            torchao's generate run so). Capturing them (in the warm-up) calls torch.cuda.empty_cache() first
+            (torch.cuda.graph's __enter__): the measured step starts from a trimmed cache, which the simulated
+            allocator replays. A CPU has no CUDA graphs: it runs the default mode there. The graphs' private
+            memory pool is not modelled (a decode step's few activations).
 
 Measured: `memfit measure` runs Inductor for real (its C++ backend on a CPU). Traced (label: modelled): the same
 blocks are compiled under fake tensors with Inductor's decompositions, joint-graph passes and partitioner, so the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +59,9 @@ class Compile(Technique):
     def estimate_notes(self, workload) -> list[str]:
         return ["torch.compile modelled: Inductor's partitioner run under fake tensors, fused pointwise intermediates "
                 "not counted, Inductor's buffer reuse not modelled"]
+
+    def allocator_settings(self, settings):
+        return replace(settings, empty_cache_before_step=True) if self.mode == "reduce-overhead" else settings
 
     def cost_compute(self, compute) -> None:   # fused pointwise kernels: the kernel profile's fused figures
         compute.fused = True
