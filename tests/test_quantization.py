@@ -129,3 +129,12 @@ def test_effect_carries_the_measured_accuracy_cost_with_its_source():
     plain = ResolvedWorkload(**SHAPE)
     lossless = effect("checkpointing", memfit.estimate(plain, method="analytic"), plain)
     assert lossless.extra["effect"]["accuracy"] is None
+
+
+def test_int4_weight_only_says_that_cuda_takes_bfloat16_weights_only():
+    def notes(precision):
+        workload = memfit.Workload(model="tiny-llama", task="inference", precision=precision,
+                                   techniques=("int4-weight-only",))
+        return " ".join(memfit.estimate(workload, method="analytic").notes)
+
+    assert "bfloat16 weights only" in notes("fp32") and "bfloat16 weights only" not in notes("bf16")

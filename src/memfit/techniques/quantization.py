@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.core.precision import get_precision, precision_names
+from memfit.core.precision import get_precision, precision_names, precision_of_dtype
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 
@@ -225,6 +225,13 @@ class Int4WeightOnly(Technique):
                               f"kernel); use --precision {precision_names(autocast=False, master=False)}, not "
                               f"{workload.precision}.")
         refuse_conv1d(self.name, workload)
+
+    def estimate_notes(self, workload) -> list[str]:
+        if get_precision(workload.precision).param_dtype == torch.bfloat16:
+            return []
+        return [f"-t {self.name}: on a CUDA GPU torchao's int4 kernel takes bfloat16 weights only (--precision "
+                f"{workload.precision} runs on a CPU): use --precision {precision_of_dtype(torch.bfloat16).name} "
+                "there"]
 
     def analytic_weights(self, program) -> None:
         program.quantize_linears("int4_weight", group_size=self.group_size)
