@@ -412,7 +412,7 @@ APPLIES = {"sdpa": ("sdpa", {"model": "eager"}),
            "truncate": ("truncate:max_len=64", {}), "sequence-chunks": ("sequence-chunks:window=64", {}),
            **{name: (name, {"world_size": 2}) for name in ("fsdp2", "tensor-parallel", "pipeline-parallel")},
            **{name: (name, {"task": "inference"}) for name in ("stream-layers", "int8-weight-only", "bnb-4bit",
-                                                               "int8-dynamic")},
+                                                               "int8-dynamic", "int4-weight-only")},
            "park-frozen": ("park-frozen", dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))),
            "nvme-offload": ("nvme-offload", {"engine": "deepspeed", "zero_stage": 3, "precision": "bf16-mixed"}),
            # its saving is the optimizer step's peak: a batch small enough for that step to be the peak
