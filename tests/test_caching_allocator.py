@@ -21,7 +21,7 @@ from memfit.estimators.caching_allocator import (
     replay,
     simulate_reserved,
 )
-from memfit.estimators.gpu_overhead import allocator_settings
+from memfit.estimators.gpu_overhead import allocator_settings, blas_workspaces
 from memfit.specs.hardware import AllocatorSettings, get_gpu
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve
@@ -182,7 +182,7 @@ def test_what_the_set_up_leaves_reserved_is_a_floor_for_a_deeper_model():
     assert carried.reserved_bytes == 66 * MiB and "carried over" in note
     floor, note = predict_reserve(LOAD_THEN_QUANTIZE, AllocatorSettings(), capacity, 40 * MiB, "the sample",
                                   start_reserved=100 * MiB)
-    assert floor.reserved_bytes == 100 * MiB and "what the set-up leaves reserved" in note
+    assert floor.reserved_bytes == 100 * MiB and "the segments the set-up leaves reserved" in note
 
 
 def test_a_cuda_graph_capture_before_the_step_returns_the_free_segments():
@@ -222,11 +222,12 @@ def test_an_analytic_gpu_estimate_reserves_what_its_step_replayed_through_the_al
     gpu = get_gpu("a100-80gb")
     result = estimate(workload, method="analytic", gpu=gpu)
     engine = simulate(workload, gpu, workload.source.num_layers, record_allocations=True)
-    replayed = replay(engine.allocations, settings)
-    assert replayed.allocated_bytes == result.peak_bytes
-    assert result.reserved_bytes == replayed.reserved_bytes > result.peak_bytes
+    workspaces = [(f"workspace {i}", nbytes, 0) for i, nbytes in enumerate(blas_workspaces(gpu, workload))]
+    replayed = replay(workspaces + engine.allocations, settings)
+    assert replayed.allocated_bytes == result.peak_bytes + result.overhead_detail["cublas_workspace"]
+    assert result.reserved_bytes == replayed.reserved_bytes > replayed.allocated_bytes
     assert result.sources["reserved_bytes"] == result.sources["allocator_reserve"] == "simulated"
-    assert result.overhead_detail["allocator_reserve"] == result.reserved_bytes - result.peak_bytes
+    assert result.overhead_detail["allocator_reserve"] == result.reserved_bytes - replayed.allocated_bytes
     assert result.allocator["expandable_segments"] is settings.expandable_segments
 
 
@@ -249,21 +250,24 @@ def test_traced_and_analytic_replays_of_the_same_step_reserve_alike():
     assert traced.reserved_bytes == pytest.approx(analytic.reserved_bytes, rel=0.03)
 
 
-def test_a_step_deeper_than_its_trace_carries_the_sampled_reserve_over_and_says_so(tmp_path):
-    # the same GPT-2 at 12 and at 24 layers, both traced at the same few layers: the tensors' peak grows with
-    # depth, the allocator's reserve beyond them is the sample's and stays
+@pytest.mark.parametrize("task", ["inference", "train"])
+def test_a_step_deeper_than_its_trace_carries_its_sampled_reserve_over_and_says_how(task, tmp_path):
+    """The same GPT-2 at 12 and at 24 layers, both traced at the same few layers: the tensors' peak grows with depth;
+    an inference step's reserve beyond them stays the sample's, a training step's keeps its share of the peak."""
     config = json.loads((Path(memfit.__file__).parent / "specs/configs/gpt2.json").read_text())["hf_config"]
     (tmp_path / "config.json").write_text(json.dumps({**config, "n_layer": 24}))
-    reserves = {}
-    for model in ("gpt2", str(tmp_path)):
-        result = estimate(Workload(model=model, task="train", batch_size=1, seq_len=128), method="traced",
-                          gpu=get_gpu("a100-80gb"))
-        assert any(n.startswith("allocator reserve simulated on the step at") and "carried over" in n
-                   for n in result.notes), result.notes
-        reserves[model] = (result.peak_bytes, result.reserved_bytes - result.peak_bytes)
-    (small_peak, small_reserve), (deep_peak, deep_reserve) = reserves.values()
-    assert deep_peak > small_peak * 1.3
-    assert deep_reserve == small_reserve > 0
+    results = [estimate(Workload(model=model, task=task, batch_size=8, seq_len=512), method="traced",
+                        gpu=get_gpu("a100-80gb")) for model in ("gpt2", str(tmp_path))]
+    how = "scaled to the model's peak" if task == "train" else "carried over"
+    for result in results:
+        assert any(n.startswith("allocator reserve simulated on the step at") and how in n for n in result.notes)
+    (small, small_reserve), (deep, deep_reserve) = [
+        (r.allocator["allocated_bytes"], r.overhead_detail["allocator_reserve"]) for r in results]
+    assert deep > small * 1.3 and small_reserve > 0
+    if task == "train":
+        assert deep_reserve / deep == pytest.approx(small_reserve / small, rel=1e-3)
+    else:
+        assert deep_reserve == small_reserve
 
 
 def test_tensors_larger_than_the_device_skip_the_replay_and_do_not_fit():
@@ -279,6 +283,20 @@ def test_a_plan_fits_on_the_simulated_reserved_bytes():
     result = plan(PlanRequest(model="tiny-llama", gpu=get_gpu("t4"), seq_len=256, global_batch=8))
     best = result.plans[0]
     estimate_json = best.estimate.to_json()
-    assert best.device_bytes == (estimate_json["reserved_bytes"] + estimate_json["overhead_detail"]["cuda_context"]
-                                 + estimate_json["overhead_detail"]["cublas_workspace"])
+    assert best.device_bytes == estimate_json["reserved_bytes"] + estimate_json["overhead_detail"]["cuda_context"]
     assert result.plan_json(0)["reserved_bytes"] == estimate_json["reserved_bytes"]
+
+
+@pytest.mark.parametrize("gpu,task,workspaces", [
+    ("h100-sxm-80gb", "train", 2 * (32 + 1) * MiB),        # 4096 KiB x 8 on sm90, two threads (autograd's too)
+    ("t4", "inference", (8 + 1) * MiB + 8 * 16 * 1024),    # 4096 KiB x 2 + 16 KiB x 8 elsewhere, one thread
+])
+def test_the_cublas_workspaces_are_allocated_through_the_allocator(gpu, task, workspaces):
+    """CublasHandlePool.cpp allocates each (handle, stream) workspace from the caching allocator: it is in
+    max_memory_allocated and max_memory_reserved, not beside them (an H200 gave +65 MiB in every row)."""
+    result = estimate(Workload(model="tiny-llama", task=task, batch_size=2, seq_len=64), method="analytic",
+                      gpu=get_gpu(gpu))
+    assert result.overhead_detail["cublas_workspace"] == workspaces
+    assert result.allocator["allocated_bytes"] == result.peak_bytes + workspaces
+    assert result.reserved_bytes >= result.peak_bytes + workspaces
+    assert result.peak_bytes + result.overhead_bytes == result.reserved_bytes + get_gpu(gpu).context_bytes

@@ -54,8 +54,9 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         parts = ", ".join(f"{name} {_seconds(value)}" for name, value in best["time_parts_s"].items() if value)
         console.print(f"[dim]plan 1's step: {parts} (cost model: {best['sources']['time']} constants, "
                       f"planner/cost.py); peak per GPU "
-                      f"is the {best['sources']['memory']} tensor peak {format_bytes(best['tensor_peak_bytes'])} + the "
-                      "caching allocator's reserve (simulated) + CUDA context and cuBLAS workspace (assumed)[/dim]")
+                      f"is the {best['sources']['memory']} tensor peak {format_bytes(best['tensor_peak_bytes'])} + "
+                      "cuBLAS workspaces (modelled) + the caching allocator's reserve (simulated) + CUDA context "
+                      "(assumed)[/dim]")
         if result.tradeoff:
             console.print(f"[dim]{result.tradeoff}[/dim]")
         for warning in result.warnings:

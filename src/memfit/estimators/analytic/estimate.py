@@ -148,7 +148,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         events = [(uid, -(-nbytes // divisor), stream) for uid, nbytes, stream in allocations or ()]
         estimate.paged_bytes = paged
         # ZeRO-3's own sequence holds partitions, not the simulated step's whole weights: that step's reserve is
-        # carried over (a guess: no ZeRO-3 run was compared)
+        # scaled to ZeRO-3's peak (a guess: no ZeRO-3 run was compared)
         add_gpu_overheads(estimate, gpu, workload, events, "the step with whole weights (DeepSpeed's ZeRO-3 "
                           "sequence is not modelled)" if workload.engine == "deepspeed" and workload.zero_stage == 3
                           else None)
