@@ -17,11 +17,10 @@ from memfit.estimators.caching_allocator import (
     STEP_START,
     CachingAllocator,
     OutOfMemory,
-    predict_reserve,
     replay,
     simulate_reserved,
 )
-from memfit.estimators.gpu_overhead import allocator_settings, blas_workspaces
+from memfit.estimators.gpu_overhead import allocator_settings, blas_workspaces, predict_reserve
 from memfit.specs.hardware import AllocatorSettings, get_gpu
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve

@@ -23,8 +23,9 @@ The rules, by the function of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.13) t
   the unmapped range when there is one. Releasing the cache unmaps the whole pages inside free blocks.
 
 Not modelled: CUDA graphs' private pools, cross-stream uses (record_stream) that delay a free until an event,
-garbage_collection_threshold, roundup_power2_divisions, and the allocator of another library (NCCL's own buffers,
-cuBLAS workspaces: gpu_overhead.py adds those).
+garbage_collection_threshold, roundup_power2_divisions, and the allocator of another library (NCCL's own
+buffers). cuBLAS's workspaces come through this allocator: gpu_overhead.py adds them to the events it replays, and
+predicts a deep model's reserve from a replay at fewer layers (predict_reserve).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 
-from memfit.core.units import MiB, format_bytes
+from memfit.core.units import MiB
 from memfit.specs.hardware import AllocatorSettings
 
 MIN_BLOCK_SIZE = 512            # kMinBlockSize
@@ -416,51 +417,6 @@ def replay(events: Iterable[Event], settings: AllocatorSettings | None = None, c
     return Replay(allocator.peak_reserved, allocator.peak_allocated,
                   allocator.peak_reserved - allocator.allocated_at_peak_reserved, allocator.cache_flushes,
                   setup_reserved_bytes=setup_peak, start_reserved_bytes=left_by_setup or 0)
-
-
-def predict_reserve(events: list[Event], settings: AllocatorSettings, capacity: int, peak_bytes: int,
-                    sampled: str | None = None, start_reserved: int | None = None,
-                    training: bool = False) -> tuple[Replay, str | None]:
-    """The allocator's figures for a step whose tensors peak at `peak_bytes`, and a note for the estimate.
-    `events` are the whole step's, or (`sampled`: what they are, e.g. "the step at 2 layers") those of a step like
-    it at fewer layers. Then what the allocator reserves beyond the sample's tensors is carried over to the model:
-    - a training step (`training`): in proportion to the peak. Its backward leaves each layer's gradients behind
-      among the activation blocks it frees, so the holes grow with depth like the tensors do (an H200: Qwen2.5-7B,
-      28 layers, reserved 9 GiB beyond its tensors, where the same step at 4 layers replays to 2.4 GiB).
-    - inference: as it is, in bytes. Nothing a layer allocates outlives the next layer's requests, which reuse the
-      same blocks (torchao's int4 Llama-3-8B replayed at 2, 3, 4 and 8 layers and at full depth: 0.91 to 1.03 GB).
-    What the set-up leaves reserved grows with depth too (the weights' segments, and the cached originals of weights
-    converted on the device, layer by layer): `start_reserved`, what the model's set-up leaves reserved into its step
-    (Replay.start_reserved_bytes, extrapolated from the samples by the caller), is a floor for its reserved peak."""
-    if peak_bytes > capacity:
-        return (Replay(peak_bytes, peak_bytes, 0, out_of_memory=True),
-                "allocator not simulated: the tensors alone exceed the device")
-    if sampled is None:
-        replayed = simulate_reserved(events, settings, capacity)
-        if replayed.out_of_memory:
-            return replayed, "the simulated allocator runs out of device memory even after releasing its cache"
-        if replayed.cache_flushes:
-            times = "once" if replayed.cache_flushes == 1 else f"{replayed.cache_flushes} times"
-            return replayed, f"the simulated allocator releases its cache {times} to make room (a device sync each)"
-        return replayed, None
-    sample = replay(events, settings)
-    reserve = max(0, sample.reserved_bytes - sample.allocated_bytes)
-    if training:
-        share = reserve / max(1, sample.allocated_bytes)
-        reserve = int(share * peak_bytes)
-        note = (f"allocator reserve simulated on {sampled} ({share:.1%} of its peak) and scaled to the model's peak "
-                "(a training step's reserve grows with depth)")
-    else:
-        note = (f"allocator reserve simulated on {sampled} ({format_bytes(reserve)} beyond its tensors) and carried "
-                "over to the model's peak")
-    left = (start_reserved or 0) - peak_bytes
-    if left > reserve:
-        reserve = left
-        note = (f"allocator reserve: the segments the set-up leaves reserved into the step "
-                f"({format_bytes(start_reserved)}, extrapolated in depth from {sampled} and the shallower samples: "
-                "the weights as loaded, and the cached originals of weights converted on the device) hold more than "
-                "the step adds, and it runs inside them")
-    return Replay(peak_bytes + reserve, peak_bytes, reserve, start_reserved_bytes=start_reserved or 0), note
 
 
 def simulate_reserved(events: list[Event], settings: AllocatorSettings, capacity: int | None) -> Replay:

@@ -322,7 +322,7 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
     if gpu:
         estimate.paged_bytes = paged_bytes
         start_reserved = None
-        if sampled_depth:   # the cache the set-up leaves grows with depth: caching_allocator.predict_reserve
+        if sampled_depth:   # the cache the set-up leaves grows with depth: gpu_overhead.predict_reserve
             settings = allocator_settings(workload)
             start_reserved = extend_roughly(
                 {n: replay(r.trace.allocations(weights, divisor), settings).start_reserved_bytes
