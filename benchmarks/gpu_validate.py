@@ -10,6 +10,7 @@ workspaces). The rows: the test zoo × {fp32, fp16-mixed, bf16-mixed, bf16, fp16
 
     python benchmarks/gpu_validate.py               # one CUDA GPU: stops starting rows after --budget-s
     python benchmarks/gpu_validate.py --dry-run     # the rows it would run, and what it would skip (no GPU)
+    python benchmarks/gpu_validate.py --replay      # today's memfit against the committed GPU measurements (no GPU)
     PYTHONPATH=src python benchmarks/gpu_validate.py   # memfit from source, on whatever torch is installed
 
 Every row is written to benchmarks/results/gpu_validate.json as soon as it is measured (a run cut off keeps
@@ -18,6 +19,11 @@ that is not installed (bitsandbytes, torchao) is skipped by name. Every row runs
 workspaces (one per thread and stream, kept for the process's life) stay allocated from the rows before, so a row
 after the first training row holds both threads' (65 MiB on an H100 or H200) where memfit predicts an inference
 step's one (33 MiB).
+
+`--replay` needs no GPU: it predicts every measured row of the committed gpu_validate.json again with the memfit
+and the torch / transformers installed here (which may differ from those the GPU ran: the JSON names them), for the
+GPU that was measured, and prints each row's error then and now beside the measured bytes (also written to
+gpu_validate_replay.txt and .json). A change to a CUDA model is checked against real GPU runs this way.
 """
 from __future__ import annotations
 
@@ -132,13 +138,24 @@ def versions() -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                 cwd=os.path.dirname(RESULTS), timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "python": platform.python_version(), "memfit_commit": commit,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def predicted(estimates: dict) -> dict:
+    """The prediction columns from estimates' JSON by method: max_memory_allocated (the tensors and cuBLAS's
+    workspaces) and the simulated allocator's reserved bytes."""
+    def allocated(method):
+        found = estimates.get(method)
+        return found and (found.get("allocator") or {}).get("allocated_bytes", found["peak_bytes"])
+    return {"traced": allocated("traced"), "analytic": allocated("analytic"),
+            "traced_reserved": estimates["traced"].get("reserved_bytes"),
+            "analytic_reserved": estimates.get("analytic", {}).get("reserved_bytes")}
 
 
 def measure_row(row: dict) -> dict:
@@ -149,16 +166,79 @@ def measure_row(row: dict) -> dict:
         m = measure(workload_of(row), device="cuda:0")
     finally:
         torch.cuda.empty_cache()
-    est = m.extra["estimates"]
-
-    def allocated(method):   # what max_memory_allocated is predicted to be: the tensors and cuBLAS's workspaces
-        found = est.get(method)
-        return found and (found.get("allocator") or {}).get("allocated_bytes", found["peak_bytes"])
     return {"allocated": m.extra["max_memory_allocated"], "reserved": m.extra["max_memory_reserved"],
-            "traced": allocated("traced"), "analytic": allocated("analytic"),
-            "traced_reserved": est["traced"].get("reserved_bytes"),
-            "analytic_reserved": est.get("analytic", {}).get("reserved_bytes"), "host": m.host_bytes,
+            **predicted(m.extra["estimates"]), "host": m.host_bytes,
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def replay(planned: list[dict], only: str = "") -> int:
+    """Each measured row of the committed run (those whose name contains `only`), predicted again here for the GPU
+    it ran on (no GPU needed). A full replay is written beside the run's results; a filtered one only printed."""
+    from memfit.estimators import estimate, methods_for
+    from memfit.specs.hardware import gpu_of_device_name
+    from memfit.techniques.resolve import resolve
+
+    with open(RESULTS + ".json") as fh:
+        report = json.load(fh)
+    gpu = gpu_of_device_name(report["versions"]["device"], report["total_bytes"])
+    by_name = {row_name(row): row for row in planned}
+    console, started, results = Console(width=200), time.perf_counter(), []
+    for measured in (r for r in report["rows"] if "allocated" in r and only in r["row"]):
+        row = by_name.get(measured["row"])
+        result = {"row": measured["row"], "allocated": measured["allocated"], "reserved": measured["reserved"],
+                  "then": {k: measured.get(k) for k in ("traced", "analytic")}}
+        if row is None:
+            result["error"] = "no longer a row of this script"
+        else:
+            workload = resolve(workload_of(row))
+            result |= predicted({m: estimate(workload, method=m, gpu=gpu).to_json() for m in methods_for(workload)})
+        results.append(result)
+        console.print(f"{time.perf_counter() - started:6.0f} s  {result['row']}: "
+                      f"{result.get('error') or replay_cells(result)[1]}")
+    title = (f"{report['versions']['device']} (torch {report['versions']['torch']}, transformers "
+             f"{report['versions']['transformers']}) measured; predicted then (memfit "
+             f"{report['versions']['memfit_commit']}) and now (torch {torch.__version__})")
+    table = Table(title=title, title_justify="left")
+    for column in ("row", "max allocated", "traced then → now", "analytic then → now", "max reserved",
+                   "traced reserved now", "analytic reserved now"):
+        table.add_column(column, justify="left" if column == "row" else "right")
+    for r in results:
+        table.add_row(*replay_cells(r))
+    summary = replay_summary(results)
+    console.print(table, summary)
+    if only:
+        return 0
+    with open(RESULTS + "_replay.txt", "w") as fh:
+        Console(file=fh, width=200).print(table, summary)
+    with open(RESULTS + "_replay.json", "w") as fh:
+        json.dump({"measured_on": report["versions"], "predicted_with": versions(), "summary": summary,
+                   "rows": results}, fh, indent=1)
+    return 0
+
+
+def _error(predicted_bytes, measured_bytes) -> str:
+    return "n/a" if not predicted_bytes else f"{(predicted_bytes / measured_bytes - 1) * 100:+.1f} %"
+
+
+def replay_cells(r: dict) -> list[str]:
+    if "error" in r:
+        return [r["row"], format_bytes(r["allocated"]), r["error"], "", "", "", ""]
+    return [r["row"], format_bytes(r["allocated"]),
+            *(f"{_error(r['then'][m], r['allocated'])} → {_error(r[m], r['allocated'])}"
+              for m in ("traced", "analytic")),
+            format_bytes(r["reserved"]), _error(r["traced_reserved"], r["reserved"]),
+            _error(r["analytic_reserved"], r["reserved"])]
+
+
+def replay_summary(results: list[dict]) -> str:
+    """How many rows each estimator puts within 2 % and 5 % of max_memory_allocated, then and now."""
+    lines = []
+    for method in ("traced", "analytic"):
+        for label, pick in (("then", lambda r, m=method: r["then"][m]), ("now", lambda r, m=method: r.get(m))):
+            errors = [abs(pick(r) / r["allocated"] - 1) for r in results if pick(r)]
+            lines.append(f"{method} {label}: {sum(e <= 0.02 for e in errors)} of {len(errors)} rows within 2 %, "
+                         f"{sum(e <= 0.05 for e in errors)} within 5 %")
+    return "\n".join(lines)
 
 
 def table_of(results: list[dict], title: str) -> Table:
@@ -192,6 +272,10 @@ def context_bytes() -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="list the rows and what would be skipped; no GPU")
+    parser.add_argument("--replay", action="store_true",
+                        help="predict the committed GPU run's rows again with today's memfit; no GPU")
+    parser.add_argument("--only", metavar="TEXT", default="",
+                        help="with --replay: only the rows whose name contains TEXT (printed, no files written)")
     parser.add_argument("--budget-s", type=float, default=220.0,
                         help="start no row after this many seconds (default 220: the run ends within ~4 minutes)")
     args = parser.parse_args(argv)
@@ -204,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(row_name(row) + (f"   (skipped: needs {package})" if package else check(row)))
             print(f"{len(planned)} rows; versions here: {json.dumps(versions())}")
             return 0
+        if args.replay:
+            return replay(planned, args.only)
         if not torch.cuda.is_available():
             print("gpu_validate: no CUDA device here; nothing to check (--dry-run lists the rows).")
             return 0

@@ -97,13 +97,15 @@ def test_every_family_is_counted(task):
 
 def test_a_cpu_target_counts_the_cpus_own_kernels_elements_and_random_draws():
     """On a CPU (CPU_KERNELS) the step runs the CPU's own kernels: tiny-llama's SDPA is the CPU flash op (the same
-    causal FLOPs as CUDA's), tiny-gpt2's SDPA with dropout falls back to the math path (batched matmuls over the
-    probabilities, and a Bernoulli draw for every dropped element). Elements are the bytes over each tensor's
-    element size."""
+    causal FLOPs as CUDA's flash kernel, which takes its grouped-query attention in half precision), tiny-gpt2's
+    SDPA with dropout falls back to the math path (batched matmuls over the probabilities, and a Bernoulli draw for
+    every dropped element). Elements are the bytes over each tensor's element size."""
     from memfit.specs.hardware import CPU_KERNELS
 
     llama = ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=64)
-    cpu, cuda = kernel_profile(llama, CPU_KERNELS), kernel_profile(llama, (8, 0))
+    cpu = kernel_profile(llama, CPU_KERNELS)
+    cuda = kernel_profile(ResolvedWorkload(model="tiny-llama", task="train", batch_size=2, seq_len=64,
+                                           precision="bf16-mixed"), (8, 0))
     assert cpu.forward.attention_flops > 0
     assert cpu.forward.attention_flops == pytest.approx(cuda.forward.attention_flops)
     assert cpu.forward.batched_flops == 0

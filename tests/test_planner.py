@@ -245,12 +245,13 @@ def test_torchtunes_8b_full_fine_tune_on_a_4090_with_64_gib_of_host_ram():
 
 
 def test_a_model_that_fits_easily_keeps_float32_weights_and_states_and_the_faster_plan_is_shown(capsys):
-    """tiny-llama fits a 4090 many times over (float32 is searched there) and its step is bound by the host issuing
+    """tiny-phi3 fits a 4090 many times over (float32 is searched there) and its step is bound by the host issuing
     kernels: 8-bit AdamW states are the cost model's fastest by under 2 %, and no one would take them for that.
     Plan 1 trains exactly (float32, full AdamW); the tradeoff names the faster plan and what it changes. With no
-    speed margin the fastest comes first."""
+    speed margin the fastest comes first. (Not tiny-llama: its grouped-query attention runs PyTorch's math kernel in
+    float32 on a GPU, which makes float32 15 % slower there.)"""
     def planned(margin):
-        return plan(PlanRequest(model="tiny-llama", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3,
+        return plan(PlanRequest(model="tiny-phi3", gpu=get_gpu("rtx-4090"), seq_len=256, global_batch=8, top=3,
                                 speed_margin=margin), brief=True)
 
     result = planned(0.05)

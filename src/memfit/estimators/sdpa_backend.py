@@ -9,7 +9,11 @@ attention`), which memfit does not model. The checks modelled here:
              query and key lengths; on sm86/sm89 a head_dim above 192 is refused when a gradient is needed
              (`can_use_flash_attention`).
   efficient  fp16 or fp32 (bf16 from 8.0), head_dim a multiple of 8 (half) or 4 (fp32); masks, dropout and causal
-             are all accepted (`can_use_mem_efficient_attention`).
+             are all accepted (`can_use_mem_efficient_attention`); fewer key/value heads than query heads
+             (`enable_gqa`) are not: up to PyTorch 2.13 only flash takes grouped-query attention (sdp_utils_cpp.h
+             `check_batch_size_and_num_heads_dense<supports_gqa=false>`), so float32 GQA without a mask runs math,
+             which repeats the keys and values (PyTorch's main branch adds GQA to efficient after 2.13, not
+             modelled).
   math       anything else: the composite over the whole score matrix.
 
 What they keep (tools/autograd/derivatives.yaml): flash and efficient save q, k, v, the output and a float32
@@ -40,8 +44,10 @@ def enabled_backends() -> frozenset[str]:
 
 
 def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask: bool, causal_unequal: bool,
-                 needs_grad: bool, forced: str | None = None, enabled: frozenset[str] = ALL_BACKENDS) -> str:
+                 needs_grad: bool, grouped: bool = False, forced: str | None = None,
+                 enabled: frozenset[str] = ALL_BACKENDS) -> str:
     """The backend SDPA runs on a GPU of `capability` for inputs of `dtype` (torch's name without the prefix).
+    `grouped`: fewer key/value heads than query heads (SDPA's enable_gqa).
     `forced`: "flash" for FlashAttention-2 or flex attention (ModelSource.attention_kernel), which run that kernel or
     fail. `enabled`: the backends the step allows (a `torch.nn.attention.sdpa_kernel` context narrows them)."""
     if forced == FLASH:
@@ -56,7 +62,7 @@ def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask
         return FLASH
     efficient_dtypes = ("float16", "float32") + (("bfloat16",) if capability >= (8, 0) else ())
     if (EFFICIENT in enabled and dtype in efficient_dtypes and head_dim % (8 if dtype in HALF else 4) == 0
-            and capability >= (5, 0)):
+            and capability >= (5, 0) and not grouped):
         return EFFICIENT
     if MATH not in enabled:
         raise MemfitError(f"scaled_dot_product_attention: no enabled backend ({', '.join(sorted(enabled)) or 'none'}) "

@@ -96,13 +96,17 @@ _DEVICE_NAME_MATCHES = (
 
 def gpu_of_device(device: str = "cuda:0") -> GPU:
     """The catalog entry for a local CUDA device, with the memory the driver reports."""
-    import dataclasses
-
     import torch
 
     props = torch.cuda.get_device_properties(torch.device(device))
-    for fragment, name in _DEVICE_NAME_MATCHES:
-        if fragment in props.name:
-            return dataclasses.replace(gpu_catalog()[name], memory_bytes=props.total_memory)
-    generic = gpu_catalog()["a100-80gb"]
-    return dataclasses.replace(generic, name=props.name, memory_bytes=props.total_memory)
+    return gpu_of_device_name(props.name, props.total_memory)
+
+
+def gpu_of_device_name(name: str, memory_bytes: int) -> GPU:
+    """The catalog entry for a CUDA device's name (torch.cuda.get_device_name), with `memory_bytes`."""
+    import dataclasses
+
+    for fragment, key in _DEVICE_NAME_MATCHES:
+        if fragment in name:
+            return dataclasses.replace(gpu_catalog()[key], memory_bytes=memory_bytes)
+    return dataclasses.replace(gpu_catalog()["a100-80gb"], name=name, memory_bytes=memory_bytes)

@@ -322,9 +322,12 @@ def dropout(e: Engine, x: Sym, p: float) -> Sym:
 
 
 def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: int, kv_len: int,
-         head_dim: int, dropout_p: float = 0.0, mask: Sym | None = None, causal: bool = False) -> Sym:
+         head_dim: int, dropout_p: float = 0.0, mask: Sym | None = None, causal: bool = False,
+         kv_heads: int | None = None) -> Sym:
     """F.scaled_dot_product_attention as the backend runs it; returns the output in (b, s, heads*d) layout.
-    A boolean mask is first turned into a float one in q's dtype, by every backend."""
+    A boolean mask is first turned into a float one in q's dtype, by every backend. `kv_heads` below `heads`:
+    grouped-query attention (enable_gqa), k and v holding kv_heads heads."""
+    groups = heads // (kv_heads or heads)
     q, k, v = (autocast_input(e, t, "sdpa") for t in (q, k, v))
     if mask is not None and mask.dtype == "bool":
         mask = e.new(mask.numel, q.dtype)
@@ -335,12 +338,12 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     if e.policy.backend == "cuda":
         kernel = cuda_backend(e.policy.capability, q.dtype, head_dim, mask=mask is not None,
                               causal_unequal=causal and q_len != kv_len, needs_grad=e.policy.train,
-                              forced=e.policy.attention_kernel)
+                              grouped=groups > 1, forced=e.policy.attention_kernel)
     else:   # the CPU's flash kernel, unless dropout is on in training
         kernel = FLASH if (dropout_p == 0 or not e.policy.train) and head_dim <= 256 else MATH
     if kernel == MATH:
         return _sdpa_math(e, q, k, v, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-                          dropout_p=dropout_p, mask=mask, causal=causal)
+                          dropout_p=dropout_p, mask=mask, causal=causal, groups=groups)
     out = e.op_output(rows * head_dim, q.dtype, "attention")
     lse = e.op_output(batch * heads * logsumexp_length(kernel, q_len), "float32", "attention")
     scratch = backward_scratch(kernel, batch=batch, heads=heads, q_len=q_len, head_dim=head_dim,
@@ -351,27 +354,32 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
 
 
 def _sdpa_math(e: Engine, q: Sym, k: Sym, v: Sym, *, rows: int, batch: int, q_len: int, kv_len: int, head_dim: int,
-               dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
+               dropout_p: float, mask: Sym | None, causal: bool, groups: int) -> Sym:
     """PyTorch's composite attention: scaled q and k, the full score matrix, softmax, dropout, then the
     output made contiguous in (b, s, heads*d) layout. Half inputs are computed in float32 (CUDA too, unless
-    allow_fp16_bf16_reduction_math_sdp is set)."""
+    allow_fp16_bf16_reduction_math_sdp is set); grouped keys and values are repeated to every query head."""
     acc = "float32" if q.dtype in HALF else q.dtype
     autocast, e.autocast_on = e.autocast_on, False   # the kernel runs below autocast
     try:
         return _sdpa_math_body(e, q, k, v, acc=acc, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len,
-                               head_dim=head_dim, dropout_p=dropout_p, mask=mask, causal=causal)
+                               head_dim=head_dim, dropout_p=dropout_p, mask=mask, causal=causal, groups=groups)
     finally:
         e.autocast_on = autocast
 
 
 def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, batch: int, q_len: int,
-                    kv_len: int, head_dim: int, dropout_p: float, mask: Sym | None, causal: bool) -> Sym:
+                    kv_len: int, head_dim: int, dropout_p: float, mask: Sym | None, causal: bool,
+                    groups: int) -> Sym:
     """q, k, v arrive as (b, heads, s, d) views of a (b, s, heads*d) projection: folding (b, heads) for
-    the batched matmul copies them unless the batch is 1."""
+    the batched matmul copies them unless the batch is 1. Grouped k and v are repeated first (repeat_interleave:
+    a contiguous copy, which then folds without another)."""
     fold = copy if batch > 1 else (lambda _e, x: x)
     causal_mask = [e.new(q_len * kv_len, "bool"), e.new(q_len * kv_len, acc)] if causal and mask is None else []
     q_s = fold(e, scalar_op(e, cast(e, q, acc)))       # q * sqrt(scale)
-    k_s = fold(e, scalar_op(e, cast(e, k, acc)))       # k^T * sqrt(scale)
+    if groups > 1:
+        k, v = (copy(e, View(x, x.numel * groups)) for x in (cast(e, k, acc), cast(e, v, acc)))
+    fold_kv = fold if groups == 1 else (lambda _e, x: x)   # the repeated copies are contiguous
+    k_s = fold_kv(e, scalar_op(e, cast(e, k, acc)))       # k^T * sqrt(scale)
     scores = matmul(e, q_s, k_s, rows * kv_len)
     del q_s, k_s
     if mask is not None:
@@ -379,7 +387,7 @@ def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, b
     probs = softmax(e, scores, "softmax")
     del scores, causal_mask
     probs = dropout(e, probs, dropout_p)
-    v_c = fold(e, cast(e, v, acc))
+    v_c = fold_kv(e, cast(e, v, acc))
     out = matmul(e, probs, v_c, rows * head_dim)
     del probs, v_c
     return copy(e, cast(e, out, q.dtype))

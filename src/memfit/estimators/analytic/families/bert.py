@@ -8,7 +8,7 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import dense
+from memfit.estimators.analytic.families.common import dense, eager_attention
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("bert",)
@@ -26,6 +26,7 @@ class BertSpec:
     hidden_dropout: float
     attn_dropout: float
     head_dim: int
+    eager: bool = False            # eager attention (scores materialised) instead of SDPA
     period: int = 1
 
     @property
@@ -39,7 +40,8 @@ class BertSpec:
                    intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, positions=cfg.max_position_embeddings,
                    type_vocab=cfg.type_vocab_size, hidden_dropout=cfg.hidden_dropout_prob,
                    attn_dropout=cfg.attention_probs_dropout_prob,
-                   head_dim=cfg.hidden_size // cfg.num_attention_heads)
+                   head_dim=cfg.hidden_size // cfg.num_attention_heads,
+                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
 
 
 def declare_params(e: Engine, d: BertSpec, num_layers: int) -> None:
@@ -78,8 +80,11 @@ def self_attention(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int)
     """q, k, v (separate projections) live until the method returns."""
     p = f"layer.{i}."
     q, k, v = (dense(e, x, p + n, d.width) for n in ("q", "k", "v"))
-    return ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.head_dim,
-                    dropout_p=d.attn_dropout if e.policy.train else 0.0)
+    shape = dict(batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.head_dim,
+                 dropout_p=d.attn_dropout if e.policy.train else 0.0)
+    if d.eager:
+        return eager_attention(e, q, k, v, **shape)[0]
+    return ops.sdpa(e, q, k, v, **shape)
 
 
 def _output(e: Engine, x: Sym, residual: Sym, d: BertSpec, name: str, ln: str) -> Sym:

@@ -74,6 +74,30 @@ def _slice_cross_entropy(e: Engine, held: list[Sym], *, batch: int, tokens: int,
     return e.record(loss, [log_probs], [log_probs, total_weight, labels if target is None else target])
 
 
+def eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: int, kv_len: int,
+                    head_dim: int, dropout_p: float, masks: tuple[Sym, ...] = (), softmax_dtype: str | None = None,
+                    weights_dtype: str | None = None) -> tuple[Sym, Sym]:
+    """transformers' eager_attention_forward for q, k, v that are (b, heads, s, d) views of (b, s, heads*d)
+    projections (BERT, GPT-2, T5, ViT): matmul(q, k^T) (both copied to fold (b, heads) unless the batch is 1),
+    * scaling, + each of `masks` (T5's position bias, a float attention mask), softmax (with `softmax_dtype`: ViT),
+    the weights cast to `weights_dtype` (ViT: the query's, GPT-2: the value's), dropout, matmul with v (copied the
+    same way), the output transposed back and made contiguous. Returns (output, attention weights after dropout),
+    as the function does."""
+    fold = ops.copy if batch > 1 else (lambda _e, x: x)
+    rows = batch * heads * q_len
+    scores = ops.matmul(e, fold(e, q), fold(e, k), rows * kv_len)
+    scores = ops.scalar_op(e, scores)
+    for mask in masks:
+        scores = ops.add(e, scores, mask)
+    weights = ops.softmax(e, scores, "softmax", dtype=softmax_dtype)
+    del scores
+    if weights_dtype:
+        weights = ops.cast(e, weights, weights_dtype)
+    weights = ops.dropout(e, weights, dropout_p)
+    out = ops.matmul(e, weights, fold(e, v), rows * head_dim)
+    return ops.copy(e, out), weights
+
+
 def dense(e: Engine, x: Sym, name: str, out_features: int) -> Sym:
     """nn.Linear with a bias, its parameters declared as `name.w` and `name.b`."""
     return ops.linear(e, x, e.params[name + ".w"], out_features, e.params[name + ".b"])

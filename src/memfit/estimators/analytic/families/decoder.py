@@ -192,11 +192,13 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
     if d.eager:
         out, weights = _eager_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
     else:
+        kv_heads = d.kv_heads
         if d.kv_heads != d.heads and (masked or d.head_dim > 256) and q_len > 1:
             k = ops.copy(e, View(k, k.numel * (d.heads // d.kv_heads)))   # repeat_kv
             v = ops.copy(e, View(v, v.numel * (d.heads // d.kv_heads)))
+            kv_heads = d.heads
         out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.head_dim,
-                       dropout_p=d.attn_dropout if e.policy.train else 0.0, mask=mask)
+                       dropout_p=d.attn_dropout if e.policy.train else 0.0, mask=mask, kv_heads=kv_heads)
     del q, k, v
     return ops.linear(e, out, e.params[p + "o"], d.hidden, e.params.get(p + "o.bias")), weights
 

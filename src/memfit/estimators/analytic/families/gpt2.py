@@ -8,7 +8,14 @@ from functools import partial
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic.families.common import (
+    chunked_lm_loss,
+    eager_attention,
+    generate,
+    grow_cache,
+    lm_head,
+    replace_cache,
+)
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("gpt2",)
@@ -26,6 +33,7 @@ class GPT2Spec:
     resid_pdrop: float
     attn_pdrop: float
     tied: bool
+    eager: bool = False            # eager attention (scores materialised, a float causal mask) instead of SDPA
     period: int = 1
 
     @classmethod
@@ -35,7 +43,8 @@ class GPT2Spec:
                               "use --method traced.")
         return cls(hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head, inner=cfg.n_inner or 4 * cfg.n_embd,
                    vocab=cfg.vocab_size, positions=cfg.n_positions, embd_pdrop=cfg.embd_pdrop,
-                   resid_pdrop=cfg.resid_pdrop, attn_pdrop=cfg.attn_pdrop, tied=bool(cfg.tie_word_embeddings))
+                   resid_pdrop=cfg.resid_pdrop, attn_pdrop=cfg.attn_pdrop, tied=bool(cfg.tie_word_embeddings),
+                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
 
 
 def declare_params(e: Engine, d: GPT2Spec, num_layers: int) -> None:
@@ -73,18 +82,26 @@ def new_gelu(e: Engine, x: Sym) -> Sym:
     return ops.mul(e, half, t)
 
 
-def attention(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, cache: dict | None, kv_len: int) -> Sym:
-    """GPT2Attention: q, k, v are views of c_attn's output and live until the method returns."""
+def attention(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, cache: dict | None, kv_len: int,
+              mask: Sym | None) -> tuple[Sym, Sym | None]:
+    """GPT2Attention: q, k, v are views of c_attn's output and live until the method returns; returns the
+    output and the eager attention weights (the block holds them until it returns)."""
     p, params = f"h.{i}.", e.params
     qkv = ops.linear(e, x, params[p + "c_attn.w"], 3 * d.hidden, params[p + "c_attn.b"])
     q, k, v = (View(qkv, qkv.numel // 3) for _ in range(3))
     del qkv
     if cache is not None:
         k, v = grow_cache(e, cache, i, k, v, batch * d.hidden * kv_len)
-    out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.hidden // d.heads,
-                   dropout_p=d.attn_pdrop if e.policy.train else 0.0, causal=q_len > 1)
+    shape = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.hidden // d.heads,
+                 dropout_p=d.attn_pdrop if e.policy.train else 0.0)
+    weights = None
+    if d.eager:   # the weights cast to the value's dtype (mixed precision: from float32)
+        out, weights = eager_attention(e, q, k, v, **shape, masks=(mask,) if mask is not None else (),
+                                       weights_dtype=v.dtype)
+    else:
+        out = ops.sdpa(e, q, k, v, **shape, causal=q_len > 1)
     out = ops.linear(e, out, params[p + "attn.c_proj.w"], d.hidden, params[p + "attn.c_proj.b"])
-    return ops.dropout(e, out, d.resid_pdrop)
+    return ops.dropout(e, out, d.resid_pdrop), weights
 
 
 def mlp(e: Engine, x: Sym, d: GPT2Spec, i: int) -> Sym:
@@ -95,12 +112,13 @@ def mlp(e: Engine, x: Sym, d: GPT2Spec, i: int) -> Sym:
     return ops.dropout(e, h, d.resid_pdrop)
 
 
-def block(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, cache: dict | None, kv_len: int) -> Sym:
+def block(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, cache: dict | None, kv_len: int,
+          mask: Sym | None) -> Sym:
     """GPT2Block, with its variables' lifetimes: ln_1's output lives until the residual add."""
     p, params = f"h.{i}.", e.params
     residual = x
     hidden = ops.layer_norm(e, x, params[p + "ln_1.w"], params[p + "ln_1.b"], d.hidden)
-    attn_output = attention(e, hidden, d, i, batch, q_len, cache, kv_len)
+    attn_output, _weights = attention(e, hidden, d, i, batch, q_len, cache, kv_len, mask)   # held till return
     hidden = ops.add(e, attn_output, residual)   # attn_output stays referenced until the block returns
     residual = hidden
     hidden = ops.layer_norm(e, hidden, params[p + "ln_2.w"], params[p + "ln_2.b"], d.hidden)
@@ -118,12 +136,14 @@ def forward(e: Engine, d: GPT2Spec, num_layers: int, *, batch: int, q_len: int, 
     position_embeds = ops.embedding(e, positions, e.params["wpe"], d.hidden)
     x = ops.add(e, inputs_embeds, position_embeds)
     x = ops.dropout(e, x, d.embd_pdrop)
+    mask = e.new(batch * q_len * kv_len, x.dtype) if d.eager and q_len > 1 else None   # create_causal_mask
     for i in range(num_layers):
         e.segment = (0, i)
-        x = e.block(i, partial(block, e, d=d, i=i, batch=batch, q_len=q_len, cache=cache, kv_len=kv_len), x)
+        x = e.block(i, partial(block, e, d=d, i=i, batch=batch, q_len=q_len, cache=cache, kv_len=kv_len,
+                               mask=mask), x)
     e.segment = "post"
     hidden = ops.layer_norm(e, x, e.params["ln_f.w"], e.params["ln_f.b"], d.hidden)
-    del x, inputs_embeds, position_embeds, positions
+    del x, inputs_embeds, position_embeds, positions, mask
     if labels and e.policy.loss_chunks:
         e.input(batch * q_len, "int64")   # labels
         loss = chunked_lm_loss(e, hidden, e.params["wte" if d.tied else "lm_head"], d.vocab, batch=batch, seq=q_len,

@@ -8,7 +8,7 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import grow_cache, replace_cache
+from memfit.estimators.analytic.families.common import eager_attention, grow_cache, replace_cache
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("t5",)
@@ -28,6 +28,7 @@ class T5Spec:
     dropout: float
     tied: bool
     gated: bool
+    eager: bool = False            # eager attention: the bias added to materialised scores, a float causal mask
     period: int = 1
 
     @classmethod
@@ -35,7 +36,8 @@ class T5Spec:
         return cls(d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff, layers=cfg.num_layers,
                    decoder_layers=cfg.num_decoder_layers, heads=cfg.num_heads, vocab=cfg.vocab_size,
                    buckets=cfg.relative_attention_num_buckets, dropout=cfg.dropout_rate,
-                   tied=bool(cfg.tie_word_embeddings), gated=bool(getattr(cfg, "is_gated_act", False)))
+                   tied=bool(cfg.tie_word_embeddings), gated=bool(getattr(cfg, "is_gated_act", False)),
+                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
 
     @property
     def inner(self) -> int:
@@ -104,7 +106,8 @@ def position_mask(e: Engine, bias: Sym, q_len: int, kv_len: int, causal: bool, c
 
 
 def attention(e: Engine, x: Sym, source: Sym, d: T5Spec, p: str, *, batch: int, q_len: int, kv_len: int,
-              bias: Sym | None, causal: bool, cache: dict | None, cache_key) -> tuple[Sym, Sym]:
+              bias: Sym | None, causal: bool, cache: dict | None, cache_key, mask: Sym | None) -> tuple[Sym, Sym]:
+    """T5Attention; `mask`: eager attention's float causal mask (decoder self-attention), else None."""
     q = ops.linear(e, x, e.params[p + "q"], d.inner)
     if cache is not None and cache_key[0] == "cross" and cache_key in cache:
         k, v = cache[cache_key]
@@ -119,10 +122,14 @@ def attention(e: Engine, x: Sym, source: Sym, d: T5Spec, p: str, *, batch: int, 
             bias = relative_bias(e, d, q_len, kv_len, p + "bias")
         else:
             bias = e.new(d.heads * q_len * kv_len, q.dtype)   # zeros: no relative bias in cross-attention
-    mask = position_mask(e, bias, q_len, kv_len, causal and q_len > 1,
-                         contiguous=not (fresh and (p + "bias") in e.params))
-    out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.d_kv,
-                   dropout_p=d.dropout if e.policy.train else 0.0, mask=mask)
+    shape = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.d_kv,
+                 dropout_p=d.dropout if e.policy.train else 0.0)
+    if d.eager:
+        out = eager_attention(e, q, k, v, **shape, masks=(bias,) if mask is None else (bias, mask))[0]
+    else:
+        mask = position_mask(e, bias, q_len, kv_len, causal and q_len > 1,
+                             contiguous=not (fresh and (p + "bias") in e.params))
+        out = ops.sdpa(e, q, k, v, **shape, mask=mask)
     del mask, q, k, v
     return ops.linear(e, out, e.params[p + "o"], d.d_model), bias
 
@@ -141,11 +148,12 @@ def feed_forward(e: Engine, x: Sym, d: T5Spec, p: str) -> Sym:
 
 
 def block(e: Engine, x: Sym, d: T5Spec, stack: str, i: int, *, batch: int, q_len: int, enc_len: int,
-          bias: Sym | None, cross_bias: Sym | None, encoder_out: Sym | None, cache: dict | None, kv_len: int):
+          bias: Sym | None, cross_bias: Sym | None, encoder_out: Sym | None, cache: dict | None, kv_len: int,
+          mask: Sym | None):
     p = f"{stack}.{i}."
     normed = layer_norm(e, x, e.params[p + "self.ln"])
     attn, bias = attention(e, normed, normed, d, p + "self.", batch=batch, q_len=q_len, kv_len=kv_len, bias=bias,
-                           causal=stack == "decoder", cache=cache, cache_key=("self", i))
+                           causal=stack == "decoder", cache=cache, cache_key=("self", i), mask=mask)
     del normed
     x = ops.add(e, x, ops.dropout(e, attn, d.dropout))
     del attn
@@ -153,7 +161,7 @@ def block(e: Engine, x: Sym, d: T5Spec, stack: str, i: int, *, batch: int, q_len
         normed = layer_norm(e, x, e.params[p + "cross.ln"])
         attn, cross_bias = attention(e, normed, encoder_out, d, p + "cross.", batch=batch, q_len=q_len,
                                      kv_len=enc_len, bias=cross_bias, causal=False, cache=cache,
-                                     cache_key=("cross", i))
+                                     cache_key=("cross", i), mask=None)
         del normed
         x = ops.add(e, x, ops.dropout(e, attn, d.dropout))
         del attn
@@ -164,16 +172,19 @@ def run_stack(e: Engine, d: T5Spec, stack: str, num_layers: int, ids: Sym, *, ba
               encoder_out: Sym | None = None, enc_len: int = 0, cache: dict | None = None,
               kv_len: int | None = None) -> Sym:
     inputs_embeds = ops.embedding(e, ids, e.params["shared"], d.d_model)
+    kv_len = kv_len or q_len
+    causal = d.eager and stack == "decoder" and q_len > 1    # create_causal_mask: a float mask for eager attention
+    mask = e.new(batch * q_len * kv_len, inputs_embeds.dtype) if causal else None
     x = ops.dropout(e, inputs_embeds, d.dropout)
     bias = cross_bias = None
     for i in range(num_layers):
         e.segment = (stack, i)
         x, bias, cross_bias = e.block(i, partial(block, e, d=d, stack=stack, i=i, batch=batch, q_len=q_len,
                                                  enc_len=enc_len, bias=bias, cross_bias=cross_bias,
-                                                 encoder_out=encoder_out, cache=cache, kv_len=kv_len or q_len), x)
+                                                 encoder_out=encoder_out, cache=cache, kv_len=kv_len, mask=mask), x)
     e.segment = "post" if stack == "decoder" else "mid"
     x = layer_norm(e, x, e.params[stack + ".final_ln"])
-    del bias, cross_bias, inputs_embeds
+    del bias, cross_bias, inputs_embeds, mask
     return ops.dropout(e, x, d.dropout)
 
 

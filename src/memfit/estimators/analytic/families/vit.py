@@ -7,7 +7,7 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import dense
+from memfit.estimators.analytic.families.common import dense, eager_attention
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("vit",)
@@ -25,6 +25,7 @@ class ViTSpec:
     labels: int
     hidden_dropout: float
     attn_dropout: float
+    eager: bool = False            # eager attention (scores materialised) instead of SDPA
     period: int = 1
 
     @classmethod
@@ -32,7 +33,8 @@ class ViTSpec:
         return cls(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
                    intermediate=cfg.intermediate_size, image=cfg.image_size, patch=cfg.patch_size,
                    channels=cfg.num_channels, labels=cfg.num_labels, hidden_dropout=cfg.hidden_dropout_prob,
-                   attn_dropout=cfg.attention_probs_dropout_prob)
+                   attn_dropout=cfg.attention_probs_dropout_prob,
+                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
 
     def tokens(self, image: int) -> int:
         return (image // self.patch) ** 2 + 1
@@ -76,8 +78,13 @@ def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sy
 def attention(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym:
     p = f"layers.{i}."
     q, k, v = (dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
-    out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=tokens, kv_len=tokens,
-                   head_dim=d.hidden // d.heads, dropout_p=d.attn_dropout if e.policy.train else 0.0)
+    shape = dict(batch=batch, heads=d.heads, q_len=tokens, kv_len=tokens, head_dim=d.hidden // d.heads,
+                 dropout_p=d.attn_dropout if e.policy.train else 0.0)
+    if d.eager:   # softmax in float32, cast back to the query's dtype
+        out = eager_attention(e, q, k, v, **shape, softmax_dtype="float32", weights_dtype=q.dtype)[0]
+    else:
+        out = ops.sdpa(e, q, k, v, **shape)
+    del q, k, v
     return dense(e, out, p + "o", d.hidden)
 
 
