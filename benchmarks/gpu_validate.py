@@ -11,6 +11,7 @@ workspaces). The rows: the test zoo × {fp32, fp16-mixed, bf16-mixed, bf16, fp16
     python benchmarks/gpu_validate.py               # one CUDA GPU: stops starting rows after --budget-s
     python benchmarks/gpu_validate.py --dry-run     # the rows it would run, and what it would skip (no GPU)
     python benchmarks/gpu_validate.py --replay      # today's memfit against the committed GPU measurements (no GPU)
+    python benchmarks/gpu_validate.py --sites tiny-t5   # also record where those rows' peaks lie (peak_sites)
     PYTHONPATH=src python benchmarks/gpu_validate.py   # memfit from source, on whatever torch is installed
 
 Every row is written to benchmarks/results/gpu_validate.json as soon as it is measured (a run cut off keeps
@@ -158,17 +159,59 @@ def predicted(estimates: dict) -> dict:
             "analytic_reserved": estimates.get("analytic", {}).get("reserved_bytes")}
 
 
-def measure_row(row: dict) -> dict:
+def measure_row(row: dict, sites: bool = False) -> dict:
+    """The row on the GPU; with `sites`, where its measured step's peak lies (peak_sites of a memory snapshot)."""
+    import pickle
+
     from memfit.measurement import measure
 
     started = time.perf_counter()
-    try:
-        m = measure(workload_of(row), device="cuda:0")
-    finally:
-        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as folder:
+        snapshot = os.path.join(folder, "step.pickle") if sites else None
+        try:
+            m = measure(workload_of(row), device="cuda:0", snapshot_path=snapshot)
+        finally:
+            torch.cuda.empty_cache()
+        where = {}
+        if snapshot:
+            with open(snapshot, "rb") as fh:
+                where = {"peak_sites": peak_sites(pickle.load(fh))}
     return {"allocated": m.extra["max_memory_allocated"], "reserved": m.extra["max_memory_reserved"],
             **predicted(m.extra["estimates"]), "host": m.host_bytes,
-            "seconds": round(time.perf_counter() - started, 1)}
+            "seconds": round(time.perf_counter() - started, 1), **where}
+
+
+def peak_sites(snapshot: dict, top: int = 25) -> dict:
+    """Where a measured step's allocated peak lies, from the allocator's trace in a memory snapshot (recording starts
+    with the step, so what was allocated before it, weights and optimizer states, is not in the trace): the blocks the
+    step allocated that are alive at its highest point, grouped by the innermost Python frame outside torch (the model
+    code that asked) and the innermost frame (the op), largest first; `freed_before_peak` is what the step freed of the
+    blocks it found. Compared with memfit's trace, it shows which tensors a miss is made of."""
+    events = max(snapshot.get("device_traces") or [[]], key=len)
+    live, freed_earlier, height, best, at_best, freed_at_best = {}, 0, 0, 0, {}, 0
+    for event in events:
+        action, addr, size = event.get("action"), event.get("addr"), event.get("size", 0)
+        if action == "alloc":
+            live[addr] = event
+            height += size
+        elif action == "free_completed":
+            if live.pop(addr, None) is None:
+                freed_earlier += size
+            height -= size
+        if height > best:
+            best, at_best, freed_at_best = height, dict(live), freed_earlier
+    groups: dict[tuple[str, str], list[int]] = {}
+    for event in at_best.values():
+        frames = [f for f in event.get("frames") or [] if str(f.get("filename", "")).endswith(".py")]
+        outside = next((f for f in frames if "/torch/" not in f["filename"]), None)
+        site = f"{os.path.basename(outside['filename'])}:{outside['line']} {outside['name']}" if outside else "?"
+        group = groups.setdefault((site, frames[0]["name"] if frames else "?"), [0, 0])
+        group[0] += event.get("size", 0)
+        group[1] += 1
+    ranked = sorted(groups.items(), key=lambda item: -item[1][0])
+    return {"step_peak_bytes": best, "freed_before_peak": freed_at_best,
+            "sites": [{"site": site, "op": op, "bytes": size, "blocks": count}
+                      for (site, op), (size, count) in ranked[:top]]}
 
 
 def replay(planned: list[dict], only: str = "") -> int:
@@ -276,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="predict the committed GPU run's rows again with today's memfit; no GPU")
     parser.add_argument("--only", metavar="TEXT", default="",
                         help="with --replay: only the rows whose name contains TEXT (printed, no files written)")
+    parser.add_argument("--sites", metavar="TEXT", action="append", default=[],
+                        help="on the GPU: record where the peak lies (a memory snapshot, summarised into the JSON) "
+                             "for the rows whose name contains TEXT; repeatable")
     parser.add_argument("--budget-s", type=float, default=220.0,
                         help="start no row after this many seconds (default 220: the run ends within ~4 minutes)")
     args = parser.parse_args(argv)
@@ -293,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("gpu_validate: no CUDA device here; nothing to check (--dry-run lists the rows).")
             return 0
-        return run(planned, args.budget_s)
+        return run(planned, args.budget_s, args.sites)
 
 
-def run(planned: list[dict], budget_s: float) -> int:
+def run(planned: list[dict], budget_s: float, sites: list[str] = ()) -> int:
     started = time.perf_counter()
     context, total = context_bytes()
     report = {"versions": versions(), "context_bytes": context, "total_bytes": total, "rows": []}
@@ -311,7 +357,7 @@ def run(planned: list[dict], budget_s: float) -> int:
             result["skipped"] = f"not run: the {budget_s:.0f} s budget was spent"
         else:
             try:
-                result |= measure_row(row)
+                result |= measure_row(row, sites=any(text in result["row"] for text in sites))
             except Exception as exc:   # report and go on: one failure must not hide the rest
                 result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         report["rows"].append(result)

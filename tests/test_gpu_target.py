@@ -1,6 +1,7 @@
 """Every bundled family, precision, attention implementation and task, estimated for a GPU target: the traced
 estimator runs the step under memfit's emulation of CUDA (its autocast lists, fused dropout and attention
 kernels), the analytic one under its rules. Neither may crash, and the two must agree."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -81,6 +82,30 @@ def test_the_committed_gpu_run_replays_without_a_gpu():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "traced now: 1 of 1 rows within 2 %" in done.stdout and "analytic now: 1 of 1 rows within 2 %" in done.stdout
     assert "traced then: 0 of 1 rows within 2 %" in done.stdout   # the run's own prediction: the efficient kernel
+
+
+def test_peak_sites_groups_the_blocks_alive_at_the_steps_highest_point():
+    """gpu_validate.py --sites: a snapshot's allocator trace (frames innermost first, as PyTorch records them) is
+    replayed; what the step freed of older blocks counts against its height; the blocks alive at the top are
+    grouped by the model code that asked for them. Worked by hand: 100, an older 40-byte block freed, + 50 (the
+    peak, 110 over the step's start), 100 freed, + 30: the peak is made of two sites."""
+    spec = importlib.util.spec_from_file_location("gpu_validate", Path(__file__).resolve().parent.parent /
+                                                  "benchmarks" / "gpu_validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def frames(site, op):
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": op},
+                {"filename": "/x/transformers/models/t5/modeling_t5.py", "line": site, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames(10, "linear")},
+             {"action": "free_completed", "addr": 9, "size": 40},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": frames(20, "softmax")},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": frames(10, "linear")}]
+    found = module.peak_sites({"device_traces": [trace]})
+    assert found["step_peak_bytes"] == 110 and found["freed_before_peak"] == 40
+    assert [(s["site"], s["op"], s["bytes"]) for s in found["sites"]] == [
+        ("modeling_t5.py:10 forward", "linear", 100), ("modeling_t5.py:20 forward", "softmax", 50)]
 
 
 @pytest.mark.parametrize("gpu,dtype,head_dim,mask,grouped,kernel", [

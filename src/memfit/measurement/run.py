@@ -100,7 +100,8 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             if snapshot_path:
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
+                # Python stacks only: symbolising every C++ frame can take minutes at the dump
+                torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
         else:
             state["profiler"] = profiler.start_profiler(categories=profiler_categories)
 
