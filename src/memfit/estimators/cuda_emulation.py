@@ -13,6 +13,11 @@ A CPU trace runs CPU kernels and CPU autocast; a GPU runs different ones, with d
   float32 on CUDA). Emulated at the torch-function level, above autograd like real autocast, with
   its weight-cast cache. Regions nested inside the model (e.g. `autocast(enabled=False)` around
   rotary embeddings) turn the emulation off, as they would turn CUDA autocast off.
+- Softmax to float32: `softmax(x, dim, dtype=float32)` on a float16 x (autocast's, or a model's own, as eager
+  attention's) reads x directly on CUDA (`_softmax(x, dim, half_to_float=True)`), and its backward writes the
+  gradient in float16; the CPU, and CUDA for bfloat16, convert x first (SoftMax.cpp `softmax`, `log_softmax`).
+- Cross-entropy: `cross_entropy_loss` calls log_softmax with the input's own dtype, which autocast leaves alone,
+  then nll_loss, which CUDA autocast runs on a float32 copy that it keeps for backward (LossNLL.cpp).
 
 These are models of CUDA behaviour written from PyTorch's autocast lists and kernel sources;
 `benchmarks/gpu_validate` checks them against a real GPU.
@@ -113,17 +118,36 @@ class _AutocastMode(TorchFunctionMode):
             return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
         if func in _FP32_OUTPUT and kwargs.get("dtype") is None and args and \
                 isinstance(args[0], torch.Tensor) and args[0].dtype in _HALF:
-            return func(*args, **{**kwargs, "dtype": torch.float32})   # F.softmax passes dtype=None on
+            kwargs = {**kwargs, "dtype": torch.float32}   # F.softmax passes dtype=None on
+            found = _half_to_float_softmax(func, args, kwargs)
+            return func(*args, **kwargs) if found is None else found
         if func is F.cross_entropy and args[0].dtype in _HALF and not kwargs.get("label_smoothing"):
-            return _cross_entropy_fp32(*args, **kwargs)
+            return _cross_entropy(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _cross_entropy_fp32(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                        reduction="mean", label_smoothing=0.0):
-    # CUDA autocast reaches cross_entropy's parts: log_softmax(dtype=float32), then nll_loss.
-    log_probs = F.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
-    return F.nll_loss(log_probs, target, weight, None, ignore_index, None, reduction)
+_SOFTMAX = {F.softmax: torch._softmax, torch.softmax: torch._softmax, torch.Tensor.softmax: torch._softmax,
+            F.log_softmax: torch._log_softmax, torch.log_softmax: torch._log_softmax,
+            torch.Tensor.log_softmax: torch._log_softmax}
+
+
+def _half_to_float_softmax(func, args, kwargs) -> torch.Tensor | None:
+    """CUDA's softmax / log_softmax of a float16 tensor to float32 (see the module docstring), or None for another
+    call. The aten op's own autograd formula gives the gradient in float16."""
+    kernel = _SOFTMAX.get(func)
+    x = args[0] if args else kwargs.get("input")
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if kernel is None or kwargs.get("dtype") != torch.float32 or not isinstance(x, torch.Tensor) or \
+            x.dtype != torch.float16 or not isinstance(dim, int):
+        return None
+    return kernel(x, dim, True)
+
+
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):
+    # what CUDA autocast makes of cross_entropy_loss: log_softmax in the input's dtype, nll_loss on a float32 copy
+    log_probs = F.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
+    return F.nll_loss(log_probs.float(), target, weight, None, ignore_index, None, reduction)
 
 
 class CudaKernels(TorchFunctionMode):
@@ -140,6 +164,10 @@ class CudaKernels(TorchFunctionMode):
             return _dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _sdpa(self.capability, self.kernel, *args, **kwargs)
+        if func in _SOFTMAX:
+            found = _half_to_float_softmax(func, args, kwargs)
+            if found is not None:
+                return found
         return func(*args, **kwargs)
 
 

@@ -280,7 +280,8 @@ def unary_saving_input(e: Engine, x: Sym) -> Sym:
 
 def softmax(e: Engine, x: Sym, op: str = "softmax", dtype: str | None = None) -> Sym:
     """softmax / log_softmax; `dtype` as the op's dtype argument (CUDA autocast adds float32 for half
-    inputs). A dtype change converts the input first, except CUDA reading float16 directly."""
+    inputs). A dtype change converts the input first, except CUDA reading float16 directly to float32
+    (half_to_float, for float16 only; its backward writes the gradient in float16)."""
     if dtype is None and e.autocast_on and x.dtype in HALF and op in _FP32_OUTPUT[e.policy.backend]:
         dtype = "float32"
     if dtype and dtype != x.dtype:
@@ -395,7 +396,9 @@ def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, b
 
 def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool, upcast: bool = True) -> Sym:
     """F.cross_entropy as Hugging Face calls it: after logits.float() (`upcast`, its causal-LM loss),
-    with labels padded and shifted (`shift`, causal LM) or as given (masked LM, classification)."""
+    with labels padded and shifted (`shift`, causal LM) or as given (masked LM, classification).
+    cross_entropy_loss is log_softmax(x, dtype=x's own) then nll_loss: CPU autocast runs the whole loss in
+    float32; CUDA autocast only nll_loss, on a float32 copy of the half log-probabilities that it keeps."""
     logits32 = cast(e, logits, "float32") if upcast else logits
     target = None
     if shift:
@@ -403,7 +406,8 @@ def cross_entropy(e: Engine, logits: Sym, *, batch: int, seq: int, shift: bool, 
         target = e.new(batch * seq, "int64")          # labels[..., 1:].contiguous()
         del padded
     x = autocast_input(e, logits32, "cross_entropy")
-    log_probs = softmax(e, x, "log_softmax")
+    log_probs = softmax(e, x, "log_softmax", dtype=x.dtype)
     del logits32, x
+    log_probs = autocast_input(e, log_probs, "nll_loss")
     loss, total_weight = e.new(1, "float32"), e.new(1, "float32")
     return e.record(loss, [log_probs], [log_probs, total_weight] + ([target] if target is not None else []))
