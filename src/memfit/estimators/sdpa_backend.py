@@ -10,10 +10,10 @@ attention`), which memfit does not model. The checks modelled here:
              (`can_use_flash_attention`).
   efficient  fp16 or fp32 (bf16 from 8.0), head_dim a multiple of 8 (half) or 4 (fp32); masks, dropout and causal
              are all accepted (`can_use_mem_efficient_attention`); fewer key/value heads than query heads
-             (`enable_gqa`) are not: up to PyTorch 2.13 only flash takes grouped-query attention (sdp_utils_cpp.h
-             `check_batch_size_and_num_heads_dense<supports_gqa=false>`), so float32 GQA without a mask runs math,
-             which repeats the keys and values (PyTorch's main branch adds GQA to efficient after 2.13, not
-             modelled).
+             (`enable_gqa`) are not: up to PyTorch 2.13 only flash takes grouped-query attention (pytorch issue
+             139586; an H200 ran float32 tiny-llama's SDPA with eager attention's memory), so float32 GQA
+             without a mask runs math, which repeats the keys and values. PyTorch's main branch adds GQA to
+             efficient (pull request 191085) after 2.13, whose sdp_utils_cpp.h lacks that change: not modelled.
   math       anything else: the composite over the whole score matrix.
 
 What they keep (tools/autograd/derivatives.yaml): flash and efficient save q, k, v, the output and a float32

@@ -106,8 +106,9 @@ def position_mask(e: Engine, bias: Sym, q_len: int, kv_len: int, causal: bool, c
 
 
 def attention(e: Engine, x: Sym, source: Sym, d: T5Spec, p: str, *, batch: int, q_len: int, kv_len: int,
-              bias: Sym | None, causal: bool, cache: dict | None, cache_key, mask: Sym | None) -> tuple[Sym, Sym]:
-    """T5Attention; `mask`: eager attention's float causal mask (decoder self-attention), else None."""
+              bias: Sym | None, causal: bool, cache: dict | None, cache_key,
+              causal_mask: Sym | None) -> tuple[Sym, Sym]:
+    """T5Attention; `causal_mask`: eager attention's float causal mask (decoder self-attention), else None."""
     q = ops.linear(e, x, e.params[p + "q"], d.inner)
     if cache is not None and cache_key[0] == "cross" and cache_key in cache:
         k, v = cache[cache_key]
@@ -125,12 +126,13 @@ def attention(e: Engine, x: Sym, source: Sym, d: T5Spec, p: str, *, batch: int, 
     shape = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.d_kv,
                  dropout_p=d.dropout if e.policy.train else 0.0)
     if d.eager:
-        out = eager_attention(e, q, k, v, **shape, masks=(bias,) if mask is None else (bias, mask))[0]
+        out = eager_attention(e, q, k, v, **shape, masks=(bias,) if causal_mask is None else (bias, causal_mask))[0]
     else:
         mask = position_mask(e, bias, q_len, kv_len, causal and q_len > 1,
                              contiguous=not (fresh and (p + "bias") in e.params))
         out = ops.sdpa(e, q, k, v, **shape, mask=mask)
-    del mask, q, k, v
+        del mask
+    del q, k, v
     return ops.linear(e, out, e.params[p + "o"], d.d_model), bias
 
 
@@ -149,11 +151,12 @@ def feed_forward(e: Engine, x: Sym, d: T5Spec, p: str) -> Sym:
 
 def block(e: Engine, x: Sym, d: T5Spec, stack: str, i: int, *, batch: int, q_len: int, enc_len: int,
           bias: Sym | None, cross_bias: Sym | None, encoder_out: Sym | None, cache: dict | None, kv_len: int,
-          mask: Sym | None):
+          causal_mask: Sym | None):
     p = f"{stack}.{i}."
     normed = layer_norm(e, x, e.params[p + "self.ln"])
     attn, bias = attention(e, normed, normed, d, p + "self.", batch=batch, q_len=q_len, kv_len=kv_len, bias=bias,
-                           causal=stack == "decoder", cache=cache, cache_key=("self", i), mask=mask)
+                           causal=stack == "decoder", cache=cache, cache_key=("self", i),
+                           causal_mask=causal_mask)
     del normed
     x = ops.add(e, x, ops.dropout(e, attn, d.dropout))
     del attn
@@ -161,7 +164,7 @@ def block(e: Engine, x: Sym, d: T5Spec, stack: str, i: int, *, batch: int, q_len
         normed = layer_norm(e, x, e.params[p + "cross.ln"])
         attn, cross_bias = attention(e, normed, encoder_out, d, p + "cross.", batch=batch, q_len=q_len,
                                      kv_len=enc_len, bias=cross_bias, causal=False, cache=cache,
-                                     cache_key=("cross", i), mask=None)
+                                     cache_key=("cross", i), causal_mask=None)
         del normed
         x = ops.add(e, x, ops.dropout(e, attn, d.dropout))
         del attn
@@ -174,17 +177,18 @@ def run_stack(e: Engine, d: T5Spec, stack: str, num_layers: int, ids: Sym, *, ba
     inputs_embeds = ops.embedding(e, ids, e.params["shared"], d.d_model)
     kv_len = kv_len or q_len
     causal = d.eager and stack == "decoder" and q_len > 1    # create_causal_mask: a float mask for eager attention
-    mask = e.new(batch * q_len * kv_len, inputs_embeds.dtype) if causal else None
+    causal_mask = e.new(batch * q_len * kv_len, inputs_embeds.dtype) if causal else None
     x = ops.dropout(e, inputs_embeds, d.dropout)
     bias = cross_bias = None
     for i in range(num_layers):
         e.segment = (stack, i)
         x, bias, cross_bias = e.block(i, partial(block, e, d=d, stack=stack, i=i, batch=batch, q_len=q_len,
                                                  enc_len=enc_len, bias=bias, cross_bias=cross_bias,
-                                                 encoder_out=encoder_out, cache=cache, kv_len=kv_len, mask=mask), x)
+                                                 encoder_out=encoder_out, cache=cache, kv_len=kv_len,
+                                                 causal_mask=causal_mask), x)
     e.segment = "post" if stack == "decoder" else "mid"
     x = layer_norm(e, x, e.params[stack + ".final_ln"])
-    del bias, cross_bias, inputs_embeds, mask
+    del bias, cross_bias, inputs_embeds, causal_mask
     return ops.dropout(e, x, d.dropout)
 
 
