@@ -223,6 +223,7 @@ def replay(planned: list[dict], only: str = "") -> int:
 
     with open(RESULTS + ".json") as fh:
         report = json.load(fh)
+    here = versions()   # before anything is written: the tree is then as committed
     gpu = gpu_of_device_name(report["versions"]["device"], report["total_bytes"])
     by_name = {row_name(row): row for row in planned}
     console, started, results = Console(width=200), time.perf_counter(), []
@@ -254,7 +255,7 @@ def replay(planned: list[dict], only: str = "") -> int:
     with open(RESULTS + "_replay.txt", "w") as fh:
         Console(file=fh, width=200).print(table, summary)
     with open(RESULTS + "_replay.json", "w") as fh:
-        json.dump({"measured_on": report["versions"], "predicted_with": versions(), "summary": summary,
+        json.dump({"measured_on": report["versions"], "predicted_with": here, "summary": summary,
                    "rows": results}, fh, indent=1)
     return 0
 
