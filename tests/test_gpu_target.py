@@ -72,6 +72,20 @@ def test_the_gpu_validation_script_lists_its_rows_without_a_gpu():
     assert "expandable-segments" in lines[-2] and lines[-1].startswith(f"{len(lines) - 1} rows")
 
 
+def test_an_estimate_says_when_grouped_attention_falls_to_the_math_kernel():
+    """float32 tiny-llama (8 query heads over 4 key/value heads) on an H100 keeps every layer's score matrix: the
+    estimate says why and what would take it; in bf16-mixed flash does, and tiny-gpt2 has no grouped heads."""
+    def notes(model, precision, gpu="h100"):
+        workload = Workload(model=model, batch_size=2, seq_len=128, precision=precision)
+        return [n for n in estimate(workload, method="analytic", gpu=gpu).notes if "math kernel" in n]
+    assert notes("tiny-llama", "fp32") == [
+        "SDPA runs PyTorch's math kernel here: float32 attention with 8 query heads over 4 key/value heads has no "
+        "fused kernel up to PyTorch 2.13, so every layer keeps its full score matrix (as eager attention does); in "
+        "bfloat16 or float16 flash attention takes it"]
+    assert "no fused kernel takes grouped heads" in notes("tiny-llama", "fp16-mixed", gpu="t4")[0]
+    assert notes("tiny-llama", "bf16-mixed") == notes("tiny-gpt2", "fp32") == []
+
+
 def test_the_committed_gpu_run_replays_without_a_gpu():
     """benchmarks/gpu_validate.py --replay predicts the H200's measured rows again here: float32 tiny-llama, whose
     grouped-query attention ran the math kernel there, comes out within 2 % of what the GPU allocated."""

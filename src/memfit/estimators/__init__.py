@@ -8,6 +8,7 @@ from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic import count_parameters as analytic_parameters
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.sdpa_backend import grouped_math_note
 from memfit.estimators.traced import traced_estimate
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.live import live_workload
@@ -81,6 +82,8 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
                      for note in technique.estimate_notes(workload)]
     if workload.step is not None:
         result.notes += step_notes(workload)
+    if gpu is not None and (note := grouped_math_note(workload, gpu.compute_capability)):
+        result.notes.append(note)
     if live is not None:
         result.notes.append("traced on a meta copy of the live model: the model and optimizer were not touched")
     return result

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from memfit.core.errors import MemfitError
+from memfit.core.precision import PRECISIONS
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 HALF = ("float16", "bfloat16")
@@ -69,6 +70,29 @@ def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask
                           f"takes {dtype} inputs with head_dim {head_dim}{' and a mask' if mask else ''} on compute "
                           f"capability {capability[0]}.{capability[1]}; PyTorch fails the same way.")
     return MATH
+
+
+def grouped_math_note(workload, capability: tuple[int, int]) -> str | None:
+    """What to tell a user whose GPU step runs SDPA's math kernel only because its attention is grouped (fewer
+    key/value heads than query heads): a memory cliff nothing else in the estimate explains. None otherwise."""
+    source = workload.source
+    config = {**source.hf_config, **source.overrides} if source.is_hf else {}
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if config.get("attn_implementation", "sdpa") != "sdpa" or not heads or kv_heads == heads:
+        return None
+    precision = PRECISIONS[workload.precision]
+    dtype = str(precision.autocast_dtype or precision.param_dtype).removeprefix("torch.")
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    checks = dict(mask=False, causal_unequal=False, needs_grad=workload.task == "train")
+    if cuda_backend(capability, dtype, head_dim, grouped=True, **checks) != MATH or \
+            cuda_backend(capability, dtype, head_dim, **checks) == MATH:
+        return None
+    fix = ("in bfloat16 or float16 flash attention takes it" if capability >= (8, 0) else
+           "before compute capability 8.0 no fused kernel takes grouped heads")
+    return (f"SDPA runs PyTorch's math kernel here: {dtype} attention with {heads} query heads over {kv_heads} "
+            f"key/value heads has no fused kernel up to PyTorch 2.13, so every layer keeps its full score matrix "
+            f"(as eager attention does); {fix}")
 
 
 def logsumexp_length(backend: str, q_len: int) -> int:
