@@ -79,8 +79,8 @@ def grouped_math_note(workload, capability: tuple[int, int]) -> str | None:
     config = {**source.hf_config, **source.overrides} if source.is_hf else {}
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
-    if config.get("attn_implementation", "sdpa") != "sdpa" or not heads or kv_heads == heads:
-        return None
+    if config.get("attn_implementation") == "eager" or source.attention_kernel or not heads or kv_heads == heads:
+        return None   # eager, or a kernel that always runs (FlashAttention-2, flex): SDPA does not choose
     precision = PRECISIONS[workload.precision]
     dtype = str(precision.autocast_dtype or precision.param_dtype).removeprefix("torch.")
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
