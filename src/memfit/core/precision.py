@@ -16,6 +16,11 @@ class Precision:
     loss_scaling: bool                # dynamic loss scaling (fp16 mixed precision)
     master_dtype: torch.dtype | None = None   # the optimizer steps on master copies of the weights in this dtype
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the step's matmuls and attention run in: autocast's, else the weights'."""
+        return self.autocast_dtype or self.param_dtype
+
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", torch.float32, None, False),

@@ -82,7 +82,7 @@ def grouped_math_note(workload, capability: tuple[int, int]) -> str | None:
     if config.get("attn_implementation") == "eager" or source.attention_kernel or not heads or kv_heads == heads:
         return None   # eager, or a kernel that always runs (FlashAttention-2, flex): SDPA does not choose
     precision = PRECISIONS[workload.precision]
-    dtype = str(precision.autocast_dtype or precision.param_dtype).removeprefix("torch.")
+    dtype = str(precision.compute_dtype).removeprefix("torch.")
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
     checks = dict(mask=False, causal_unequal=False, needs_grad=workload.task == "train")
     if cuda_backend(capability, dtype, head_dim, grouped=True, **checks) != MATH or \

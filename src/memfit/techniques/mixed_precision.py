@@ -41,7 +41,7 @@ class _Precision(Technique):
 
     def export(self, tool, workload) -> Export | None:
         precision = get_precision(self.name)
-        half = str(precision.autocast_dtype or precision.param_dtype).removeprefix("torch.")
+        half = str(precision.compute_dtype).removeprefix("torch.")
         key = {"bfloat16": "bf16", "float16": "fp16"}[half]
         mixed = precision.autocast_dtype is not None
         if tool == "lightning":   # "-true" converts the weights: pure half precision, as memfit's

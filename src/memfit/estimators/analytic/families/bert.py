@@ -8,7 +8,7 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import dense, eager_attention
+from memfit.estimators.analytic.families.common import asks_for_eager, dense, eager_attention
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("bert",)
@@ -41,7 +41,7 @@ class BertSpec:
                    type_vocab=cfg.type_vocab_size, hidden_dropout=cfg.hidden_dropout_prob,
                    attn_dropout=cfg.attention_probs_dropout_prob,
                    head_dim=cfg.hidden_size // cfg.num_attention_heads,
-                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
+                   eager=asks_for_eager(cfg))
 
 
 def declare_params(e: Engine, d: BertSpec, num_layers: int) -> None:

@@ -74,6 +74,11 @@ def _slice_cross_entropy(e: Engine, held: list[Sym], *, batch: int, tokens: int,
     return e.record(loss, [log_probs], [log_probs, total_weight, labels if target is None else target])
 
 
+def asks_for_eager(cfg) -> bool:
+    """The transformers config runs eager attention (attn_implementation "eager"), not SDPA."""
+    return getattr(cfg, "_attn_implementation", None) == "eager"
+
+
 def eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: int, kv_len: int,
                     head_dim: int, dropout_p: float, masks: tuple[Sym, ...] = (), softmax_dtype: str | None = None,
                     weights_dtype: str | None = None) -> tuple[Sym, Sym]:

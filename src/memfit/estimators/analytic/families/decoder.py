@@ -12,7 +12,14 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import chunked_lm_loss, generate, grow_cache, lm_head, replace_cache
+from memfit.estimators.analytic.families.common import (
+    asks_for_eager,
+    chunked_lm_loss,
+    generate,
+    grow_cache,
+    lm_head,
+    replace_cache,
+)
 from memfit.estimators.analytic.families.moe import experts
 from memfit.estimators.analytic.symbols import Sym, View
 
@@ -90,7 +97,7 @@ class DecoderSpec:
             experts=getattr(cfg, "num_local_experts", 0) or 0, top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
             sliding_window=window, sliding_pattern=pattern,
             attn_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
-            eager=variant.eager_only or getattr(cfg, "_attn_implementation", None) == "eager",
+            eager=variant.eager_only or asks_for_eager(cfg),
         )
 
     @property

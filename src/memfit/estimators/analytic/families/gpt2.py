@@ -9,6 +9,7 @@ from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import (
+    asks_for_eager,
     chunked_lm_loss,
     eager_attention,
     generate,
@@ -44,7 +45,7 @@ class GPT2Spec:
         return cls(hidden=cfg.n_embd, layers=cfg.n_layer, heads=cfg.n_head, inner=cfg.n_inner or 4 * cfg.n_embd,
                    vocab=cfg.vocab_size, positions=cfg.n_positions, embd_pdrop=cfg.embd_pdrop,
                    resid_pdrop=cfg.resid_pdrop, attn_pdrop=cfg.attn_pdrop, tied=bool(cfg.tie_word_embeddings),
-                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
+                   eager=asks_for_eager(cfg))
 
 
 def declare_params(e: Engine, d: GPT2Spec, num_layers: int) -> None:

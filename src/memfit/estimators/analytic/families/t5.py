@@ -8,7 +8,7 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import eager_attention, grow_cache, replace_cache
+from memfit.estimators.analytic.families.common import asks_for_eager, eager_attention, grow_cache, replace_cache
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("t5",)
@@ -37,7 +37,7 @@ class T5Spec:
                    decoder_layers=cfg.num_decoder_layers, heads=cfg.num_heads, vocab=cfg.vocab_size,
                    buckets=cfg.relative_attention_num_buckets, dropout=cfg.dropout_rate,
                    tied=bool(cfg.tie_word_embeddings), gated=bool(getattr(cfg, "is_gated_act", False)),
-                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
+                   eager=asks_for_eager(cfg))
 
     @property
     def inner(self) -> int:

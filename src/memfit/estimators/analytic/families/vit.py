@@ -7,7 +7,7 @@ from functools import partial
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families.common import dense, eager_attention
+from memfit.estimators.analytic.families.common import asks_for_eager, dense, eager_attention
 from memfit.estimators.analytic.symbols import Sym, View
 
 FAMILIES = ("vit",)
@@ -34,7 +34,7 @@ class ViTSpec:
                    intermediate=cfg.intermediate_size, image=cfg.image_size, patch=cfg.patch_size,
                    channels=cfg.num_channels, labels=cfg.num_labels, hidden_dropout=cfg.hidden_dropout_prob,
                    attn_dropout=cfg.attention_probs_dropout_prob,
-                   eager=getattr(cfg, "_attn_implementation", None) == "eager")
+                   eager=asks_for_eager(cfg))
 
     def tokens(self, image: int) -> int:
         return (image // self.patch) ** 2 + 1
