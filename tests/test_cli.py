@@ -1,5 +1,8 @@
 """The command line: JSON a tool can parse, tables for people, one-line errors with exit code 2."""
+import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -114,15 +117,88 @@ def test_user_errors_are_one_line_and_exit_2(capsys, argv, fragment):
 
 
 @pytest.mark.parametrize("command", ["techniques", "models", "gpus"])
-def test_piped_tables_keep_one_line_per_row(capsys, command):
-    """In a log or CI (stdout not a terminal) a row is one line: its first and last cells on the same line."""
+def test_piped_tables_fit_100_columns_and_keep_every_row(capsys, command):
+    """In a log or CI (stdout not a terminal, no $COLUMNS) a table is 100 columns wide; every row's first cell is
+    there in full."""
     code, out, _ = run(capsys, command)
     data = json.loads(run(capsys, command, "--json")[1])
-    first_and_last = {"techniques": lambda: [(t["name"], t["risk"]) for t in data["techniques"]],
-                      "models": lambda: [(m["name"], m["reference"] or "") for m in data["models"]],
-                      "gpus": lambda: [(g["name"], ", ".join(g.get("aliases") or [])) for g in data["gpus"]]}
-    rows = first_and_last[command]()
+    firsts = [item["name"] for item in data[command]]
     lines = out.splitlines()
-    assert code == 0 and rows
-    for first, last in rows:
-        assert any(f"│ {first} " in line and last in line for line in lines), (first, last)
+    assert code == 0 and firsts and max(len(line) for line in lines) <= 100
+    for first in firsts:
+        assert any(f"│ {first} " in line for line in lines), first
+
+
+def test_plan_tables_fit_the_columns_they_are_given(capsys, monkeypatch):
+    """The plans table at 100 and 80 columns: nothing cut off; below 100 what a plan changes goes under its
+    techniques."""
+    for columns in (100, 80):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--seq-len", "2048",
+                           "--global-batch", "8")
+        lines = [line for line in out.splitlines() if not line.startswith("run plan 1:")]   # a command to paste
+        assert code == 0 and max(len(line) for line in lines) <= columns
+        assert "tok/s/GPU" in out and ("changes" in out) and "run plan 1:" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["estimate", "tiny-llama", "--precison", "bf16"], "Did you mean: --precision?"),
+    (["estimat", "tiny-llama"], "Did you mean: estimate?"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "--host-ram", "64"], "64GiB"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "--batch-size", "4"], "--global-batch"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "--zero", "2"], "--zero"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "--exclude", "lorra"], "Did you mean: lora"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "-t", "lora", "--exclude", "lora"], "drop one"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "--method", "exact"], "analytic or traced"),
+    (["plan", "tiny-llama", "--gpu", "rtx-4090", "--precision", "bf16", "-t", "fp16-mixed"], "disagree"),
+    (["explain-oom", "-", "--world-size", "2"], "pass --model"),
+])
+def test_flags_the_commands_share_and_refuse(capsys, monkeypatch, argv, fragment):
+    monkeypatch.setattr("sys.stdin", io.StringIO(OOM))
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    _, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and fragment in lines[0], err
+
+
+OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+       "23.68 GiB of which 1.88 GiB is free. Including non-PyTorch memory, this process has 21.79 GiB memory in use. "
+       "Of the allocated memory 20.50 GiB is allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but "
+       "unallocated.")
+
+
+def test_explain_oom_takes_the_workload_flags_of_estimate(capsys, tmp_path):
+    """The failed workload as estimate takes it: ranks, ZeRO, engine (here DeepSpeed's ZeRO-3 over 2 GPUs)."""
+    log = tmp_path / "oom.log"
+    log.write_text(OOM)
+    code, out, _ = run(capsys, "explain-oom", str(log), "--model", "llama-3.1-8b", "--seq-len", "1024", "--precision",
+                       "bf16-mixed", "--world-size", "2", "--zero", "3", "--engine", "deepspeed", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["step_bytes"] > 0 and data["fixes"]
+
+
+def test_version_and_help_answer_without_loading_torch():
+    """`memfit --help` and `--version` import no command (the commands load torch)."""
+    script = ("import sys, contextlib, io\nfrom memfit.cli.main import main\n"
+              "for argv in (['--help'], ['--version']):\n"
+              "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+              "        try: main(argv)\n"
+              "        except SystemExit as e: assert e.code == 0\n"
+              "    assert out.getvalue()\n"
+              "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_plan_constraints_hold_in_every_plan(capsys):
+    """-t lora --precision bf16-mixed: every plan runs LoRA in bf16-mixed; --exclude keeps a technique out."""
+    code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--seq-len", "1024", "--global-batch",
+                       "8", "-t", "lora", "--precision", "bf16-mixed", "--exclude", "checkpointing", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["feasible"] and data["request"]["techniques"] == ["lora"]
+    for plan in data["plans"]:
+        assert plan["workload"]["precision"] == "bf16-mixed" and "lora" in plan["workload"]["techniques"]
+        assert not any(t.startswith("checkpointing") for t in plan["workload"]["techniques"])

@@ -166,7 +166,7 @@ def test_plan_cli_table_and_pareto_plot(capsys, tmp_path):
     png = tmp_path / "front.png"
     code, out, _ = run(capsys, "plan", "tiny-llama", "--gpu", "t4", "--seq-len", "128", "--global-batch", "4",
                        "--plot", str(png))
-    assert code == 0 and "micro×acc" in out and "run plan 1: memfit estimate tiny-llama" in out
+    assert code == 0 and "mb×acc" in out and "run plan 1: memfit estimate tiny-llama" in out
     assert png.stat().st_size > 10_000
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -14,35 +15,51 @@ from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, OPTIMIZER_IMPLS, TASKS, Workload
 from memfit.techniques.resolve import ResolvedWorkload, optimizers, resolve
 
+# The workload's flags: (flag and aliases, Workload field, argparse options, help). Every command that takes a
+# workload takes all of them; each defaults to "not given" (None), so a command can tell what the user set, and
+# Workload's own defaults (named in the help) fill the rest.
+WORKLOAD_FLAGS = (
+    (("--task",), "task", {}, f"one of {', '.join(TASKS)} (default train)"),
+    (("--batch-size",), "batch_size", {"type": int}, "micro-batch size (default 1)"),
+    (("--seq-len",), "seq_len", {"type": int},
+     "tokens per sequence; image side for vision models (default 512, or the image size)"),
+    (("--new-tokens",), "new_tokens", {"type": int}, "decode steps after the prefill (inference)"),
+    (("--precision",), "precision", {}, f"one of {', '.join(PRECISIONS)} (default fp32)"),
+    (("--optimizer",), "optimizer", {}, f"one of {', '.join(optimizers())} (default adamw)"),
+    (("--optimizer-impl",), "optimizer_impl", {"metavar": "IMPL"},
+     f"how torch.optim runs the step: {', '.join(OPTIMIZER_IMPLS)} (default: PyTorch's choice on the device: "
+     "foreach on CUDA, for-loop on the CPU)"),
+    (("--world-size", "--gpus"), "world_size", {"type": int, "metavar": "N"},
+     "GPUs (ranks) the step runs over (default 1)"),
+    (("--zero",), "zero_stage", {"type": int}, "ZeRO stage 0-3 over the ranks"),
+    (("--engine",), "engine", {}, f"training engine: {' or '.join(ENGINES)}"),
+    (("--reduce-bucket",), "reduce_bucket", {"type": int, "metavar": "ELEMENTS"},
+     f"--engine deepspeed: ZeRO's reduce_bucket_size (default {DEEPSPEED_REDUCE_BUCKET}, DeepSpeed's; a buffer of "
+     "this many half-precision elements per rank)"),
+    (("--allow-long-seq",), "allow_long_seq", {"action": "store_const", "const": True},
+     "allow a sequence longer than the model's maximum (positions are extended)"),
+    (("-t", "--technique"), "techniques", {"action": "append", "metavar": "NAME[:k=v,...]"},
+     "apply a memory technique (repeatable; see `memfit techniques`)"),
+)
+MODEL_HELP = ("catalog name (memfit models), a Hugging Face config.json, folder or hub id, or package.module:function "
+              "/ path/file.py:function returning an nn.Module")
 
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="catalog name (memfit models), path to a HF config.json or "
-                                                 "folder, or package.module:function returning an nn.Module")
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
+    """The workload's flags (WORKLOAD_FLAGS), the model (positional, or `--model` where the command's positional is
+    something else), a saved plan instead of both, the user's own code and --json."""
+    if model_flag:
+        parser.add_argument("--model", help=MODEL_HELP)
+    else:
+        parser.add_argument("model", nargs="?", help=MODEL_HELP)
     parser.add_argument("--plan", metavar="PLAN.json", help="the workload of a plan saved by `memfit plan --save` "
                                                             "(instead of a model and flags)")
     parser.add_argument("--plan-index", type=int, default=0, metavar="K", help="which plan of the file (default 0, "
                                                                                "the best)")
     add_user_code_arguments(parser)
-    parser.add_argument("--task", default="train", help=f"one of {', '.join(TASKS)} (default train)")
-    parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size (default 1)")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="tokens per sequence; image side for vision models (default 512, or the image size)")
-    parser.add_argument("--new-tokens", type=int, default=0, help="decode steps after the prefill (inference)")
-    parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (default fp32)")
-    parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(optimizers())} (default adamw)")
-    parser.add_argument("--optimizer-impl", metavar="IMPL",
-                        help=f"how torch.optim runs the step: {', '.join(OPTIMIZER_IMPLS)} (default: PyTorch's choice "
-                             "on the device: foreach on CUDA, for-loop on the CPU)")
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
-    parser.add_argument("--zero", type=int, default=0, dest="zero_stage", help="ZeRO stage 0-3 over --world-size")
-    parser.add_argument("--engine", default="pytorch", help=f"training engine: {' or '.join(ENGINES)}")
-    parser.add_argument("--reduce-bucket", type=int, default=DEEPSPEED_REDUCE_BUCKET, metavar="ELEMENTS",
-                        help="--engine deepspeed: ZeRO's reduce_bucket_size (default %(default)s, DeepSpeed's; "
-                             "a buffer of this many half-precision elements per rank)")
-    parser.add_argument("--allow-long-seq", action="store_true",
-                        help="allow a sequence longer than the model's maximum (positions are extended)")
-    parser.add_argument("-t", "--technique", action="append", default=[], dest="techniques", metavar="NAME[:k=v,...]",
-                        help="apply a memory technique (repeatable; see `memfit techniques`)")
+    group = parser.add_argument_group("workload")
+    for flags, field, options, text in WORKLOAD_FLAGS:
+        group.add_argument(*flags, dest=field, default=None, help=text, **options)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -56,19 +73,29 @@ def add_user_code_arguments(parser: argparse.ArgumentParser) -> None:
                                          "(needed for a custom module)")
 
 
+def given_workload_flags(args: argparse.Namespace) -> dict:
+    """The workload fields the command line set, by Workload field name (techniques as a tuple)."""
+    given = {field: getattr(args, field) for _, field, _, _ in WORKLOAD_FLAGS if getattr(args, field) is not None}
+    if "techniques" in given:
+        given["techniques"] = tuple(given["techniques"])
+    return given
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a Workload field."""
+    return next(flags[0] for flags, name, _, _ in WORKLOAD_FLAGS if name == field)
+
+
 def workload_from(args: argparse.Namespace) -> ResolvedWorkload:
+    given = given_workload_flags(args)
     if args.plan:
-        if args.model or args.techniques:
-            raise MemfitError("--plan gives the model and its techniques; drop the model name and -t flags.")
+        if args.model or given:
+            flags = ["the model"] * bool(args.model) + [flag_of(field) for field in given]
+            raise MemfitError(f"--plan gives the whole workload; drop {', '.join(flags)}.")
         return resolve(load_plan(args.plan, args.plan_index)[0])
     if not args.model:
         raise MemfitError("name a model (memfit models lists them) or pass --plan PLAN.json.")
-    return resolve(Workload(model=args.model, inputs=args.inputs, step=args.step, task=args.task,
-                            batch_size=args.batch_size, seq_len=args.seq_len, new_tokens=args.new_tokens,
-                            precision=args.precision, optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
-                            world_size=args.world_size, zero_stage=args.zero_stage,
-                            engine=args.engine, reduce_bucket=args.reduce_bucket,
-                            allow_long_seq=args.allow_long_seq, techniques=tuple(args.techniques)))
+    return resolve(Workload(model=args.model, inputs=args.inputs, step=args.step, **given))
 
 
 def gpu_from(name: str | None, args: argparse.Namespace | None = None) -> GPU | None:
@@ -97,13 +124,16 @@ def command_line(workload: ResolvedWorkload) -> str:
     return " ".join(parts)
 
 
-PIPED_WIDTH = 240   # a log or CI keeps long lines; a table narrower than its content wraps into unreadable cells
+PIPED_WIDTH = 100   # a log or CI: what a reader's terminal or editor shows without scrolling
 
 
 def output_console() -> Console:
-    """Where a command prints its tables: the terminal at its width, or, piped into a file or a CI log, a width
-    that fits memfit's widest table on one line per row (and no colour codes)."""
-    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+    """Where a command prints its tables: the terminal at its width; piped into a file or a CI log, $COLUMNS if set,
+    else 100 columns (and no colour codes)."""
+    if sys.stdout.isatty():
+        return Console()
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else PIPED_WIDTH)
 
 
 def print_json(data: dict) -> None:

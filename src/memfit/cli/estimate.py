@@ -21,8 +21,7 @@ from memfit.planner.cost import timing
 from memfit.report.tables import print_estimate, workload_line
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("estimate", help="estimate peak memory per device without running the model")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--gpu", help="target GPU (memfit gpus); without it, the device `measure` would use here")
     parser.add_argument("--method", default="auto", help=f"one of {', '.join(METHODS)} (default auto: traced "

@@ -11,8 +11,7 @@ from memfit.specs.hardware import get_gpu
 from memfit.specs.instances import instance_catalog, parse_price, priced
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("instances", help="list machines to rent: GPUs, host RAM, links and list prices")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", help="only the machines with this GPU (memfit gpus)")
     parser.add_argument("--price", action="append", default=[], metavar="NAME=USD",
                         help="an instance's hourly price instead of its list price (repeatable)")

@@ -1,13 +1,31 @@
-"""Entry point: `memfit <command> ...`. User errors print one line and exit 2."""
+"""Entry point: `memfit <command> ...`. User errors print one line and exit 2.
+
+Only the command being run is imported (the commands load torch): `memfit --help` and `memfit --version` answer
+at once."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
+import re
 import sys
 import warnings
 
-from memfit.core.errors import MemfitError
+from memfit import __version__
+from memfit.core.errors import MemfitError, closest
+
+# name: (module, what it does); the order `memfit --help` lists them in
+COMMANDS = {
+    "models": ("memfit.cli.models", "list the bundled model architectures"),
+    "gpus": ("memfit.cli.gpus", "list the GPU catalog"),
+    "instances": ("memfit.cli.instances", "list machines to rent: GPUs, host RAM, links and list prices"),
+    "techniques": ("memfit.cli.techniques", "list the memory techniques (-t NAME[:key=value,...])"),
+    "estimate": ("memfit.cli.estimate", "estimate peak memory per device without running the model"),
+    "measure": ("memfit.cli.measure", "run the workload for real on this machine and compare"),
+    "plan": ("memfit.cli.plan", "find the fastest combination of techniques that fits your GPUs"),
+    "explain-oom": ("memfit.cli.explain_oom", "explain a CUDA out-of-memory error and rank the fixes"),
+}
 
 
 def one_line(text: str) -> str:
@@ -18,19 +36,37 @@ def one_line(text: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, as for every user error
-        print(f"memfit: error: {one_line(message)}", file=sys.stderr)
+        print(f"memfit: error: {one_line(message + _suggestion(message, self))}", file=sys.stderr)
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # the commands load torch: imported after _quiet_libraries has set torch's and transformers' logging
-    from memfit.cli import estimate, explain_oom, gpus, instances, measure, models, plan, techniques
+def _suggestion(message: str, parser: argparse.ArgumentParser) -> str:
+    """A did-you-mean for argparse's own errors: an unknown choice, or an unknown flag of this parser."""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        return closest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        flags = [s for action in parser._actions for s in action.option_strings]
+        for word in unknown.group(1).split():
+            if word.startswith("-"):
+                return closest(word.split("=")[0], flags, n=1)
+    return ""
 
+
+def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser, with the full flags of the command `argv` names (the others listed by name only), and the
+    command parsers by name."""
     parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (models, gpus, instances, techniques, estimate, measure, plan, explain_oom):
-        module.add_parser(subparsers)
-    return parser
+    chosen = next((word for word in argv or () if not word.startswith("-")), None)
+    commands = {}
+    for name, (module, summary) in COMMANDS.items():
+        commands[name] = subparsers.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+        if name == chosen:
+            importlib.import_module(module).add_arguments(commands[name])
+    return parser, commands
 
 
 def _quiet_libraries() -> None:
@@ -42,9 +78,19 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line read, or one line and exit 2; an unknown flag is named against its command's own flags."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, commands = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.run(args)
     except MemfitError as exc:

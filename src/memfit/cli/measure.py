@@ -11,8 +11,7 @@ from memfit.measurement import measure
 from memfit.report.tables import measure_table
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("measure", help="run the workload for real on this machine and compare")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--device", help="cpu or cuda:N (default: CUDA when present, else CPU)")
     parser.add_argument("--snapshot", metavar="FILE.pickle",

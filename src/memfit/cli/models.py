@@ -11,8 +11,7 @@ from memfit.specs.model_source import catalog, resolve_source
 from memfit.specs.workload import Workload
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("models", help="list the bundled model architectures")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(run=run)
 
@@ -39,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="memfit model catalog (parameters counted from the architecture)", title_justify="left")
     for column in ("name", "type", "parameters", "layers", "max seq", "reference"):
-        table.add_column(column, justify="right" if column in ("parameters", "layers", "max seq") else "left")
+        table.add_column(column, justify="right" if column in ("parameters", "layers", "max seq") else "left",
+                         no_wrap=column == "name", overflow="fold")
     for row in data:
         table.add_row(row["name"], row["model_type"], f"{row['num_parameters']:,}", str(row["num_layers"]),
                       str(row["max_seq_len"] or "—"), row["reference"] or "")

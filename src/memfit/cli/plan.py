@@ -8,9 +8,11 @@ import sys
 from rich.console import Console
 
 from memfit.cli.common import (
-    add_user_code_arguments,
+    add_workload_arguments,
     check_output_path,
     command_line,
+    flag_of,
+    given_workload_flags,
     output_console,
     print_json,
 )
@@ -25,27 +27,20 @@ from memfit.specs.hardware import get_gpu
 from memfit.specs.instances import Instance, get_instance, instance_catalog, parse_price, priced
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="find the fastest combination of techniques that fits your GPUs")
-    parser.add_argument("model", help="catalog name (memfit models), a Hugging Face config.json / folder or hub id, "
-                                      "or package.module:function / path/file.py:function returning an nn.Module "
-                                      "(planned with the traced estimator)")
-    add_user_code_arguments(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
     parser.add_argument("--gpu", help="target GPU (memfit gpus); --instance implies it")
-    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (default 1, or all of --instance's; "
-                                                               "up to 8 share a node)")
     parser.add_argument("--instance", help="a machine from `memfit instances` (its GPUs, host RAM and price), or "
                                            "any: every priced machine, cheapest per million tokens first")
     parser.add_argument("--price", action="append", default=[], metavar="NAME=USD",
                         help="an instance's hourly price instead of its list price (repeatable)")
-    parser.add_argument("--task", default="train", help="train or inference (default train)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512 or the "
-                                                                   "model's maximum)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help="train: sequences per optimizer step over all GPUs (default: one per GPU); the "
                              "planner splits it into micro-batches and gradient accumulation")
-    parser.add_argument("--batch-size", type=int, default=1, help="inference: sequences served together (default 1)")
-    parser.add_argument("--new-tokens", type=int, default=0, help="inference: tokens to generate after the prompt")
+    parser.add_argument("--exclude", action="append", default=[], metavar="NAME",
+                        help="a technique, precision or optimizer no plan may use (repeatable)")
+    parser.add_argument("--method", help="the estimator of every candidate: analytic or traced (default: analytic "
+                                         "where it models the model, else traced)")
     parser.add_argument("--host-ram", help="host RAM per node for offload, e.g. 512GiB or 1TiB (default: not "
                                            "checked; 0 rules offload out)")
     parser.add_argument("--allow", default="lossless", help=f"{' or '.join(ALLOW)} (default lossless: techniques "
@@ -60,7 +55,6 @@ def add_parser(subparsers) -> None:
                         help="--objective fastest: plans this close to the fastest count as fast, and the one that "
                              "changes training least comes first (default %(default)s; 0 for the fastest alone)")
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (schema memfit.plan/1)")
     parser.add_argument("--save", metavar="PLAN.json", help="write the plans (for estimate/measure --plan)")
     parser.add_argument("--export", choices=EXPORTS, help="plan 1 for the tool that runs it: TrainingArguments "
                         "keyword arguments (hf-trainer), a DeepSpeed config (deepspeed), an accelerate config file "
@@ -71,21 +65,48 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+# Workload flags `plan` does not search over: each refused with the reason (the planner chooses them, or has no
+# axis for them yet)
+NOT_PLANNED = {
+    "optimizer_impl": "the planner runs PyTorch's default implementation on the GPU",
+    "zero_stage": "the planner chooses the ZeRO stage (require a sharding technique with -t, or keep one out with "
+                  "--exclude)",
+    "engine": "the planner chooses the engine (DeepSpeed where a plan needs it)",
+    "reduce_bucket": "the planner keeps DeepSpeed's default bucket",
+    "allow_long_seq": "plan within the model's maximum sequence length",
+}
+
+
 def request_from(args: argparse.Namespace, instance: Instance | None = None) -> PlanRequest:
     if instance is None and not args.gpu:
         raise MemfitError("memfit plan needs --gpu (memfit gpus) or --instance (memfit instances).")
+    if args.plan:
+        raise MemfitError("--plan reads a saved plan for estimate and measure; `memfit plan` takes the model and "
+                          "flags.")
+    if not args.model:
+        raise MemfitError("name a model to plan (memfit models lists them).")
+    given = given_workload_flags(args)
+    for field, reason in NOT_PLANNED.items():
+        if field in given:
+            raise MemfitError(f"{flag_of(field)}: {reason}; drop it.")
+    task = given.get("task", "train")
+    if "batch_size" in given and task == "train":
+        raise MemfitError("--batch-size is the served batch of --task inference; for training give --global-batch "
+                          "(sequences per optimizer step) and the planner chooses the micro-batch.")
     gpu = get_gpu(args.gpu) if args.gpu else instance.gpu
+    gpus = given.get("world_size")
     return PlanRequest(
-        model=args.model, inputs=args.inputs, step=args.step, gpu=gpu, task=args.task, seq_len=args.seq_len,
-        global_batch=args.global_batch,
-        batch_size=args.batch_size, new_tokens=args.new_tokens,
-        num_gpus=args.gpus if args.gpus is not None else instance.gpus if instance else 1,
-        host_ram_bytes=parse_bytes(args.host_ram) if args.host_ram is not None
+        model=args.model, inputs=args.inputs, step=args.step, gpu=gpu, task=task, seq_len=given.get("seq_len"),
+        global_batch=args.global_batch, batch_size=given.get("batch_size", 1), new_tokens=given.get("new_tokens", 0),
+        num_gpus=gpus if gpus is not None else instance.gpus if instance else 1,
+        host_ram_bytes=parse_bytes(args.host_ram, "--host-ram") if args.host_ram is not None
         else instance.host_ram_bytes if instance else None,
         allow=args.allow, max_ppl_increase=parse_fraction(args.max_ppl_increase, "--max-ppl-increase")
         if args.max_ppl_increase is not None else None,
         objective=args.objective, margin=parse_fraction(args.margin, "--margin"),
-        speed_margin=parse_fraction(args.speed_margin, "--speed-margin"), top=args.top, instance=instance)
+        speed_margin=parse_fraction(args.speed_margin, "--speed-margin"), top=args.top, instance=instance,
+        techniques=given.get("techniques", ()), precision=given.get("precision"), optimizer=given.get("optimizer"),
+        exclude=tuple(args.exclude), method=args.method)
 
 
 def on_any_instance(args: argparse.Namespace) -> bool:
@@ -100,7 +121,7 @@ def instances_of(args: argparse.Namespace) -> list[Instance]:
             raise MemfitError("--price sets an instance's price; add --instance NAME or --instance any.")
         return []
     if on_any_instance(args):
-        if args.gpu or args.gpus:
+        if args.gpu or args.world_size:
             raise MemfitError("--instance any plans one machine of each type in `memfit instances`, with its own "
                               "GPUs; drop --gpu/--gpus (or plan one machine type with --instance NAME --gpus N).")
         return priced(list(instance_catalog().values()), overrides)
@@ -142,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if result.feasible:
         how = (f"memfit estimate --plan {args.save}   |   memfit measure --plan {args.save}" if args.save else
                f"memfit estimate {command_line(result.plans[0].workload(request))} --gpu {request.gpu.name}")
-        console.print(f"run plan 1: {how}")
+        console.print(f"run plan 1: {how}", soft_wrap=True)   # one line: pasted whole
     if args.plot and not result.feasible:
         console.print("[dim]--plot: nothing fits, so no frontier was drawn[/dim]")
     elif args.plot:

@@ -11,8 +11,7 @@ from memfit.techniques.base import CHANGES, TRAITS
 from memfit.techniques.rules import ORDER, declared_rules
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("techniques", help="list the memory techniques (-t NAME[:key=value,...])")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=run)
 
@@ -30,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="memfit techniques (apply with -t NAME[:key=value,...]; applied in this order)",
                   title_justify="left")
-    for column in ("name", "stage", "what it does", "parameters (defaults)", "risk", "changes"):
-        table.add_column(column)
+    for column, ratio in (("name", None), ("stage", None), ("what it does", 3), ("parameters (defaults)", 2),
+                          ("risk", None), ("changes", 1)):
+        table.add_column(column, no_wrap=ratio is None, ratio=ratio, overflow="fold")
     for cls in rows:
         table.add_row(cls.name, cls.stage, cls.summary, cls.parameters(), cls.risk, cls.training_change())
     console = output_console()

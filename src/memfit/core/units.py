@@ -20,9 +20,14 @@ def format_bytes(num_bytes: float, digits: int = 2) -> str:
     return f"{sign}{int(value)} B"
 
 
-def parse_bytes(text: str) -> int:
-    """'24GiB', '1 TiB', '80GB', '123456' -> bytes."""
+def parse_bytes(text: str, flag: str = "a size") -> int:
+    """'24GiB', '1 TiB', '80GB', '0' -> bytes. A number without a unit is refused (is '64' GiB or bytes?), but for
+    0, which is 0 in any unit."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise MemfitError(f"cannot read {text!r} as a size; write e.g. 24GiB, 80GB or 512MiB.")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        raise MemfitError(f"{flag}: cannot read {text!r} as a size; write e.g. 24GiB, 80GB or 512MiB.")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and number != 0:
+        raise MemfitError(f"{flag} {text}: give a unit, e.g. {match.group(1)}GiB ({match.group(1)} alone could be "
+                          "bytes or GiB).")
+    return int(number * _UNITS[unit])

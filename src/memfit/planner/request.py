@@ -7,12 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memfit.core.errors import MemfitError, closest, require_positive_int
+from memfit.core.precision import PRECISIONS, get_precision
 from memfit.planner.cost import ASSUMED, GPUS_PER_NODE, CostModel
 from memfit.specs.hardware import GPU
 from memfit.specs.instances import Instance
 from memfit.specs.workload import TASKS
+from memfit.techniques import REGISTRY
+from memfit.techniques.base import parse_technique
+from memfit.techniques.resolve import optimizers
 
 OBJECTIVES = ("fastest", "smallest", "balanced")
+PLAN_METHODS = ("analytic", "traced")
 ALLOW = ("lossless", "lossy")
 DEFAULT_MARGIN = 0.05             # headroom kept free beyond the modelled overheads
 # Plans this close to the fastest count as fast as it (objective fastest): the one that changes training least
@@ -44,6 +49,14 @@ class PlanRequest:
     instance: Instance | None = None   # the machine rented (memfit instances): its GPU, host RAM and price
     on_cpu: bool = False    # plan a run on this machine's CPU (`gpu` then describes the CPU): CPU kernels in the
     # estimates and no CUDA overheads (benchmarks/planner_oracle.py)
+    # What the user fixed: techniques every plan uses (with their settings), the precision and optimizer (None:
+    # searched), techniques (or precisions, optimizers) never used, and the estimator (None: analytic where it
+    # models the model, else traced)
+    techniques: tuple[str, ...] = ()
+    precision: str | None = None
+    optimizer: str | None = None
+    exclude: tuple[str, ...] = ()
+    method: str | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -78,11 +91,47 @@ class PlanRequest:
                               "100 %.")
         if self.host_ram_bytes is not None and self.host_ram_bytes < 0:
             raise MemfitError("--host-ram must not be negative.")
+        self._check_constraints()
         if self.instance is not None:
             self._check_instance(self.instance)
             if self.instance.network_gbps:   # its network between machines, shared by its GPUs (Gbit/s -> GB/s)
                 object.__setattr__(self, "cost", replace(
                     self.cost, network_gbps=self.instance.network_gbps / 8 / self.instance.gpus))
+
+    def _check_constraints(self) -> None:
+        """The techniques, precision, optimizer and exclusions checked; a technique that sets the precision or the
+        optimizer (-t bf16-mixed, -t adamw8bit) is folded into that field."""
+        if isinstance(self.techniques, str) or isinstance(self.exclude, str):
+            raise MemfitError("techniques and exclude are lists of names, not one string.")
+        required = []
+        for spec in self.techniques:
+            technique = parse_technique(spec)
+            field = technique.workload_field
+            if field is None:
+                required.append(spec)
+            elif getattr(self, field) not in (None, technique.name):
+                raise MemfitError(f"--{field} {getattr(self, field)} and -t {technique.name} disagree; keep one.")
+            else:
+                object.__setattr__(self, field, technique.name)
+        object.__setattr__(self, "techniques", tuple(required))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.precision is not None:
+            get_precision(self.precision)
+        if self.optimizer is not None and self.optimizer not in optimizers():
+            raise MemfitError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(optimizers())}."
+                              f"{closest(str(self.optimizer), optimizers())}")
+        known = set(REGISTRY) | set(PRECISIONS) | set(optimizers())
+        fixed = {parse_technique(spec).name for spec in self.techniques} | {self.precision, self.optimizer}
+        for name in self.exclude:
+            if name not in known:
+                raise MemfitError(f"--exclude {name!r}: not a technique, precision or optimizer; see `memfit "
+                                  f"techniques`.{closest(str(name), known)}")
+            if name in fixed:
+                raise MemfitError(f"--exclude {name} and a plan that must use it: drop one.")
+        if self.method not in (None, *PLAN_METHODS):
+            raise MemfitError(f"unknown --method {self.method!r}; choose {' or '.join(PLAN_METHODS)} (default: "
+                              "analytic where it models the model, else traced)."
+                              f"{closest(str(self.method), PLAN_METHODS)}")
 
     def _check_instance(self, instance: Instance) -> None:
         if self.gpu.name != instance.gpu.name:
@@ -124,7 +173,15 @@ class PlanRequest:
                 "new_tokens": self.new_tokens, "num_gpus": self.num_gpus, "host_ram_bytes": self.host_ram_bytes,
                 "allow": self.allow, "max_ppl_increase": self.max_ppl_increase, "objective": self.objective,
                 "speed_margin": self.speed_margin,
-                "margin": self.margin}
+                "margin": self.margin, "techniques": list(self.techniques), "precision": self.precision,
+                "optimizer": self.optimizer, "exclude": list(self.exclude), "method": self.method}
+
+    def constraints(self) -> list[str]:
+        """What the user fixed, as the plan's title says it."""
+        fixed = [value for value in (self.precision, self.optimizer) if value] + list(self.techniques)
+        return ((["must use " + " + ".join(fixed)] if fixed else []) +
+                (["never " + ", ".join(self.exclude)] if self.exclude else []) +
+                ([f"{self.method} estimates"] if self.method else []))
 
 
 def parse_fraction(text: str, flag: str) -> float:

@@ -75,9 +75,13 @@ def estimate_for(request: PlanRequest, workload: ResolvedWorkload) -> MemoryEsti
     """The estimate for the request's target (the GPU's kernels and overheads, or this CPU's): analytic for a
     transformer config, traced for a custom model or the user's own step (what the analytic model cannot run)."""
     gpu = None if request.on_cpu else request.gpu
-    if "analytic" in methods_for(workload):
-        return analytic_estimate(workload, gpu)
-    return traced_estimate(workload, gpu)
+    methods = methods_for(workload)
+    if request.method is not None and request.method not in methods:
+        raise NotModelled(f"--method {request.method} does not model {' + '.join(workload.techniques) or 'this'} "
+                          f"on {workload.model}; it takes {' or '.join(methods) or 'no estimator'}.")
+    if request.method == "traced" or "analytic" not in methods:
+        return traced_estimate(workload, gpu)
+    return analytic_estimate(workload, gpu)
 
 
 def divisors(n: int) -> list[int]:
@@ -98,7 +102,8 @@ class Search:
         self.num_estimates = 0
         self.base = resolve(Workload(model=request.model, inputs=request.inputs, step=request.step, task=request.task,
                                      seq_len=request.seq_len, new_tokens=request.new_tokens))
-        self.traces = "analytic" not in methods_for(self.base)   # a custom model or the user's own step
+        # a custom model or the user's own step, or --method traced
+        self.traces = request.method == "traced" or "analytic" not in methods_for(self.base)
         self.estimated: dict[str, MemoryEstimate] = {}   # by workload: a trace is not made twice
         self.allocator_options = allocator_options(request, self.base)
 

@@ -69,15 +69,34 @@ class Candidate:
 
 def searched(request: PlanRequest, base: ResolvedWorkload) -> dict[str, list[str]]:
     """Each axis's values: the configurations the registered techniques declare for this request (lossy ones only
-    under --allow lossy), in the canonical order."""
+    under --allow lossy, none the request excludes), in the canonical order; an axis of a technique the request
+    requires holds that configuration alone."""
     values: dict[str, list[str]] = {axis: [] for axis in AXES + ("allocator",)}
     for technique in ordered(cls() for cls in REGISTRY.values()):
-        if technique.search_axis is None:
+        if technique.search_axis is None or technique.name in request.exclude:
             continue
         for spec in technique.search_values(request, base):
             if request.allow == "lossy" or parse_technique(spec).risk != "lossy":
                 values[technique.search_axis].append(spec)
+    for axis, specs in required_axes(request).items():
+        values[axis] = specs
     return values
+
+
+def required_axes(request: PlanRequest) -> dict[str, list[str]]:
+    """The axes the request's required techniques are values of, with those configurations (`-t lora:rank=8`
+    replaces the searched LoRA configurations, and a plan without LoRA)."""
+    axes: dict[str, list[str]] = {}
+    for spec in request.techniques:
+        axis = parse_technique(spec).search_axis
+        if axis is not None:
+            axes.setdefault(axis, []).append(spec)
+    return axes
+
+
+def unsearched_required(request: PlanRequest) -> tuple[str, ...]:
+    """Required techniques the planner does not search (they declare no axis): added to every candidate."""
+    return tuple(spec for spec in request.techniques if parse_technique(spec).search_axis is None)
 
 
 def _precisions(request: PlanRequest, values: list[str], base: ResolvedWorkload) -> list[str]:
@@ -85,7 +104,12 @@ def _precisions(request: PlanRequest, values: list[str], base: ResolvedWorkload)
     it, and on CPUs, which run float32 fastest more often than not), or where float32's weights (and, training,
     gradients and AdamW's states: 16 bytes a parameter) fit the GPUs several times over: a step that small is bound
     by launching its kernels and runs as fast in float32, which changes nothing."""
+    if request.precision is not None:
+        return [request.precision]
+    values = [v for v in values if v not in request.exclude]
     default = DEFAULTS["precision"].default
+    if default in request.exclude:
+        return values
     per_parameter = 16 if request.task == "train" else 4
     small = FLOAT32_ROOM * per_parameter * count_parameters(base) <= request.gpu.memory_bytes * request.num_gpus
     return values + ([default] if request.on_cpu or not request.gpu.bf16_tflops or small else [])
@@ -125,12 +149,22 @@ def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
 def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     """Every combination to consider, before the rules are checked (the search builds each Workload)."""
     values = searched(request, base)
-    optimizers = [DEFAULTS["optimizer"].default] + values["optimizer"]
-    rest = [[None] + values[axis] for axis in AXES[3:]]
+    required = required_axes(request)
+    default_optimizer = DEFAULTS["optimizer"].default
+    if request.optimizer is not None:
+        optimizers = [request.optimizer]
+    else:
+        optimizers = [o for o in [default_optimizer] + values["optimizer"] if o not in request.exclude]
+    rest = [values[axis] if axis in required else [None] + values[axis] for axis in AXES[3:]]
+    extra = unsearched_required(request)
+    required_lossy = any(parse_technique(spec).risk == "lossy" for spec in request.techniques) or (
+        request.optimizer is not None and _lossy(request.optimizer))
+    layouts = _layouts(request, values["layout"])
+    if "layout" in required:   # only the layouts that use the required one
+        layouts = [layout for layout in layouts if set(required["layout"]) <= set(layout.techniques)]
     out = []
     analytic = "analytic" in methods_for(base)   # the only estimator of DeepSpeed's engine
-    for layout, precision in itertools.product(_layouts(request, values["layout"]),
-                                               _precisions(request, values["precision"], base)):
+    for layout, precision in itertools.product(layouts, _precisions(request, values["precision"], base)):
         if layout.engine == "deepspeed" and (get_precision(precision).autocast_dtype is None or not analytic):
             continue   # DeepSpeed's engine trains in mixed precision, and only the analytic model predicts it
         for optimizer, *parts in itertools.product(optimizers, *rest):
@@ -139,10 +173,12 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
             engines = {t.needs_engine for t in parsed} - {None}
             if engines - {layout.engine} or (layout.num_gpus == 1 and layout.engine != "pytorch" and not engines):
                 continue   # a technique another engine runs; DeepSpeed on one GPU without one that needs it
-            if _lossy(optimizer) + sum(t.risk == "lossy" for t in parsed) > 1:
-                continue   # one lossy change at a time keeps the space small
+            lossy = (_lossy(optimizer) and optimizer != request.optimizer) + sum(
+                t.risk == "lossy" for t, spec in zip(parsed, chosen) if spec not in request.techniques)
+            if lossy > 1 - required_lossy:
+                continue   # one lossy change at a time keeps the space small (a required one is that change)
             out.append(replace(layout, precision=precision, optimizer=optimizer,
-                               techniques=layout.techniques + tuple(chosen)))
+                               techniques=layout.techniques + tuple(chosen) + extra))
     return out
 
 

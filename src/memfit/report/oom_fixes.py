@@ -182,13 +182,16 @@ def print_report(analysis: Analysis, console: Console) -> None:
     else:
         judged = f"enough = covers the {format_bytes(shortfall)} the allocation lacked" if shortfall else ""
     table = Table(title="fixes, by predicted saving" + (f" ({judged})" if judged else ""), title_justify="left")
-    for column in ("fix", "saves", "enough?", "how", "prediction from"):
-        table.add_column(column, justify="right" if column == "saves" else "left")
-    for fix in fixes:
+    for column in ("#", "fix", "saves", "enough?", "prediction from"):
+        table.add_column(column, justify="right" if column in ("#", "saves") else "left",
+                         no_wrap=column != "prediction from")
+    for index, fix in enumerate(fixes):
         enough = analysis.enough(fix)
-        table.add_row(fix.fix, format_bytes(fix.saved_bytes), "" if enough is None else "yes" if enough else "no",
-                      fix.how, fix.basis)
+        table.add_row(str(index + 1), fix.fix, format_bytes(fix.saved_bytes),
+                      "" if enough is None else "yes" if enough else "no", fix.basis)
     console.print(table)
+    for index, fix in enumerate(fixes):   # whole lines, never cut: what to paste
+        console.print(f"{index + 1}. {fix.fix}: {fix.how}", soft_wrap=True, markup=False, highlight=False)
     if not fixes:
         console.print("No fix could be predicted from this input alone: pass the workload (--model ...) or a "
                       "memory snapshot.")

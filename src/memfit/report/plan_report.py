@@ -17,26 +17,43 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s" if value < 100 else f"{value:.0f} s"
 
 
-def plans_table(result: PlanResult) -> Table:
+WIDE = 120   # columns from which the plans table also shows each plan's free memory
+NARROW = 100  # below: what a plan changes in training goes under its techniques
+
+
+def plans_table(result: PlanResult, width: int = WIDE) -> Table:
+    """The ranked plans, in `width` columns (narrower: the technique lists wrap, and free memory is left out)."""
     request = result.request
     batch = (f"global batch {request.sequences}" if request.task == "train"
              else f"batch {request.batch_size}, +{request.new_tokens} tokens")
     title = (f"memfit plan — {request.model} {request.task}, {batch}, {request.num_gpus} × {request.gpu.name} "
-             f"({format_bytes(request.gpu.memory_bytes)}, {request.margin:.0%} margin), objective {request.objective}")
+             f"({format_bytes(request.gpu.memory_bytes)}, {request.margin:.0%} margin), objective {request.objective}"
+             + "".join(f"; {constraint}" for constraint in request.constraints()))
+    if request.seq_len is None:
+        title += "; seq len: the model's default"
     table = Table(title=title, title_justify="left")
     plans = [result.plan_json(index) for index in range(len(result.plans))]
-    for column in ("#", "techniques", "micro×acc", "peak/GPU", "free", "host RAM", "step", _rate_column(plans),
-                   "changes"):
+    columns = ["#", "techniques", "mb×acc", "peak/GPU", "free", "host RAM", "step", _rate_column(plans), "changes"]
+    if width < WIDE:
+        columns.remove("free")
+    if width < NARROW:
+        columns.remove("changes")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("techniques", "changes") else "right",
-                         min_width=26 if column == "techniques" else None, overflow="fold")
+                         min_width=20 if column == "techniques" else None, overflow="fold")
     for index, plan in enumerate(plans):
         changes = plan["training_change"]   # what it changes in training (memfit techniques explains each)
         if plan["ppl_increase"]:
             changes += f" (ppl +{plan['ppl_increase']:.1%})"
-        table.add_row(str(index + 1), " + ".join(plan["techniques"]), f"{plan['micro_batch']} × {plan['grad_accum']}",
-                      format_bytes(plan["peak_bytes"], 1), format_bytes(plan["headroom_bytes"], 1),
-                      format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else "",
-                      _seconds(plan["step_time_s"]), f"{plan['throughput']:,.0f}", changes)
+        techniques = " + ".join(plan["techniques"])
+        if "changes" not in columns:
+            techniques += f"\n[dim]changes: {changes}[/dim]"
+        cells = {"#": str(index + 1), "techniques": techniques,
+                 "mb×acc": f"{plan['micro_batch']} × {plan['grad_accum']}",
+                 "peak/GPU": format_bytes(plan["peak_bytes"], 1), "free": format_bytes(plan["headroom_bytes"], 1),
+                 "host RAM": format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else "",
+                 "step": _seconds(plan["step_time_s"]), "changes": changes}
+        table.add_row(*(cells.get(column, f"{plan['throughput']:,.0f}") for column in columns))
     return table
 
 
@@ -47,7 +64,7 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
         for suggestion in result.suggestions:
             console.print(f"  • {suggestion}")
     else:
-        console.print(plans_table(result))
+        console.print(plans_table(result, console.width))
         if result.savings and result.savings[0]:
             console.print(savings_table(result.savings[0]))
         best = result.plan_json(0)
@@ -78,7 +95,7 @@ def _unit(plan: dict) -> str:
 
 
 def _rate_column(plans: list[dict]) -> str:
-    return "samples/s/GPU" if plans and _unit(plans[0]) == "samples" else "tok/s/GPU"
+    return "sample/s/GPU" if plans and _unit(plans[0]) == "samples" else "tok/s/GPU"
 
 
 def price_line(plan: dict) -> str:
@@ -103,7 +120,7 @@ def print_instance_ranking(ranking: InstanceRanking, console: Console) -> None:
         table = Table(title=f"memfit plan — {request.model} {request.task} on every priced instance, cheapest per "
                             f"million {unit} first (on-demand list prices: `memfit instances` has each date and "
                             "source; --price NAME=USD to use yours)", title_justify="left")
-        for column in ("#", "instance", "GPUs", "$/h", "plan", "micro×acc", "peak/GPU", "host RAM",
+        for column in ("#", "instance", "GPUs", "$/h", "plan", "mb×acc", "peak/GPU", "host RAM",
                        _rate_column(plans), f"$/M {unit}"):
             table.add_column(column, justify="left" if column in ("instance", "GPUs", "plan") else "right")
         for index, (result, plan) in enumerate(zip(fitting, plans)):
