@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from memfit.core.errors import MemfitError, require_positive_int
+from memfit.core.precision import get_precision
 from memfit.steps.setup import StepSetup
-from memfit.techniques.base import Technique, register
+from memfit.techniques.base import Export, Technique, register
 from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
@@ -99,6 +100,16 @@ class Lora(Technique):
             return [cls.name]
         return [cls.name + variant for variant in SEARCHED_ADAPTERS]
 
+    def export(self, tool, workload) -> Export | None:
+        """The same for every tool: peft.LoraConfig's keyword arguments for the user's script (the adapters are part
+        of the model, which no tool's arguments build)."""
+        targets = ALL_LINEAR if self.targets == ALL_LINEAR or not workload.source.is_hf else list(self.target_names)
+        how = "wrap the model: peft.get_peft_model(model, peft.LoraConfig(**peft_config)" + (
+            ")" if self.adapter_dtype == "float32" else
+            ", autocast_adapter_dtype=False) (adapters in the model's dtype)")
+        return Export({"peft_config": {"r": self.rank, "lora_alpha": self.alpha or 2 * self.rank, "lora_dropout": 0.0,
+                                       "target_modules": targets}}, how)
+
     def cost_compute(self, compute) -> None:   # frozen weights: backward computes input gradients only
         compute.backward = compute.forward
 
@@ -150,6 +161,16 @@ class Qlora(Lora):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_format(self.name, self.format)
+
+    def export(self, tool, workload) -> Export | None:
+        """LoRA's, and transformers' BitsAndBytesConfig for the 4-bit base (from_pretrained's quantization_config)."""
+        lora = super().export(tool, workload)
+        compute = str(get_precision(workload.precision).compute_dtype).removeprefix("torch.")
+        quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": self.format,
+                        "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": compute}
+        return Export({**lora.settings, "quantization_config": quantization},
+                      "load the model with from_pretrained(..., quantization_config=BitsAndBytesConfig("
+                      "**quantization_config)), then " + lora.how)
 
     def cost_compute(self, compute) -> None:
         super().cost_compute(compute)
