@@ -61,6 +61,15 @@ def test_no_code_outside_the_techniques_compares_against_a_technique_name():
     assert found == []
 
 
+def test_every_registered_technique_is_exported_by_its_class_name():
+    """`from memfit.techniques import X` works for every technique `-t` takes (the list is kept by hand)."""
+    import memfit.techniques as techniques
+
+    missing = sorted(cls.__name__ for cls in REGISTRY.values() if getattr(techniques, cls.__name__, None) is not cls)
+    assert missing == []
+    assert {cls.__name__ for cls in REGISTRY.values()} <= set(techniques.__all__)
+
+
 def test_every_rule_names_a_technique_or_a_known_trait():
     for cls in REGISTRY.values():
         for key in cls.conflicts_with:
