@@ -48,3 +48,9 @@ def test_the_readme_example_is_what_the_planner_prints_today():
     shown = first_row.group(1).strip()
     assert " + ".join(best.techniques).startswith(shown)
     assert first_row.group(2) == f"{best.micro_batch} × {best.grad_accum}"
+
+
+def test_the_readmes_first_screen_fits_a_terminal():
+    """Its first 60 lines (what memfit answers, one plan) are at most 100 columns wide."""
+    lines = (ROOT / "README.md").read_text().splitlines()[:60]
+    assert [line for line in lines if len(line) > 100] == []

@@ -17,12 +17,12 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s" if value < 100 else f"{value:.0f} s"
 
 
-WIDE = 120   # columns from which the plans table also shows each plan's free memory
-NARROW = 100  # below: what a plan changes in training goes under its techniques
+WIDE = 120   # columns from which the plans table shows each plan's free memory and what it changes in training
 
 
 def plans_table(result: PlanResult, width: int = WIDE) -> Table:
-    """The ranked plans, in `width` columns (narrower: the technique lists wrap, and free memory is left out)."""
+    """The ranked plans, in `width` columns (narrower: the technique lists wrap, free memory is left out and what a
+    plan changes goes under its techniques)."""
     request = result.request
     batch = (f"global batch {request.sequences}" if request.task == "train"
              else f"batch {request.batch_size}, +{request.new_tokens} tokens")
@@ -34,9 +34,8 @@ def plans_table(result: PlanResult, width: int = WIDE) -> Table:
     table = Table(title=title, title_justify="left")
     plans = [result.plan_json(index) for index in range(len(result.plans))]
     columns = ["#", "techniques", "mb×acc", "peak/GPU", "free", "host RAM", "step", _rate_column(plans), "changes"]
-    if width < WIDE:
+    if width < WIDE:   # narrower: what a plan changes goes under its techniques
         columns.remove("free")
-    if width < NARROW:
         columns.remove("changes")
     for column in columns:
         table.add_column(column, justify="left" if column in ("techniques", "changes") else "right",
