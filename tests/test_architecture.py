@@ -70,6 +70,20 @@ def test_every_registered_technique_is_exported_by_its_class_name():
     assert {cls.__name__ for cls in REGISTRY.values()} <= set(techniques.__all__)
 
 
+def test_techniques_never_ask_whether_they_are_traced():
+    """A traced run's stand-ins live with the tracer (estimators/stand_ins.py), registered by name: no technique
+    branches on fake tensors itself, and every stand-in a technique asks for is registered."""
+    import memfit.estimators  # noqa: F401  (registers the stand-ins)
+    from memfit.steps.stand_ins import STAND_INS
+
+    asked = set()
+    for path in (SOURCE / "techniques").glob("*.py"):
+        text = path.read_text()
+        assert "is_fake" not in text, path.name
+        asked |= set(re.findall(r'stand_in\("([\w-]+)"', text))
+    assert asked and asked <= set(STAND_INS)
+
+
 def test_every_rule_names_a_technique_or_a_known_trait():
     for cls in REGISTRY.values():
         for key in cls.conflicts_with:

@@ -7,10 +7,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from memfit.core.errors import MemfitError
 from memfit.estimators import estimate
+from memfit.estimators.stand_ins import _fused_nodes
 from memfit.measurement import measure
 from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
-from memfit.techniques.compile import _fused_nodes
 from tests.conftest import SHAPE, rel, shape_for
 
 

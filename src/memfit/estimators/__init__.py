@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError
+from memfit.estimators import stand_ins  # noqa: F401  (registers the trace stand-ins)
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic import count_parameters as analytic_parameters
 from memfit.estimators.breakdown import MemoryEstimate

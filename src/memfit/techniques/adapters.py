@@ -35,6 +35,7 @@ import torch
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.core.precision import get_precision
 from memfit.steps.setup import StepSetup
+from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Export, Technique, register
 from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
 
@@ -138,7 +139,9 @@ class Lora(Technique):
             targets = list(self.target_names)
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha or 2 * self.rank, lora_dropout=0.0,
                             target_modules=targets)
-        with _traceable(setup.model):
+        # peft moves each adapter with Module.to, which cannot swap a trace's fake tensors: the trace's stand-in
+        building = stand_in("peft-adapters", setup.model.parameters()) or contextlib.nullcontext
+        with building():
             setup.model = get_peft_model(setup.model, config,
                                          autocast_adapter_dtype=self.adapter_dtype == "float32")
         if self.adapter_dtype == "model":   # peft builds a 4-bit base's adapters in float32 all the same
@@ -217,33 +220,3 @@ def all_linear_but_head(model) -> list[str]:
         raise MemfitError("-t lora: the model has no linear layer besides its output head to adapt; pass "
                           "targets=NAME|NAME.")
     return targets
-
-
-@contextlib.contextmanager
-def _traceable(model):
-    """peft builds each adapter on the CPU and moves it to its base layer's device and dtype with
-    Module.to, which cannot swap fake tensors (a traced run's); at the end it casts half-precision
-    adapters back to float32. Under fake tensors the adapters are built in float32 and a Module.to
-    that changes no device returns at once, so they end as the real run's do."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    weights = next((p for p in model.parameters()), None)
-    if weights is None or not is_fake(weights):
-        yield
-        return
-    to, default = torch.nn.Module.to, torch.get_default_dtype()
-
-    def to_unless_moved(module, *args, **kwargs):
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is None or all(t.device.type == torch.device(device).type
-                                 for t in (*module.parameters(), *module.buffers())):
-            return module
-        return to(module, *args, **kwargs)
-
-    torch.nn.Module.to = to_unless_moved
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.nn.Module.to = to
-        torch.set_default_dtype(default)

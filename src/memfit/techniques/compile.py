@@ -19,7 +19,7 @@ Measured: `memfit measure` runs Inductor for real (its C++ backend on a CPU). Tr
 blocks are compiled under fake tensors with Inductor's decompositions, joint-graph passes and partitioner, so the
 tensors saved for backward are Inductor's; the graphs then run op by op, and what a fused kernel would keep in
 registers — the output of a pointwise op or reduction whose every consumer is one too — is not counted
-(steps/fusion.py). Inductor's buffer reuse inside a graph is not modelled. The analytic estimator has no model of
+(estimators/stand_ins.py, steps/fusion.py). Inductor's buffer reuse inside a graph is not modelled. The analytic estimator has no model of
 the compiled graphs and refuses it.
 """
 from __future__ import annotations
@@ -31,15 +31,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from memfit.core.errors import MemfitError
-from memfit.steps.fusion import fused
 from memfit.steps.setup import StepSetup
+from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
 
 MODES = ("default", "reduce-overhead")
-# ops Inductor lowers to loops it can fuse with their neighbours, besides those tagged pointwise or reduction
-# (gather: a pointwise loop that loads its input at the gathered indices)
-_ALSO_FUSED = {"aten._to_copy.default", "aten.clone.default", "aten.gather.default"}
 
 
 @register
@@ -73,27 +70,19 @@ class Compile(Technique):
                               "dispatch mode, where torch.compile falls back to eager; use mode=full with it.")
 
     def apply_(self, setup: StepSetup) -> None:
-        from torch._subclasses.fake_tensor import is_fake
-
-        fake = any(is_fake(p) for p in setup.model.parameters())
-        backend = _traced_backend() if fake else "inductor"
+        traced = stand_in("inductor-trace", setup.model.parameters())   # Inductor's partitioner, graphs run op by op
         on_cuda = any(p.is_cuda for p in setup.model.parameters())
-        options = {"mode": self.mode} if on_cuda and not fake and self.mode != "default" else {}
+        options = {"mode": self.mode} if on_cuda and self.mode != "default" else {}
+
         @functools.cache   # one compiled function per function, whatever calls it each step
         def compile_fn(function):
-            compiled = torch.compile(_own_code(function), backend=backend, **options)
-            return functools.partial(_recompiled_as_needed, compiled) if fake else compiled
+            if traced is not None:
+                return traced(_own_code(function))
+            return torch.compile(_own_code(function), backend="inductor", **options)
 
         for _, block in repeated_blocks(setup.model):   # one compiled forward per block class, the block an input
             block.forward = functools.partial(compile_fn(type(block).forward), block)
         setup.compile_fn = compile_fn
-
-
-def _recompiled_as_needed(call, *args, **kwargs):
-    """A compiled block in a trace, compiled again whenever its guards fail (a KV cache's layer index, a new decode
-    length) rather than run eager past Dynamo's recompile_limit of 8: a trace is the compiled step, not the fallback."""
-    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024 * 64):
-        return call(*args, **kwargs)
 
 
 def _own_code(function):
@@ -104,61 +93,3 @@ def _own_code(function):
                               function.__defaults__, function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     return functools.update_wrapper(copy, function)
-
-
-def _traced_backend():
-    """AOTAutograd with Inductor's decompositions and partitioner, its graphs run op by op (`_run_fused`)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import partition_fn
-    from torch._inductor.decomposition import select_decomp_table
-
-    return aot_autograd(fw_compiler=_run_fused, bw_compiler=_run_fused, partition_fn=partition_fn,
-                        decompositions=select_decomp_table())
-
-
-def _run_fused(gm: torch.fx.GraphModule, example_inputs):
-    """The graph as a boxed function that runs its nodes in order, each fused node inside `fused()`."""
-    from functorch.compile import make_boxed_func
-
-    in_kernel = _fused_nodes(gm.graph)
-
-    class Runner(torch.fx.Interpreter):
-        def run_node(self, node):
-            if node in in_kernel:
-                with fused():
-                    return super().run_node(node)
-            return super().run_node(node)
-
-    return make_boxed_func(lambda *args: Runner(gm).run(*args))
-
-
-def _fusible(node: torch.fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return (torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags
-            or str(target) in _ALSO_FUSED)
-
-
-def _consumers(node: torch.fx.Node):
-    """The nodes that read `node`'s memory, through views of it."""
-    for user in node.users:
-        if _is_view(user):
-            yield from _consumers(user)
-        else:
-            yield user
-
-
-def _fused_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Pointwise ops and reductions whose every consumer is one too: Inductor keeps their results in a kernel;
-    and the views of those results, which the consumers read through."""
-    fused = {node for node in graph.nodes
-             if _fusible(node) and all(_fusible(user) for user in _consumers(node))}
-    for node in graph.nodes:   # in order: a view of a view of a fused result comes after the first view
-        if _is_view(node) and node.args and node.args[0] in fused:
-            fused.add(node)
-    return fused
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view

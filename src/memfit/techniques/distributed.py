@@ -54,6 +54,7 @@ from memfit.core.errors import ImpossibleCombination, MemfitError
 from memfit.core.precision import Precision, get_precision
 from memfit.steps.host import note_category, note_host
 from memfit.steps.setup import StepSetup
+from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Export, Technique, register
 from memfit.techniques.blocks import repeated_blocks
 
@@ -132,17 +133,15 @@ class Ddp(LayoutTechnique):
                               "run -t fsdp2 (reshard=false is ZeRO-2-like).")
 
     def apply_(self, setup: StepSetup) -> None:
-        from torch._subclasses.fake_tensor import is_fake
         from torch.nn.parallel import DistributedDataParallel
 
         require_process_group(self.name)
-        # init_sync checks every rank's shapes and broadcasts rank 0's weights: values a trace does not have
-        traced = any(is_fake(p) for p in setup.model.parameters())
-        setup.model = DistributedDataParallel(setup.model, gradient_as_bucket_view=self.bucket_view,
-                                              init_sync=not traced)
-        setup.model.register_comm_hook(None, _traced_all_reduce if traced else _all_reduce)
-        if traced:
-            setup.model.reducer = _KeepBuckets(setup.model.reducer, list(setup.model.parameters()))
+        traced = stand_in("ddp-trace", setup.model.parameters())
+        if traced is not None:
+            setup.model = traced(setup.model, bucket_view=self.bucket_view)
+            return
+        setup.model = DistributedDataParallel(setup.model, gradient_as_bucket_view=self.bucket_view)
+        setup.model.register_comm_hook(None, _all_reduce)
 
 
 def _all_reduce(state, bucket):
@@ -151,36 +150,6 @@ def _all_reduce(state, bucket):
 
     note_category([bucket.buffer()], "gradients")
     return allreduce_hook(state, bucket)
-
-
-def _traced_all_reduce(_state, bucket):
-    """A trace's fake process group completes with no value: the bucket comes back as it is."""
-    note_category([bucket.buffer()], "gradients")
-    done = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
-
-
-class _KeepBuckets:
-    """A trace's DDP reducer. The real one rebuilds its buckets in gradient order at the second forward,
-    which broadcasts bucket indices (values a trace does not have), and holds the old and the new
-    buckets through that step (measured on 2 gloo ranks: +1x the gradients' bytes; later steps hold one
-    set). The trace keeps the first buckets and allocates the second set where the real one does."""
-
-    def __init__(self, reducer, params: list) -> None:
-        self._reducer, self._params, self._forwards = reducer, params, 0
-        self.rebuilt = None
-
-    def _rebuild_buckets(self) -> bool:
-        self._forwards += 1
-        if self._forwards == 2:
-            nbytes = sum(p.numel() * p.element_size() for p in self._params if p.requires_grad)
-            self.rebuilt = torch.empty(nbytes, dtype=torch.uint8, device=self._params[0].device)
-            note_category([self.rebuilt], "gradients")
-        return False
-
-    def __getattr__(self, name: str):
-        return getattr(self._reducer, name)
 
 
 # fsdp2's mp= values: with a mixed precision, "policy" is torchtitan's and torchtune's FSDP2 MixedPrecisionPolicy

@@ -38,6 +38,7 @@ from memfit.core.errors import MemfitError
 from memfit.steps.host import note_paged
 from memfit.steps.optim import impl_of, torch_optimizer, torch_optimizer_name, trainable
 from memfit.steps.setup import StepSetup
+from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import REGISTRY, SNAPSHOT_RATIO, Export, OomFix, Technique, register
 
 KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
@@ -258,17 +259,15 @@ class AdamW4bit(_Optimizer):
         return layout
 
     def build(self, params, *, lr=None, impl=None, shard=False):
-        from torch._subclasses.fake_tensor import is_fake
-
         self._refuse_shard(shard)
         params = trainable(params)
         lr = self.default_lr if lr is None else lr
         first = next(iter(params[0]["params"]), None) if params and isinstance(params[0], dict) else next(
             iter(params), None)
-        if first is not None and is_fake(first):
-            # torchao's step is compiled and reads data, which fake tensors cannot do; trace its exact state
-            # layout instead (the compiled step allocates no parameter-sized temporaries).
-            return Blockwise4bitLayout(params, lr=lr)
+        # torchao's step is compiled and reads data, which fake tensors cannot do: a trace gets its exact state layout
+        layout = stand_in("torchao-adamw4bit", [first] if first is not None else [])
+        if layout is not None:
+            return layout(params, lr=lr)
         os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
         optimizer = _import("torchao.optim", self.name).AdamW4bit(params, lr=lr)
         optimizer.step = _outside_dispatch_modes(optimizer.step)
@@ -341,39 +340,6 @@ def _import(module: str, technique: str):
 BLOCK_4BIT = 128
 QMAP_4BIT = 16
 MIN_QUANTIZED_NUMEL = 4096
-
-
-class Blockwise4bitLayout(torch.optim.Optimizer):
-    """A stand-in with the exact state layout of torchao's AdamW4bit, for traces: its real step compiles and
-    reads data, which FakeTensorMode forbids. The same state tensors are created at the first step as torchao
-    creates them, and the update is in place. The compiled step fuses dequantize-update-quantize into one
-    kernel per parameter, so no parameter-sized temporaries appear (checked against a real run in
-    tests/test_techniques.py)."""
-
-    def __init__(self, params, lr: float) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @staticmethod
-    def _state(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = p.numel()
-        if n >= MIN_QUANTIZED_NUMEL and n % BLOCK_4BIT == 0:
-            return (torch.zeros(n // 2, dtype=torch.uint8), torch.zeros(n // BLOCK_4BIT), torch.zeros(QMAP_4BIT))
-        return (torch.zeros_like(p),)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        for i, tensor in enumerate(self._state(p)):
-                            state[f"{name}.{i}"] = tensor
-                state["step"] += 1
-                p.add_(p.grad, alpha=0.0)
 
 
 def optimizer_of(optimizer) -> tuple[str, str | None]:

@@ -25,6 +25,7 @@ import torch
 
 from memfit.core.errors import MemfitError
 from memfit.steps.setup import StepSetup
+from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
 from memfit.techniques.quantization import refuse_conv1d
 
@@ -114,12 +115,11 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "bert")
 
 
 def _lowest(scores: torch.Tensor, keep: int) -> list[int]:
-    """Indices of the units to remove: all but the `keep` highest scores (by position under fake tensors,
-    whose values do not exist; the shapes are the same)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(scores):
-        return list(range(keep, scores.numel()))
+    """Indices of the units to remove: all but the `keep` highest scores (a trace's stand-in picks by position:
+    fake scores have no values, and the shapes are the same)."""
+    by_position = stand_in("prune-order", [scores])
+    if by_position is not None:
+        return by_position(scores, keep)
     return sorted(scores.argsort(descending=True)[keep:].tolist())
 
 

@@ -58,6 +58,7 @@ import torch
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision, precision_names, precision_of_dtype
 from memfit.steps.setup import StepSetup
+from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
 
 
@@ -319,11 +320,10 @@ def quantize_4bit_(setup: StepSetup, name: str, format: str, double_quant: bool,
     """Replace every nn.Linear but those named in `keep` by a bitsandbytes Linear4bit holding its weight as
     4-bit codes, computing in the autocast dtype under mixed precision, else in the weight's own dtype."""
     try:
-        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
         from bitsandbytes.nn import Linear4bit, Params4bit
     except ImportError:
         raise MemfitError(f"-t {name} needs bitsandbytes: pip install 'memfit[quantization]'.") from None
-    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     compute = setup.precision.autocast_dtype
     replaced = 0
@@ -337,15 +337,9 @@ def quantize_4bit_(setup: StepSetup, name: str, format: str, double_quant: bool,
                                     compute_dtype=compute or weight.dtype, compress_statistics=double_quant,
                                     quant_type=format, device="meta")
             linear.support_avx512bf16_for_cpu = False    # compute as on a GPU (the module docstring)
-            if is_fake(weight):   # a traced run: Params4bit cannot wrap a fake tensor; the same codes and state
-                with unset_fake_temporarily():   # bitsandbytes caches its code books per device: real ones
-                    probe = torch.ones(2, BLOCK, device=weight.device)
-                    dequantize_4bit(*quantize_4bit(probe, compress_statistics=double_quant, quant_type=format))
-                codes, state = quantize_4bit(weight.data, compress_statistics=double_quant, quant_type=format)
-                linear.weight = torch.nn.Parameter(codes, requires_grad=False)
-                for key, value in dict(quant_state=state, quant_type=format, compress_statistics=double_quant,
-                                       blocksize=state.blocksize, quant_storage=torch.uint8).items():
-                    setattr(linear.weight, key, value)   # what Params4bit carries (peft reads them)
+            traced = stand_in("bnb-4bit-weight", [weight])   # Params4bit cannot wrap a fake tensor
+            if traced is not None:
+                traced(linear, weight, quant_type=format, double_quant=double_quant)
             else:
                 linear.weight = Params4bit(weight.data, requires_grad=False, quant_type=format,
                                            compress_statistics=double_quant, module=linear)._quantize(weight.device)
