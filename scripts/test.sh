@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what the tests need and runs them all (CPU only; GPU tests skip without a GPU): first the linters
-# (ruff; import-linter holds the layers of ARCHITECTURE.md), then the test suite.
+# (ruff; import-linter holds the layers of ARCHITECTURE.md; mypy checks src/'s annotations), then the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check src tests scripts benchmarks
 .venv/bin/lint-imports --no-cache
+.venv/bin/mypy   # the annotations of src/ ([tool.mypy] in pyproject.toml)
 # Two workers, one thread each (the machine's two cores); the 2-rank tests share one torchrun launch on one worker.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # DeepSpeed's C++ ops, compiled at their first use, go in this checkout's own folder: a build that another

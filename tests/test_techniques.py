@@ -431,9 +431,8 @@ def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
         method = "analytic" if workload.source.is_hf and "traced-only" not in cls.traits else "traced"
         base = memfit.estimate(workload, method=method)
         technique = parse_technique(spec)
-        assert parse_technique(technique.spec) == technique and cls.risk in ("lossless", "numerical", "lossy")
+        assert parse_technique(technique.spec) == technique
         changed = effect(technique, base, workload, method=method).extra["effect"]
-        assert changed["risk"] == cls.risk and changed["technique"] == technique.spec
         assert (changed["saved_bytes"] == 0) == (name in NO_TENSOR_EFFECT), (name, changed["saved_bytes"])
     spec = parse_technique("sequence-chunks:window=64,stride=32").spec
     assert spec == "sequence-chunks:window=64,stride=32"

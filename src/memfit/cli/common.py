@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from rich.console import Console
 
@@ -18,7 +19,8 @@ from memfit.techniques.resolve import ResolvedWorkload, optimizers, resolve
 # The workload's flags: (flag and aliases, Workload field, argparse options, help). Every command that takes a
 # workload takes all of them; each defaults to "not given" (None), so a command can tell what the user set, and
 # Workload's own defaults (named in the help) fill the rest.
-WORKLOAD_FLAGS = (
+WorkloadFlag = tuple[tuple[str, ...], str, dict[str, Any], str]
+WORKLOAD_FLAGS: tuple[WorkloadFlag, ...] = (
     (("--task",), "task", {}, f"one of {', '.join(TASKS)} (default train)"),
     (("--batch-size",), "batch_size", {"type": int}, "micro-batch size (default 1)"),
     (("--seq-len",), "seq_len", {"type": int},

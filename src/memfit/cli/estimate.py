@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline:
         from memfit.report.timeline_plot import write_timeline  # matplotlib loads only for a plot
 
+        assert result.timeline is not None   # --timeline traces the step (checked above), which records it
         write_timeline(result.timeline, args.timeline, workload_line(result))
     if args.json:
         data = result.to_json()
@@ -83,3 +84,4 @@ def technique_savings(workload, result, gpu) -> list[dict]:
         except MemfitError:
             if method == methods[-1]:
                 raise
+    raise AssertionError("unreachable: the last method returns or raises")

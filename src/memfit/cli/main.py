@@ -61,7 +61,7 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     chosen = next((word for word in argv or () if not word.startswith("-")), None)
-    commands = {}
+    commands: dict[str, argparse.ArgumentParser] = {}
     for name, (module, summary) in COMMANDS.items():
         commands[name] = subparsers.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
         if name == chosen:

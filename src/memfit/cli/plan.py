@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import cast
 
 from rich.console import Console
 
@@ -93,7 +94,7 @@ def request_from(args: argparse.Namespace, instance: Instance | None = None) -> 
     if "batch_size" in given and task == "train":
         raise MemfitError("--batch-size is the served batch of --task inference; for training give --global-batch "
                           "(sequences per optimizer step) and the planner chooses the micro-batch.")
-    gpu = get_gpu(args.gpu) if args.gpu else instance.gpu
+    gpu = get_gpu(args.gpu) if args.gpu else cast(Instance, instance).gpu   # no --gpu: an instance (checked above)
     gpus = given.get("world_size")
     return PlanRequest(
         model=args.model, inputs=args.inputs, step=args.step, gpu=gpu, task=task, seq_len=given.get("seq_len"),

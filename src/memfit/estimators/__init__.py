@@ -63,7 +63,7 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         raise MemfitError(f"expected a memfit Workload (e.g. Workload(model='gpt2')) or a torch.nn.Module and its "
                           f"batch, got {type(workload).__name__}.")
     if live is not None:
-        workload = live_workload(workload, batch, optimizer=optimizer_of(optimizer), step=step, task=task,
+        workload = live_workload(live, batch, optimizer=optimizer_of(optimizer), step=step, task=task,
                                  precision=precision, techniques=techniques)
     elif batch is not None or optimizer is not None or step is not None or precision is not None or techniques:
         raise MemfitError("a Workload carries its batch shape, optimizer, step, precision and techniques; pass "
@@ -72,6 +72,7 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         gpu = get_gpu(gpu)
     if method not in METHODS:
         raise MemfitError(f"unknown --method {method!r}; choose auto, traced or analytic.")
+    assert isinstance(workload, Workload)   # a live model became one above; anything else raised
     workload = resolve(workload)
     if method == "auto":
         method = "traced" if workload.engine == "pytorch" else "analytic"

@@ -33,6 +33,7 @@ import itertools
 from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Literal, TypeGuard
 
 from memfit.core.units import MiB
 from memfit.specs.hardware import AllocatorSettings
@@ -101,6 +102,7 @@ class CachingAllocator:
         size = max(MIN_BLOCK_SIZE, -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE)
         small = size <= SMALL_SIZE
         pool = self._pool(small, stream)
+        block: _Block | Literal[False] | None   # False: a cache release below made no room
         block = self._free_block(pool, size)
         if block is None:
             block = (self._new_block(pool, small, stream, size)
@@ -249,6 +251,7 @@ class CachingAllocator:
             return None
         while candidate.size < size:
             following = candidate.next
+            assert following is not None   # _expandable_room found `size` bytes of room from `candidate` on
             if not self._map(pool, following, min(size - candidate.size, following.size)):
                 return None
             candidate = following
@@ -257,13 +260,14 @@ class CachingAllocator:
 
     def _expandable_room(self, pool: _Pool, small: bool, stream: Hashable, size: int) -> _Block:
         """find_expandable_block."""
-        def available(b: _Block | None) -> bool:
+        def available(b: _Block | None) -> TypeGuard[_Block]:
             return b is not None and not b.allocated
 
         for _, block_id in pool.unmapped:
             start = self._blocks[block_id]
             if available(start.prev):
                 start = start.prev
+            b: _Block | None
             room, b = 0, start
             while room < size and available(b):
                 room += b.size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from memfit.core.categories import CATEGORIES, zero_categories
 from memfit.estimators.tracker import Trace
@@ -126,7 +127,7 @@ def extrapolate(samples: dict[int, Regions], layers: int) -> Regions:
     result = {}
     for key, region in regions[0].items():
         vectors = [_line({n: getattr(r[key], attr) for n, r in samples.items()}, layers,
-                         lambda name, attr=attr, key=key: f"{attr}[{name}] in {key}")
+                         cast("Callable[[str], str]", lambda name, attr=attr, key=key: f"{attr}[{name}] in {key}"))
                    for attr in ("at_max", "category_max")]
         result[key] = RegionPeak(region.phase, vectors[0], vectors[1])
     return result

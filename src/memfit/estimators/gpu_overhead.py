@@ -125,6 +125,7 @@ def predict_reserve(events: list[Event], settings: AllocatorSettings, capacity: 
                 "over to the model's peak")
     left = (start_reserved or 0) - peak_bytes
     if left > reserve:
+        assert start_reserved is not None   # left > reserve >= 0 needs a start_reserved over the peak
         reserve = left
         note = (f"allocator reserve: the segments the set-up leaves reserved into the step "
                 f"({format_bytes(start_reserved)}, extrapolated in depth from {sampled} and the shallower samples: "

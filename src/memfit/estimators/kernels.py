@@ -31,6 +31,7 @@ import dataclasses
 import operator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -149,7 +150,7 @@ def profile_key(workload: ResolvedWorkload, capability: tuple[int, int], *, prec
     kernel runs)."""
     if attention is None:
         attention = tuple(t.spec for t in workload.technique_configs if t.search_axis == "attention")
-    return (cache_key(workload.model), cache_key(workload.inputs), workload.task, workload.effective_seq_len,
+    return (cast(str, cache_key(workload.model)), cache_key(workload.inputs), workload.task, workload.effective_seq_len,
             precision or workload.precision, attention, capability)
 
 
@@ -209,8 +210,9 @@ def _count(workload: ResolvedWorkload, num_layers: int | None, capability: tuple
         # inference: the prefill, which for an encoder-decoder is its encoder (steps/inference.py)
         prefill_only = not train and workload.source.head == "seq2seq-lm"
         with torch.set_grad_enabled(train), counter, autocast:
-            output = (model.get_encoder()(input_ids=batch["input_ids"]) if prefill_only else
-                      call_model(model, batch))
+            # prefill_only: a transformers encoder-decoder (its own get_encoder), its batch keyword tensors
+            output = (cast(Any, model).get_encoder()(input_ids=cast("dict[str, Any]", batch)["input_ids"])
+                      if prefill_only else call_model(model, batch))
             if train:
                 counter.phase = "backward"
                 loss_of(output).backward()
@@ -296,6 +298,8 @@ class _Counter(TorchDispatchMode):
         """One fused kernel for the ops `run` indexes: it reads what it did not make, writes what is read after."""
         if not run:
             return
+        read: dict[int, tuple[int, int]]
+        written: dict[int, tuple[int, int]]
         inside, made, read, written = set(run), set(), {}, {}
         for index in run:
             _, _, _, inputs, outputs = self.ops[index]

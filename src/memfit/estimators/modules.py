@@ -3,6 +3,8 @@ the module whose forward created them. Layers of a repeated stack collapse into 
 row (`model.layers.*`) with per-layer figures and a count."""
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from memfit.estimators.breakdown import ModuleMemory
@@ -19,8 +21,9 @@ def _rows_of(model: nn.Module, stacks: list[nn.ModuleList]) -> list[tuple[str, l
     def visit(module: nn.Module) -> None:
         name = names[id(module)]
         if id(module) in stack_ids:
-            prefixes = [f"{name}.{i}" for i in range(len(module))]
-            rows.append((f"{name}.*", prefixes, len(module)))
+            stack = cast(nn.ModuleList, module)   # one of `stacks`
+            prefixes = [f"{name}.{i}" for i in range(len(stack))]
+            rows.append((f"{name}.*", prefixes, len(stack)))
         elif id(module) in holders:
             for child in module.children():
                 visit(child)

@@ -129,7 +129,7 @@ class _KeepBuckets:
 
     def __init__(self, reducer, params: list) -> None:
         self._reducer, self._params, self._forwards = reducer, params, 0
-        self.rebuilt = None
+        self.rebuilt: torch.Tensor | None = None
 
     def _rebuild_buckets(self) -> bool:
         self._forwards += 1

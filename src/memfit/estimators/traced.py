@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -91,7 +92,7 @@ def build_fake(workload: ResolvedWorkload, num_layers: int | None, fake_mode: Fa
         for module, name in group[1:]:
             module._parameters[name] = first_module._parameters[first_name]
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        cast(Any, model).tie_weights()   # a transformers model's own method
     return model
 
 
@@ -261,6 +262,8 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
     depths = None if whole else extrapolation_depths(layers, source.layer_period)
     regions: dict[tuple[str, int], RegionPeak] | None = None
     run: _Run | None = None
+    runs: dict[int, _Run] | list[_Run]   # by depth (extrapolated), else by rank (every layer traced)
+    sampled_depth: int | None
     kept = _kept_for(workload, gpu)
     checked_at = kept.depth_checked_at if kept else None
     if depths and checked_at is not None:
@@ -275,6 +278,7 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
     elif depths:
         runs = {n: _trace(workload, gpu, n, kept=kept) for n in depths}
     if depths:
+        assert layers is not None and isinstance(runs, dict)   # depths come from a layer count, runs by depth
         try:
             samples = {n: region_peaks(r.trace, source.layer_period, weights) for n, r in runs.items()}
             host_bytes = extrapolate_host({n: r.trace.host_peaks() for n, r in runs.items()}, layers)
@@ -301,6 +305,7 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
             notes.append(f"traced each of {len(runs)} ranks; rank {highest} has the highest peak")
         host_bytes = max(run.trace.host_peaks().values())
         paged_bytes = run.trace.paged_bytes()
+    assert run is not None   # traced above, at one of the depths or at full depth
     if run.read_off:
         notes.append(f"every allocation read off the traces at micro-batches {run.read_off[0]} and {run.read_off[1]} "
                      "(each the same or in proportion to the micro-batch: batch_interpolation.py)")
@@ -323,6 +328,7 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
         estimate.paged_bytes = paged_bytes
         start_reserved = None
         if sampled_depth:   # the cache the set-up leaves grows with depth: gpu_overhead.predict_reserve
+            assert layers is not None and isinstance(runs, dict)   # extrapolated: from a layer count, runs by depth
             settings = allocator_settings(workload)
             start_reserved = extend_roughly(
                 {n: replay(r.trace.allocations(weights, divisor), settings).start_reserved_bytes

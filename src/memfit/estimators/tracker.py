@@ -16,8 +16,9 @@ are the device's, `host_peaks` the host's.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -118,7 +119,7 @@ class Trace:
         sharded bytes per rank with `weights` and `divisor` (sharding.py)."""
         weight = self._storage_weights([self.category_of(s) for s in self.storages], weights, False)
         size = {i: s.nbytes for i, s in enumerate(self.storages) if s.born == -1}
-        out = [(i, -(-nbytes * weight[i] // divisor), 0) for i, nbytes in size.items() if weight[i]]
+        out: list[Event] = [(i, -(-nbytes * weight[i] // divisor), 0) for i, nbytes in size.items() if weight[i]]
         phase_starts = {index for index, _ in self.phase_marks}
         for index, (sid, delta) in enumerate(self.events):
             if index == self.start:
@@ -176,6 +177,7 @@ class Trace:
                 best = PeakPoint(total, dict(totals), phase, index)
             if phase not in phase_peaks or total > phase_peaks[phase].total:
                 phase_peaks[phase] = PeakPoint(total, dict(totals), phase, index)
+        assert best is not None   # walk yields at least the measured step's baseline
         return best, component_peaks, phase_peaks
 
     def alive_at(self, event: int) -> list[_Storage]:
@@ -292,7 +294,8 @@ class MemoryTracker(TraceMode):
         if born != -1:
             self.events.append((index, nbytes))
             self.raw_deltas.append(raw)
-        self._refs.append(weakref.ref(storage, lambda _ref, i=index: self._free(i)))
+        self._refs.append(weakref.ref(storage, cast("Callable[[weakref.ref[torch.UntypedStorage]], None]",
+                                                    lambda _ref, i=index: self._free(i))))
         return index
 
     def _free(self, index: int) -> None:

@@ -58,7 +58,7 @@ def lightning_step(accumulation: int, clip_value: float | None, clip_algorithm: 
     return step
 
 
-class MemfitCallback(*_callback_bases()):
+class MemfitCallback(*_callback_bases()):  # type: ignore[misc]  # bases: the Lightning packages installed
     """Predicts the step's peak at the first training batch, before it runs, and measures the first `steps`
     optimizer steps (each batch of an accumulation window counts in its step). `log`: where the line goes."""
 

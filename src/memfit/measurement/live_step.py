@@ -8,6 +8,7 @@ profiler — the same account as `memfit measure` (measurement/run.py), without 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from torch import nn
 from memfit.steps import profiler
 from memfit.steps.hooks import tensors_in
 from memfit.steps.optim import optimizer_state_tensors
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 
 def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch=None) -> list[torch.Tensor]:
@@ -42,7 +46,7 @@ class StepPeakMeter:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
-        self._profiler = None
+        self._profiler: profile | None = None
         self._baseline = 0
         self.running = False
         self.reserved_bytes: int | None = None
@@ -63,5 +67,6 @@ class StepPeakMeter:
             self.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
             return torch.cuda.max_memory_allocated(self.device)
         prof, self._profiler = self._profiler, None
+        assert prof is not None   # start() began it
         profiler.stop_profiler(prof)
         return self._baseline + profiler.allocation_peak(prof)[0]

@@ -21,6 +21,7 @@ import io
 import pickle
 import re
 from dataclasses import dataclass, field
+from typing import cast
 
 from memfit.core.errors import MemfitError
 
@@ -238,7 +239,8 @@ def summarize_snapshot(snapshot: dict, device: int | None = None) -> SnapshotSum
     active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
     inactive = [b for b in blocks if b.get("state") == "inactive"]
     traces = snapshot.get("device_traces") or []
-    trace = max(traces, key=len) if device is None and traces else (traces[device] if traces else [])
+    # traces[device]: device is not None there (a None device with traces takes the longest)
+    trace = max(traces, key=len) if device is None and traces else (traces[cast(int, device)] if traces else [])
     summary = SnapshotSummary(
         reserved_bytes=sum(s.get("total_size", 0) for s in segments), allocated_bytes=sum(b["size"] for b in active),
         largest_free_block_bytes=max((b["size"] for b in inactive), default=0), by_category={}, moment="the snapshot")

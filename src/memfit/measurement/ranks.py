@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.breakdown import MemoryEstimate
@@ -70,7 +71,7 @@ def run_rank_jobs(jobs: list[tuple[Workload, dict]]) -> list[list[dict]]:
                 raise
             for i in indices:   # one at a time: the error names its own workload
                 results[i] = _launch(world_size, [jobs[i]])[0]
-    return results
+    return cast("list[list[dict]]", results)   # every job's slot filled: each job has a world size
 
 
 class RanksFailed(MemfitError):

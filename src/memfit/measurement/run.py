@@ -180,24 +180,24 @@ def measure_many(workloads: list[Workload], *, device: str | None = None, snapsh
                  estimates: tuple[str, ...] | None = None,
                  profiler_categories: bool = False) -> list[MemoryEstimate]:
     """`measure` for each workload; those that run on ranks share torchrun launches (ranks.measure_ranks_many)."""
-    workloads = [resolve(w) for w in workloads]
-    if any(is_live(w.model) for w in workloads):
+    resolved = [resolve(w) for w in workloads]
+    if any(is_live(w.model) for w in resolved):
         raise MemfitError("measure builds and runs the model from its source; a live model is only estimated (on a "
                           "meta copy, memfit.estimate(model, batch)): name it by package.module:function or "
                           "path/file.py:function to measure it.")
     device = device or best_device()
     gpu = gpu_of_device(device) if device.startswith("cuda") else None
     predicted = [{method: run_estimate(w, method=method, gpu=gpu) for method in
-                  (methods_for(w) if estimates is None else estimates)} for w in workloads]
+                  (methods_for(w) if estimates is None else estimates)} for w in resolved]
     expected = [max((e.peak_bytes for e in p.values()), default=0) for p in predicted]
-    on_ranks = [i for i, w in enumerate(workloads) if w.runs_on_ranks]
+    on_ranks = [i for i, w in enumerate(resolved) if w.runs_on_ranks]
     if on_ranks and device.startswith("cuda"):
         raise MemfitError("measuring several ranks runs on CPU (gloo) here; pass --device cpu.")
     for i in on_ranks:
-        _check_room(workloads[i], expected[i] * workloads[i].world_size, device)
-    measured = dict(zip(on_ranks, measure_ranks_many([workloads[i] for i in on_ranks])))
+        _check_room(resolved[i], expected[i] * resolved[i].world_size, device)
+    measured = dict(zip(on_ranks, measure_ranks_many([resolved[i] for i in on_ranks])))
     results = []
-    for i, workload in enumerate(workloads):
+    for i, workload in enumerate(resolved):
         run = measured[i] if i in measured else measure_run(
             workload, device=device, snapshot_path=snapshot_path, expected_bytes=expected[i],
             profiler_categories=profiler_categories)

@@ -132,14 +132,15 @@ class ModelShape:
         head_dim = getattr(spec, "head_dim", None) or getattr(spec, "d_kv", None) or hidden // heads
         active, expert_params, expert_bytes = num_parameters, 0, 0
         experts = getattr(spec, "experts", 0)
+        num_layers = workload.source.num_layers
+        assert num_layers is not None   # every analytic family's config counts its layers
         if experts:   # only top_k of the experts run per token
-            expert_params = workload.source.num_layers * experts * 3 * hidden * spec.intermediate
+            expert_params = num_layers * experts * 3 * hidden * spec.intermediate
             active -= expert_params * (experts - spec.top_k) // experts
             expert_bytes = expert_params * get_precision(workload.precision).param_dtype.itemsize
             if workload.with_trait("int8-experts"):   # a float32 scale and an int8 zero point per row
-                expert_bytes = expert_params + 5 * workload.source.num_layers * experts * (2 * spec.intermediate
-                                                                                          + hidden)
-        layers = workload.source.num_layers + getattr(spec, "decoder_layers", 0)
+                expert_bytes = expert_params + 5 * num_layers * experts * (2 * spec.intermediate + hidden)
+        layers = num_layers + getattr(spec, "decoder_layers", 0)
         return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
                    active_params=active, causal=type(spec).__name__ in ("DecoderSpec", "GPT2Spec"),
                    expert_params=expert_params, expert_bytes=expert_bytes, experts=experts,

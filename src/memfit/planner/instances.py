@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 from memfit.planner.planning import plan
 from memfit.planner.request import PlanRequest
@@ -29,7 +30,7 @@ class InstanceRanking:
         return {"schema": SCHEMA, "feasible": bool(fitting),
                 "reason": None if fitting else "no priced instance fits this request (see instances)",
                 "plans": [r.plan_json(0) for r in fitting], "suggestions": [], "warnings": [], "request": request,
-                "instances": [{"instance": r.request.instance.name, "gpu": r.request.gpu.name,
+                "instances": [{"instance": cast(Instance, r.request.instance).name, "gpu": r.request.gpu.name,
                                "gpus": r.request.num_gpus, "fits": r.feasible, "reason": r.reason}
                               for r in self.results],
                 "unpriced": self.unpriced,

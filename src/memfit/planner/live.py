@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+from typing import Any
 
 from torch import nn
 
@@ -25,7 +26,7 @@ from memfit.specs.live import batch_shape, describe_batch
 
 def live_request(model: nn.Module, batch, *, gpu, **fields) -> PlanRequest:
     """The PlanRequest for `model` (with a transformers `config`) and its `batch`; `fields` are PlanRequest's."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)   # a transformers PretrainedConfig, checked below
     if not hasattr(config, "to_dict"):
         raise MemfitError(f"memfit.plan of a live model plans its transformer config; {type(model).__name__} has none "
                           "(no `model.config`): plan the module by its factory (PlanRequest(model='package.module:"

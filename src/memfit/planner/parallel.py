@@ -42,6 +42,7 @@ def _start_worker(job: Callable[[int], Any]) -> None:
 
 
 def _run(index: int) -> Any:
+    assert _inherited_job is not None   # a worker runs it: _start_worker set the job
     return _inherited_job(index)
 
 

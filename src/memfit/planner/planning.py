@@ -67,25 +67,25 @@ def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explo
     with sizing(search, [item[1:4] for item in ordered]) as sized:
         for index, (bound, candidate, workload, _, ppl) in enumerate(ordered):
             if (request.objective == "fastest" and not explore_all and len(feasible) >= request.top
-                    and bound > max(sorted(p.time.total_s for p in feasible)[request.top - 1],
-                                    min(p.time.total_s for p in feasible) * (1 + request.speed_margin))):
+                    and bound > max(sorted(p.timed.total_s for p in feasible)[request.top - 1],
+                                    min(p.timed.total_s for p in feasible) * (1 + request.speed_margin))):
                 break
             search.progress(f"sizing {index + 1}/{len(ordered)}: {' + '.join(candidate.labels())}")
-            result = sized(index)
-            if result is None:
+            evaluated = sized(index)
+            if evaluated is None:
                 continue
-            search.evaluated.append(_timed(result, request, workload, ppl))
-            if result.fits:
-                feasible.append(result)
-    ordered = rank(feasible, request.objective, request.speed_margin)
-    ranked = ordered[:request.top]
+            search.evaluated.append(_timed(evaluated, request, workload, ppl))
+            if evaluated.fits:
+                feasible.append(evaluated)
+    best_first = rank(feasible, request.objective, request.speed_margin)
+    ranked = best_first[:request.top]
     if verify_traced:
         _verify(ranked, request, search)
     result = PlanResult(request, ranked, evaluated=search.evaluated, rejected=dict(search.rejected),
                         num_estimates=search.num_estimates)
     if ranked:
         result.warnings = unchecked_machine_warnings(request, ranked[0])
-        result.tradeoff = tradeoff(ordered, request)
+        result.tradeoff = tradeoff(best_first, request)
         if not brief:
             result.savings = [technique_savings(ranked[0], search)]   # the best plan's
     else:
@@ -122,7 +122,7 @@ def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
     def factor(technique, other: MemoryEstimate) -> float:   # the plan's step over the step without the technique
         timed = step_time(without_technique(workload, technique), other, request.gpu, grad_accum=chosen.grad_accum,
                           num_gpus=chosen.candidate.num_gpus, cost=request.cost)
-        return chosen.time.total_s / timed.total_s
+        return chosen.timed.total_s / timed.total_s
 
     rows = []
     with forked(without, len(techniques)) as estimate:
@@ -160,6 +160,7 @@ def why_nothing_fits(request: PlanRequest, search: Search, suggest: bool = True)
     host_short = [e for e in search.evaluated if e.short == "host RAM"]
     suggestions = []
     if host_short:
+        assert request.host_ram_bytes is not None   # a plan is short of host RAM only against a given --host-ram
         least = min(host_short, key=lambda e: e.host_ram_bytes)
         reason = (f"{len(host_short)} plan(s) fit the GPU but need host RAM: the least, "
                   f"{' + '.join(least.techniques)}, needs {format_bytes(least.host_ram_bytes)} per node and "
@@ -168,6 +169,7 @@ def why_nothing_fits(request: PlanRequest, search: Search, suggest: bool = True)
         suggestions.append(f"--host-ram {math.ceil(least.host_ram_bytes / GiB)}GiB or more")   # rounded up: enough
     elif disk_short := [e for e in search.evaluated if e.short == "local NVMe"]:
         least = min(disk_short, key=lambda e: e.estimate.nvme_bytes)
+        assert request.instance is not None   # a plan is short of local NVMe only on a given --instance
         drive = request.instance.local_nvme_bytes
         reason = (f"{len(disk_short)} plan(s) fit the GPU but swap states to a local NVMe drive: the least, "
                   f"{' + '.join(least.techniques)}, writes {format_bytes(least.estimate.nvme_bytes)} per GPU and "
@@ -228,6 +230,7 @@ def _lossy_alternative(request: PlanRequest) -> list[str]:
     if best.fits:
         fits = "fits"
     elif best.short == "host RAM":
+        assert request.host_ram_bytes is not None   # a plan is short of host RAM only against a given --host-ram
         fits = (f"fits the GPU but needs {format_bytes(best.host_ram_bytes)} of host RAM "
                 f"({format_bytes(request.host_ram_bytes)} given)")
     elif best.short == "device memory":
@@ -246,18 +249,18 @@ def rank(plans: list[Evaluated], objective: str, speed_margin: float = 0.0) -> l
     come first (a practitioner does not store weights in bf16 for 2 % more speed), the fewest techniques first among
     them; then the rest by time."""
     if objective == "smallest":
-        return sorted(plans, key=lambda p: (p.device_bytes, p.time.total_s))
+        return sorted(plans, key=lambda p: (p.device_bytes, p.timed.total_s))
     if objective == "balanced":   # time x memory, each relative to the best of its kind
-        fastest = min((p.time.total_s for p in plans), default=1.0)
+        fastest = min((p.timed.total_s for p in plans), default=1.0)
         smallest = min((p.device_bytes for p in plans), default=1)
-        return sorted(plans, key=lambda p: (p.time.total_s / fastest) * (p.device_bytes / smallest))
-    near = min((p.time.total_s for p in plans), default=0.0) * (1 + speed_margin)
+        return sorted(plans, key=lambda p: (p.timed.total_s / fastest) * (p.device_bytes / smallest))
+    near = min((p.timed.total_s for p in plans), default=0.0) * (1 + speed_margin)
     changes = list(CHANGES)
 
     def key(p: Evaluated) -> tuple:
-        if p.time.total_s > near:
-            return 1, 0, 0, p.time.total_s, p.device_bytes
-        return 0, changes.index(p.change), len(p.techniques), p.time.total_s, p.device_bytes
+        if p.timed.total_s > near:
+            return 1, 0, 0, p.timed.total_s, p.device_bytes
+        return 0, changes.index(p.change), len(p.techniques), p.timed.total_s, p.device_bytes
 
     return sorted(plans, key=key)
 
@@ -266,10 +269,10 @@ def tradeoff(ordered: list[Evaluated], request: PlanRequest) -> str | None:
     """What the fastest plan would gain over plan 1, when plan 1 was preferred for changing training less."""
     if request.objective != "fastest" or not ordered:
         return None
-    best, fastest = ordered[0], min(ordered, key=lambda p: p.time.total_s)
+    best, fastest = ordered[0], min(ordered, key=lambda p: p.timed.total_s)
     if fastest.change == best.change:
         return None
-    gain = best.time.total_s / fastest.time.total_s - 1
+    gain = best.timed.total_s / fastest.timed.total_s - 1
     position = ordered.index(fastest)
     which = f"plan {position + 1}" if position < request.top else "the fastest plan"
     return (f"plan 1 changes training least among the plans within {request.speed_margin:.0%} of the fastest (it "

@@ -45,14 +45,15 @@ class PlanResult:
         data = {
             "techniques": chosen.techniques, "micro_batch": chosen.micro_batch, "grad_accum": chosen.grad_accum,
             "world_size": chosen.candidate.num_gpus, "gpu": self.request.gpu.name, "peak_bytes": chosen.device_bytes,
-            "host_ram_bytes": chosen.host_ram_bytes, "step_time_s": round(chosen.time.total_s, 6),
+            "host_ram_bytes": chosen.host_ram_bytes, "step_time_s": round(chosen.timed.total_s, 6),
             "throughput": round(chosen.throughput, 3), "accuracy_risk": chosen.risk,
             "training_change": chosen.change,
             # beyond the schema's required fields
             "throughput_unit": f"{workload.throughput_per_sample[1]}/s per GPU",
             "tensor_peak_bytes": estimate.peak_bytes, "overhead_bytes": chosen.device_bytes - estimate.peak_bytes,
             "headroom_bytes": self.request.gpu.memory_bytes - chosen.device_bytes,
-            "peak_phase": estimate.peak_phase, "time_parts_s": {k: round(v, 6) for k, v in chosen.time.parts.items()},
+            "peak_phase": estimate.peak_phase,
+            "time_parts_s": {k: round(v, 6) for k, v in chosen.timed.parts.items()},
             "ppl_increase": chosen.ppl_increase,
             "sources": {"memory": estimate.method, "time": self.request.cost.source},
             "workload": workload.to_json(),
@@ -86,6 +87,7 @@ def instance_price(request: PlanRequest, throughput_per_gpu: float) -> dict:
     usd = request.usd_per_hour
     tokens_per_hour = throughput_per_gpu * request.num_gpus * 3600
     instance = request.instance
+    assert instance is not None   # priced only for a request on an instance (plan_json)
     return {"instance": instance.name, "usd_per_hour": usd,
             "usd_per_million_tokens": float(f"{usd / tokens_per_hour * 1e6:.4g}") if usd and tokens_per_hour else None,
             "price": instance.price_json()}

@@ -62,6 +62,12 @@ class Evaluated:
         return self.candidate.labels() + list(self.added)
 
     @property
+    def timed(self) -> StepTime:
+        """`time`, set on every plan the planner keeps (planning._timed): those it ranks and reports."""
+        assert self.time is not None
+        return self.time
+
+    @property
     def nvme_bytes(self) -> int:
         """Swapped to the node's local NVMe drive (NVMe offload), per node."""
         return self.estimate.nvme_bytes * min(self.candidate.num_gpus, GPUS_PER_NODE)
@@ -119,7 +125,8 @@ class Search:
                per_replica: int) -> Evaluated:
         request = self.request
         budget = request.budget_bytes
-        device, added = device_bytes(estimate), ()
+        device = device_bytes(estimate)
+        added: tuple[str, ...] = ()
         reserve = estimate.overhead_detail.get("allocator_reserve", 0)
         only_the_reserve_is_over = device - reserve <= budget < device
         for option in self.allocator_options if only_the_reserve_is_over else ():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 from memfit.core.precision import get_precision
 from memfit.estimators import count_parameters, methods_for
@@ -24,6 +25,9 @@ from memfit.techniques import REGISTRY
 from memfit.techniques.base import Technique, parse_technique
 from memfit.techniques.resolve import ResolvedWorkload, resolve
 from memfit.techniques.rules import ordered
+
+if TYPE_CHECKING:
+    from memfit.techniques.distributed import LayoutTechnique
 
 # The axes a technique can be a value of, in the order a plan lists them; "allocator" values are not searched but
 # added to a plan that fits only with them (search.py)
@@ -35,7 +39,7 @@ DEFAULTS = Workload.__dataclass_fields__
 @dataclass(frozen=True)
 class Candidate:
     precision: str
-    optimizer: str = DEFAULTS["optimizer"].default
+    optimizer: str = cast(str, DEFAULTS["optimizer"].default)
     techniques: tuple[str, ...] = ()
     world_size: int = 1          # ranks one step runs over (the Workload's)
     zero_stage: int = 0
@@ -107,7 +111,7 @@ def _precisions(request: PlanRequest, values: list[str], base: ResolvedWorkload)
     if request.precision is not None:
         return [request.precision]
     values = [v for v in values if v not in request.exclude]
-    default = DEFAULTS["precision"].default
+    default = cast(str, DEFAULTS["precision"].default)
     if default in request.exclude:
         return values
     per_parameter = 16 if request.task == "train" else 4
@@ -131,7 +135,7 @@ def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
         layouts += [Candidate("fp32", world_size=n, zero_stage=stage, data_parallel=n) for stage in (0, 1)]
         layouts += [Candidate("fp32", world_size=n, zero_stage=stage, engine="deepspeed", data_parallel=n)
                     for stage in (1, 2, 3)]
-    parsed = {spec: parse_technique(spec) for spec in techniques}
+    parsed = {spec: cast("LayoutTechnique", parse_technique(spec)) for spec in techniques}   # the layout axis
     for spec, technique in parsed.items():
         if 1 < technique.model_ranks(n) < n:
             continue   # splits each copy of the model over part of the GPUs: paired below with a layout across them
@@ -150,7 +154,7 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     """Every combination to consider, before the rules are checked (the search builds each Workload)."""
     values = searched(request, base)
     required = required_axes(request)
-    default_optimizer = DEFAULTS["optimizer"].default
+    default_optimizer = cast(str, DEFAULTS["optimizer"].default)
     if request.optimizer is not None:
         optimizers = [request.optimizer]
     else:
@@ -168,6 +172,7 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
         if layout.engine == "deepspeed" and (get_precision(precision).autocast_dtype is None or not analytic):
             continue   # DeepSpeed's engine trains in mixed precision, and only the analytic model predicts it
         for optimizer, *parts in itertools.product(optimizers, *rest):
+            assert optimizer is not None   # one of `optimizers` (the product's type joins it with the parts')
             chosen = [p for p in parts if p]
             parsed = [parse_technique(p) for p in chosen]
             engines = {t.needs_engine for t in parsed} - {None}

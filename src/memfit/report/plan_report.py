@@ -133,6 +133,7 @@ def print_instance_ranking(ranking: InstanceRanking, console: Console) -> None:
         console.print("[red]No priced instance fits this request.[/red]")
     for result in ranking.results:
         if not result.feasible:
+            assert result.request.instance is not None   # each ranked result was planned on its instance
             console.print(f"  [dim]{result.request.instance.name}: {result.reason}[/dim]")
     if ranking.unpriced:
         console.print(f"[dim]left out (no list price; give one with --price NAME=USD): "
@@ -166,13 +167,13 @@ def write_pareto_plot(result: PlanResult, path: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 6))
     for fits, colour, label in ((False, "0.7", "does not fit (smallest micro-batch)"),
                                 (True, "tab:blue", "fits (largest micro-batch that does)")):
-        chosen = [(e.device_bytes / GiB, e.time.total_s) for e in sized if e.fits == fits]
+        chosen = [(e.device_bytes / GiB, e.timed.total_s) for e in sized if e.fits == fits]
         if chosen:
-            ax.scatter(*zip(*chosen), s=14, color=colour, label=label)
-    front = pareto_front([(e.device_bytes / GiB, e.time.total_s) for e in sized])
+            ax.scatter(*zip(*chosen), s=14, color=colour, label=label)  # type: ignore[misc]  # *zip: x, y only
+    front = pareto_front([(e.device_bytes / GiB, e.timed.total_s) for e in sized])
     ax.plot(*zip(*front), "-", color="tab:red", lw=1, label="Pareto frontier (memory vs time)")
     for rank, plan in enumerate(result.plans[:3]):
-        ax.annotate(f"plan {rank + 1}: " + " + ".join(plan.techniques), (plan.device_bytes / GiB, plan.time.total_s),
+        ax.annotate(f"plan {rank + 1}: " + " + ".join(plan.techniques), (plan.device_bytes / GiB, plan.timed.total_s),
                     fontsize=7, xytext=(6, 6), textcoords="offset points")
     budget = result.request.budget_bytes / GiB
     ax.axvline(budget, color="k", ls="--", lw=0.8, label=f"budget per GPU ({budget:.1f} GiB)")

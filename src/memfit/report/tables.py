@@ -60,6 +60,7 @@ def estimate_table(estimate: MemoryEstimate) -> Table:
 def fit_line(estimate: MemoryEstimate) -> str | None:
     if estimate.fits is None:
         return None
+    assert estimate.device_memory_bytes is not None and estimate.headroom_bytes is not None   # set with fits
     capacity = format_bytes(estimate.device_memory_bytes)
     if estimate.fits:
         headroom = format_bytes(estimate.headroom_bytes)

@@ -9,7 +9,8 @@ from torch import nn
 def alike_lists(model: nn.Module, key: Callable[[nn.Module], Hashable] = type) -> list[nn.ModuleList]:
     """Every nn.ModuleList of `model` whose children (two or more) share one `key` (by default their type),
     outermost lists only: a list inside a found list's blocks (experts, heads) is not one of them."""
-    found, inside = [], set()
+    found: list[nn.ModuleList] = []
+    inside: set[int] = set()
     for module in model.modules():
         if id(module) in inside:
             continue

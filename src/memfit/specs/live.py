@@ -38,7 +38,7 @@ def register(obj: Any, role: str) -> str:
     return name
 
 
-def lookup(name: str) -> Any:
+def lookup(name: str | None) -> Any:
     if name not in _objects:
         raise MemfitError(f"{name!r} names a live object of another Python session; pass the object itself "
                           "(memfit.estimate(model, batch, ...)) or name the model by module:function.")
@@ -118,7 +118,8 @@ def live_workload(model: nn.Module, batch: Any, *, optimizer: tuple[str, str | N
     names = [getattr(t, "name", None) or str(t).partition(":")[0] for t in techniques]   # specs or configs
     if precision is None and not any(name in PRECISIONS for name in names):
         precision = precision_of_model(model).name   # the weights' own, unless a precision technique is asked for
+    given_precision: dict[str, Any] = {"precision": precision} if precision else {}
     return Workload(model=register(model, "model"), inputs=register(description, "batch"),
                     step=register(step, "step") if step is not None else None, task=task, batch_size=batch_size,
-                    seq_len=seq_len, **({"precision": precision} if precision else {}), optimizer=name,
+                    seq_len=seq_len, **given_precision, optimizer=name,
                     optimizer_impl=impl if task == "train" else None, techniques=tuple(techniques))

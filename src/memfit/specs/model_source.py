@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,19 +81,25 @@ class ModelSource:
         return self.hf_config is not None
 
     @property
+    def _hf_config(self) -> dict:
+        """`hf_config`, read where only a Hugging Face source gets (is_hf)."""
+        assert self.hf_config is not None
+        return self.hf_config
+
+    @property
     def model_type(self) -> str:
-        return self.hf_config["model_type"] if self.is_hf else "custom"
+        return self._hf_config["model_type"] if self.is_hf else "custom"
 
     def config(self, num_layers: int | None = None):
         """The transformers config object, optionally with fewer layers (for extrapolation)."""
         from transformers import AutoConfig
 
-        fields = {k: v for k, v in self.hf_config.items() if k not in ("model_type", "architectures")}
+        fields = {k: v for k, v in self._hf_config.items() if k not in ("model_type", "architectures")}
         fields.update(self.overrides)
         if fields.get("attn_implementation") in FUSED_OUTSIDE_SDPA:
             fields["attn_implementation"] = "sdpa"
         if num_layers is not None:
-            fields[_layer_key(self.hf_config)] = num_layers
+            fields[_layer_key(self._hf_config)] = num_layers
             if "num_decoder_layers" in fields:
                 fields["num_decoder_layers"] = num_layers
             fields.pop("layer_types", None)
@@ -110,12 +116,12 @@ class ModelSource:
         else None: SDPA's kernel is PyTorch's own choice."""
         if not self.is_hf:
             return None
-        wanted = {**self.hf_config, **self.overrides}.get("attn_implementation")
+        wanted = {**self._hf_config, **self.overrides}.get("attn_implementation")
         return "flash" if wanted in FUSED_OUTSIDE_SDPA else None
 
     def check_attention(self) -> None:
         """The config's `attn_implementation` is one memfit models and its transformers class has."""
-        wanted = self.hf_config.get("attn_implementation")
+        wanted = self._hf_config.get("attn_implementation")
         if wanted in (None, "eager"):
             return
         flag = ATTENTION_SUPPORT_FLAGS.get(wanted)
@@ -132,7 +138,7 @@ class ModelSource:
 
     @property
     def hf_class_name(self) -> str:
-        archs = self.hf_config.get("architectures") or []
+        archs = self._hf_config.get("architectures") or []
         if archs:
             return archs[0]
         return _default_class_name(self.config())
@@ -150,8 +156,8 @@ class ModelSource:
             return block_stacks(_build_custom(self.kind, self.factory, "meta", torch.float32))[0] or None
         if not self.is_hf:
             return _custom_depth(cache_key(self.factory))
-        key = _layer_key(self.hf_config)
-        return self.hf_config.get(key) if key else None
+        key = _layer_key(self._hf_config)
+        return self._hf_config.get(key) if key else None
 
     @property
     def layer_period(self) -> int:
@@ -172,7 +178,7 @@ class ModelSource:
             return None
         if self.head == "image-classification" or self.model_type == "t5":
             return None   # images are sized in pixels; T5's relative positions have no hard limit
-        cfg = self.hf_config
+        cfg = self._hf_config
         for key in ("max_position_embeddings", "n_positions"):
             if cfg.get(key):
                 return int(cfg[key])
@@ -180,7 +186,7 @@ class ModelSource:
 
     @property
     def image_size(self) -> int | None:
-        return self.hf_config.get("image_size") if self.is_hf else None
+        return self._hf_config.get("image_size") if self.is_hf else None
 
     # ---- building -----------------------------------------------------------------------
     def build(self, *, device: str | torch.device, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
@@ -222,18 +228,18 @@ class ModelSource:
                 f"inputs factory {self.inputs_factory!r} must return a tensor, a tuple of tensors or a dict of "
                 f"keyword tensors; it returned {type(batch).__name__}."
             )
-        gen = dict(device=device)
+        gen: dict[str, Any] = dict(device=device)
         head = self.head
         if head == "image-classification":
             size = seq_len
-            channels = self.hf_config.get("num_channels", 3)
+            channels = self._hf_config.get("num_channels", 3)
             batch = {"pixel_values": torch.randn(batch_size, channels, size, size, dtype=dtype, **gen)}
             if size != self.image_size:
                 batch["interpolate_pos_encoding"] = True
             if task == "train":
                 batch["labels"] = torch.randint(0, self.config().num_labels, (batch_size,), **gen)
             return batch
-        vocab = self.hf_config["vocab_size"]
+        vocab = self._hf_config["vocab_size"]
         ids = torch.randint(0, vocab, (batch_size, seq_len), **gen)
         batch = {"input_ids": ids}
         if task == "train" and head in ("causal-lm", "masked-lm", "seq2seq-lm"):
@@ -241,7 +247,7 @@ class ModelSource:
         return batch
 
 
-def _build_custom(kind: str, factory: str, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+def _build_custom(kind: str, factory: str | None, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     if kind == "live":   # a meta copy of the user's object: nothing model-sized, the object untouched
         model = meta_copy(lookup(factory))
         return model.to(dtype=dtype) if dtype != torch.float32 else model
@@ -291,7 +297,8 @@ def _default_class_name(config) -> str:
     for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                     auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
                     auto.MODEL_MAPPING_NAMES):
-        name = mapping.get(config.model_type)
+        # a class name, or a tuple of class names (the first is the one used)
+        name = cast("str | tuple[str, ...] | None", mapping.get(config.model_type))
         if isinstance(name, (tuple, list)):
             name = name[0]
         if name and hasattr(transformers, name):

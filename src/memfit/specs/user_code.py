@@ -14,11 +14,15 @@ import sys
 import traceback
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from memfit.core.errors import MemfitError
 from memfit.specs.live import is_live, lookup
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
 
 
 def is_file_spec(spec: str) -> bool:
@@ -48,7 +52,7 @@ def import_callable(spec: str | None, what: str) -> Callable:
     return fn
 
 
-def call_user(fn: Callable, spec: str, what: str, *args, **kwargs):
+def call_user(fn: Callable, spec: str | None, what: str, *args, **kwargs):
     """fn(*args, **kwargs); the user's exception becomes one line naming where in their code it was raised (an
     out-of-memory error passes through: it is what a measurement reports)."""
     try:
@@ -102,10 +106,11 @@ def _load_file(path: str, what: str, spec: str) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, full)
+    assert module_spec is not None   # a .py file: its source loader's spec
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module   # before running it: dataclasses and pickling look the module up
     try:
-        module_spec.loader.exec_module(module)
+        cast("Loader", module_spec.loader).exec_module(module)
     except Exception as exc:
         del sys.modules[name]
         raise MemfitError(f"cannot load {path!r} for {what} {spec!r}{_line_in(exc, full)}: "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -48,6 +48,7 @@ def tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
         if level > depth or id(value) in seen:
             continue
         seen.add(id(value))
+        items: Iterable[Any]
         if isinstance(value, dict):
             items = value.values()
         elif isinstance(value, (list, tuple, set)):

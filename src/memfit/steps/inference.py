@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from memfit.steps.hooks import NullHooks, StepHooks, tensors_in
 from memfit.steps.train import call_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def run_inference(model: nn.Module, batch: dict | tuple, *, head: str, new_tokens: int,
@@ -23,9 +27,9 @@ def run_inference(model: nn.Module, batch: dict | tuple, *, head: str, new_token
     hooks = hooks or NullHooks()
     with torch.no_grad(), (autocast or contextlib.nullcontext()):
         if head == "causal-lm":
-            _decoder(model, batch, new_tokens, hooks)
+            _decoder(model, cast(dict, batch), new_tokens, hooks)   # a language model's batch: keyword arguments
         elif head == "seq2seq-lm":
-            _encoder_decoder(model, batch, new_tokens, hooks)
+            _encoder_decoder(cast("PreTrainedModel", model), cast(dict, batch), new_tokens, hooks)
         else:
             hooks.phase("forward")
             call_model(model, batch)
@@ -46,7 +50,7 @@ def _decoder(model: nn.Module, batch: dict, new_tokens: int, hooks: StepHooks) -
         hooks.mark("kv_cache", tensors_in(cache))
 
 
-def _encoder_decoder(model: nn.Module, batch: dict, new_tokens: int, hooks: StepHooks) -> None:
+def _encoder_decoder(model: PreTrainedModel, batch: dict, new_tokens: int, hooks: StepHooks) -> None:
     hooks.phase("prefill")
     encoder_outputs = model.get_encoder()(input_ids=batch["input_ids"])
     start = model.config.decoder_start_token_id or 0

@@ -54,6 +54,7 @@ class MasterWeightsOptimizer:
         param.copy_(master)                     # cast into the parameter's dtype in place (one kernel)
 
     def _receive(self, index: int, param: torch.Tensor) -> None:
+        assert param.grad is not None   # a post-accumulate-grad hook: the gradient has just been accumulated
         arrived = self._arrived(param.grad)
         if self._empty[index]:
             self.grads[index].copy_(arrived)

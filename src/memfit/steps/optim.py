@@ -5,7 +5,8 @@ module builds it (techniques/optimizer_states.py) and hands its builder to the s
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 
@@ -43,7 +44,7 @@ def torch_optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
 
 def impl_of(optimizer: torch.optim.Optimizer) -> str | None:
     """The --optimizer-impl an instance was built with (None: PyTorch's default for the device)."""
-    defaults = getattr(optimizer, "defaults", {})
+    defaults: Any = getattr(optimizer, "defaults", {})
     return "fused" if defaults.get("fused") else {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"))
 
 
@@ -77,7 +78,8 @@ def torch_optimizer(kind: type[torch.optim.Optimizer], params: Iterable[torch.nn
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=kind, lr=lr, **settings)
-    return kind(params, lr=lr, **settings)
+    # every torch.optim class takes lr (the base class's __init__ does not: it takes `defaults`)
+    return cast("Callable[..., torch.optim.Optimizer]", kind)(params, lr=lr, **settings)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -65,6 +65,7 @@ def allocator_events(prof: profile) -> tuple[list[tuple[int, int]], list[tuple[i
     from torch.profiler._memory_profiler import OpTree, _EventType
 
     events, marks = [], []
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None   # the profiler ran and stopped
     for e in OpTree(prof.profiler.kineto_results).dfs():   # the raw event tree: no data-flow analysis needed
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
             events.append((e.start_time_ns, e.typed[1].alloc_size))

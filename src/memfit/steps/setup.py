@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,8 +23,9 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 BatchSplit = Callable[[Any], list]
 # (parameters, lr or None for the optimizer's default, impl, shard over the process group) -> optimizer
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
-# (parameters, a builder of the optimizer over host master weights) -> an optimizer that steps on the host
-HostOptimizer = Callable[[Any, Callable[[list], torch.optim.Optimizer]], torch.optim.Optimizer]
+# (parameters, a builder of the optimizer over host master weights) -> an optimizer that steps on the host (used
+# like a torch.optim one, not necessarily one: offload's HostOffloadOptimizer)
+HostOptimizer = Callable[[Any, Callable[[list], torch.optim.Optimizer]], Any]
 # (parameters, a builder of the optimizer over some of them) -> an optimizer that runs those otherwise
 OptimizerWrapper = Callable[[Any, Callable[[list], torch.optim.Optimizer]], Any]
 
@@ -79,7 +80,8 @@ class StepSetup:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            params = self.param_groups or list(self.model.parameters())
+            # (the cast only gives list() its type: mypy would infer it from the groups' list[dict])
+            params = self.param_groups or cast("list[nn.Parameter]", list(self.model.parameters()))
             if self.host_optimizer is not None:   # it steps on the CPU: the CPU's kernels
                 factory = self._factory()
                 self.optimizer = self.host_optimizer(self.model.parameters(), lambda masters: factory(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -120,7 +120,7 @@ class TrainLoop:
         if host_step:
             note_host(states)
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return cast(torch.Tensor, total)   # None only when the batch split into no micro-batch
 
     def _phase(self, name: str) -> None:
         enter_phase(self.setup, self.hooks, name)

@@ -101,7 +101,7 @@ class Lora(Technique):
             return [cls.name]
         return [cls.name + variant for variant in SEARCHED_ADAPTERS]
 
-    def export(self, tool, workload) -> Export | None:
+    def export(self, tool, workload) -> Export:
         """The same for every tool: peft.LoraConfig's keyword arguments for the user's script (the adapters are part
         of the model, which no tool's arguments build)."""
         targets = ALL_LINEAR if self.targets == ALL_LINEAR or not workload.source.is_hf else list(self.target_names)
@@ -127,7 +127,7 @@ class Lora(Technique):
         except ImportError:
             raise MemfitError(f"-t {self.name} needs peft: pip install 'memfit[peft]'.") from None
         if self.targets in (None, ALL_LINEAR) and not _is_transformers_model(setup.model):
-            targets = all_linear_but_head(setup.model)
+            targets: str | list[str] = all_linear_but_head(setup.model)
         elif self.targets == ALL_LINEAR:
             targets = ALL_LINEAR   # peft's own rule for transformers models
         else:
@@ -165,9 +165,10 @@ class Qlora(Lora):
         super().__post_init__()
         check_format(self.name, self.format)
 
-    def export(self, tool, workload) -> Export | None:
+    def export(self, tool, workload) -> Export:
         """LoRA's, and transformers' BitsAndBytesConfig for the 4-bit base (from_pretrained's quantization_config)."""
         lora = super().export(tool, workload)
+        assert lora.how is not None   # Lora.export says how for every tool
         compute = str(get_precision(workload.precision).compute_dtype).removeprefix("torch.")
         quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": self.format,
                         "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": compute}

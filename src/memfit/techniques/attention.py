@@ -17,11 +17,15 @@ user's already-built model `apply_` switches the live model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from memfit.core.errors import MemfitError, require_positive_int
 from memfit.specs.model_source import FUSED_OUTSIDE_SDPA
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "phi3")
 
@@ -60,7 +64,7 @@ class Sdpa(Technique):
                               "\"attn_implementation\": \"eager\" in its config.json to compare).")
 
     def apply_(self, setup: StepSetup) -> None:
-        model = setup.model
+        model = cast("PreTrainedModel", setup.model)   # check(): a Hugging Face model
         if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
             model.set_attn_implementation("sdpa")
 
@@ -99,7 +103,7 @@ class SlidingWindow(Technique):
                               f"({', '.join(SLIDING_WINDOW_TYPES)}); {source.name!r} is {source.model_type!r}.")
 
     def apply_(self, setup: StepSetup) -> None:
-        config = setup.model.config
+        config = cast("PreTrainedModel", setup.model).config   # check(): a Hugging Face model
         if getattr(config, "sliding_window", None) != self.window:
             config.sliding_window = self.window
             if getattr(config, "layer_types", None):

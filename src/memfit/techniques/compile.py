@@ -19,8 +19,8 @@ Measured: `memfit measure` runs Inductor for real (its C++ backend on a CPU). Tr
 blocks are compiled under fake tensors with Inductor's decompositions, joint-graph passes and partitioner, so the
 tensors saved for backward are Inductor's; the graphs then run op by op, and what a fused kernel would keep in
 registers — the output of a pointwise op or reduction whose every consumer is one too — is not counted
-(estimators/stand_ins.py, steps/fusion.py). Inductor's buffer reuse inside a graph is not modelled. The analytic estimator has no model of
-the compiled graphs and refuses it.
+(estimators/stand_ins.py, steps/fusion.py). Inductor's buffer reuse inside a graph is not modelled. The analytic
+estimator has no model of the compiled graphs and refuses it.
 """
 from __future__ import annotations
 

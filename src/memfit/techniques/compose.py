@@ -66,13 +66,16 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         setup.optimizer = None
         setup.build_optimizer()
     elif setup.host_optimizer is not None:   # the user's optimizer, rebuilt over host master weights
+        assert optimizer is not None and groups is not None   # given: refused above when it is not
         same = _same_kind(optimizer)
         setup.optimizer = setup.host_optimizer(setup.model.parameters(),
                                                lambda masters: same(over_host_copies(groups, setup.model, masters)))
     elif setup.optimizer_wrapper is not None:   # the user's optimizer: stepped in backward, or over float32 masters
+        assert optimizer is not None   # given: refused above when it is not
         setup.optimizer = setup.optimizer_wrapper(groups, _same_kind(optimizer))
     elif optimizer is not None and {id(p) for p in trainable} != {
             id(p) for group in optimizer.param_groups for p in group["params"]}:   # lora froze the weights
+        assert groups is not None   # built when an optimizer is given
         setup.optimizer = _same_kind(optimizer)(groups)
     if scheduler is not None:
         setup.scheduler = scheduler if setup.optimizer is optimizer else _rebound(scheduler, setup.optimizer)

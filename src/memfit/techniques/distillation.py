@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from memfit.core.precision import get_precision, precision_names
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.quantization import Int8WeightOnly
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @register
@@ -85,7 +89,7 @@ class Distill(Technique):
         keep = self.student_layers(len(blocks))
         if keep >= len(blocks):
             raise MemfitError(f"-t distill: the student needs fewer blocks than the teacher's {len(blocks)}.")
-        student = _student(teacher, keep)
+        student = _student(cast("PreTrainedModel", teacher), keep)   # check(): a Hugging Face causal LM
         for p in teacher.parameters():
             p.requires_grad_(False)
         if self.teacher == "int8":   # after the student copied the full-precision weights
@@ -101,7 +105,7 @@ def _blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def _student(teacher: torch.nn.Module, keep: int) -> torch.nn.Module:
+def _student(teacher: PreTrainedModel, keep: int) -> torch.nn.Module:
     """The teacher's architecture with `keep` blocks, built from its config, holding copies of evenly spaced
     teacher blocks (first and last included when keep > 1) and of its other weights."""
     n = len(_blocks(teacher))

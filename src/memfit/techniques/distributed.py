@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +58,9 @@ from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Export, Technique, register
 from memfit.techniques.blocks import repeated_blocks
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def require_process_group(name: str) -> None:
@@ -197,7 +201,7 @@ class Fsdp2(LayoutTechnique):
         return precision.autocast_dtype if self.mp == "policy" else None
 
     def analytic_policy(self, workload) -> dict:
-        policy = {"fsdp": True, "fsdp_reshard": self.reshard}
+        policy: dict[str, bool | str | None] = {"fsdp": True, "fsdp_reshard": self.reshard}
         gathered = self.mixed_dtype(get_precision(workload.precision))
         if gathered is not None:   # the program computes in the gathered dtype, with no autocast
             policy.update(param_dtype=str(gathered).removeprefix("torch."), autocast_dtype=None,
@@ -370,8 +374,9 @@ class TensorParallel(LayoutTechnique):
             else:
                 mesh = init_device_mesh(setup.device_type, (n,))
         for _, block in repeated_blocks(setup.model):
-            plan = {name: ColwiseParallel() if name.rsplit(".", 1)[-1] in COLWISE else RowwiseParallel()
-                    for name, _ in block.named_modules() if name.rsplit(".", 1)[-1] in COLWISE + ROWWISE}
+            plan: dict[str, ParallelStyle] = {
+                name: ColwiseParallel() if name.rsplit(".", 1)[-1] in COLWISE else RowwiseParallel()
+                for name, _ in block.named_modules() if name.rsplit(".", 1)[-1] in COLWISE + ROWWISE}
             if not plan:
                 raise MemfitError(f"-t {self.name}: no {', '.join(COLWISE + ROWWISE)} modules in the blocks.")
             parallelize_module(block, mesh, plan)

@@ -51,6 +51,7 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -82,7 +83,7 @@ class CpuOffload(Technique):
     stage = "offload"
     summary = "gradients, optimizer states (and with fsdp2 the parameter shards) in host RAM; the step runs there"
     time_factor = 1.3
-    oom_fixes = ("cpu-offload",)
+    oom_fixes: ClassVar[tuple[str, ...]] = ("cpu-offload",)
     search_axis = "offload"
 
     def export(self, tool, workload) -> Export | None:

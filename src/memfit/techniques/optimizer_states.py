@@ -30,7 +30,7 @@ import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -223,7 +223,7 @@ def _noting_paged_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
                     for name in ("state1", "state2") if isinstance(state.get(name), torch.Tensor)])
         return out
 
-    optimizer.step = stepped
+    optimizer.step = stepped  # type: ignore[method-assign]  # this instance's step, wrapped
     return optimizer
 
 
@@ -352,12 +352,12 @@ def optimizer_of(optimizer) -> tuple[str, str | None]:
     cls = type(optimizer)
     for technique in REGISTRY.values():
         module, _, class_name = getattr(technique, "optimizer_class", "").rpartition(".")
-        if module and cls.__name__ == class_name and cls.__module__.startswith(module):
-            return technique.name, impl_of(optimizer) if technique.implementations else None
+        if module and cls.__name__ == class_name and cls.__module__.startswith(module):   # an _Optimizer
+            return technique.name, impl_of(optimizer) if cast("type[_Optimizer]", technique).implementations else None
     if cls is torch.optim.SGD:
         raise MemfitError("memfit's sgd keeps a momentum buffer (momentum 0.9); this SGD has no momentum and so no "
                           "state: estimate it with optimizer='sgd' for an upper bound, or use a stateful optimizer.")
     known = ["torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD"] + sorted(
-        t.optimizer_class for t in REGISTRY.values() if getattr(t, "optimizer_class", None))
+        cast("type[_Optimizer]", t).optimizer_class for t in REGISTRY.values() if getattr(t, "optimizer_class", None))
     raise MemfitError(f"memfit does not model {cls.__module__}.{cls.__name__}; it models {', '.join(known)} (or "
                       "pass an optimizer name).")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,10 @@ from memfit.techniques.distributed import (
     check_split_over_ranks,
     require_process_group,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from transformers import PreTrainedModel
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -155,7 +160,8 @@ class PipelineParallel(LayoutTechnique):
                 setup.mesh = init_device_mesh(setup.device_type, (self.stages, dist.get_world_size() // self.stages),
                                               mesh_dim_names=("pp", "dp"))
             group = setup.mesh["pp"].get_group()
-        setup.pipeline = Pipeline(setup.model, microbatches=self.microbatches, schedule=self.schedule,
+        setup.pipeline = Pipeline(cast("PreTrainedModel", setup.model),   # check(): a Hugging Face causal LM
+                                  microbatches=self.microbatches, schedule=self.schedule,
                                   device_type=setup.device_type, logits_dtype=setup.precision.autocast_dtype,
                                   group=group)
         setup.model = setup.pipeline.stage_module
@@ -173,7 +179,8 @@ class _Stage(nn.Module):
 
     def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
-        self.model, self.first, self.last = model, first, last
+        self.model: Any = model   # a Hugging Face causal LM: its base model (.model) and .lm_head
+        self.first, self.last = first, last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.model.model
@@ -184,14 +191,14 @@ class _Stage(nn.Module):
 class Pipeline:
     """This rank's stage of `model` (cut in place) and the schedule that runs a step over the ranks."""
 
-    def __init__(self, model: nn.Module, *, microbatches: int, schedule: str, device_type: str,
+    def __init__(self, model: PreTrainedModel, *, microbatches: int, schedule: str, device_type: str,
                  logits_dtype: torch.dtype | None = None, group=None) -> None:
         import torch.distributed as dist
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         rank, n = dist.get_rank(group), dist.get_world_size(group)   # this rank's stage, of the group's stages
         self.first, self.last, self.microbatches = rank == 0, rank == n - 1, microbatches
-        base = model.model
+        base: Any = model.model   # the decoder: .embed_tokens, .layers, .norm
         base.layers = nn.ModuleList(base.layers[i] for i in stage_layers(len(base.layers), rank, n))
         if not self.first:
             base.embed_tokens = None
@@ -202,9 +209,9 @@ class Pipeline:
         self._logits_dtype = logits_dtype   # autocast's, else the weights'
         self._device, self._rank, self._ranks, self._group = torch.device(device_type), rank, n, group
         self._schedule_kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        self._schedule = None
+        self._schedule: PipelineScheduleSingle | None = None
 
-    def _build_schedule(self, batch_size: int, seq: int):
+    def _build_schedule(self, batch_size: int, seq: int) -> PipelineScheduleSingle:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,8 +87,10 @@ class PruneStructured(Technique):
             import torch_pruning as tp
         except ImportError:
             raise MemfitError("-t prune-structured needs torch-pruning: pip install 'memfit[pruning]'.") from None
-        decoders = [m for m in setup.model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
-        encoders = [m for m in setup.model.modules() if hasattr(m, "attention") and hasattr(m, "intermediate")]
+        # Llama's and BERT's blocks, known by their parts (reached by attribute, as the libraries name them)
+        decoders: list[Any] = [m for m in setup.model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+        encoders: list[Any] = [m for m in setup.model.modules()
+                               if hasattr(m, "attention") and hasattr(m, "intermediate")]
         if not decoders and not encoders:
             raise MemfitError("-t prune-structured: no Llama-style (self_attn + mlp) or BERT-style (attention + "
                               "intermediate) blocks found.")

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
@@ -60,6 +61,9 @@ from memfit.core.precision import get_precision, precision_names, precision_of_d
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def refuse_conv1d(name: str, workload) -> None:
@@ -85,7 +89,7 @@ class Int8WeightOnly(Technique):
                "a float32 scale per row")
     traits = frozenset({"subclass-weights", "quantized-linears", "int8-experts"})
     conflicts_with = ONE_QUANTIZATION
-    oom_fixes = ("int8-weight-only",)
+    oom_fixes: ClassVar[tuple[str, ...]] = ("int8-weight-only",)
     search_axis = "weights"
 
     @classmethod
@@ -123,7 +127,8 @@ class Int8WeightOnly(Technique):
 
             pattern = r"re:.*\.experts\.(" + "|".join(EXPERT_WEIGHTS) + ")$"
             quantize_(setup.model, FqnToConfig({pattern: self.torchao_config()}), filter_fn=None)
-            setup.model.set_experts_implementation("eager")   # int8 tensors have no grouped matmul
+            # int8 tensors have no grouped matmul
+            cast("PreTrainedModel", setup.model).set_experts_implementation("eager")
 
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")   # transformers' fused experts (Mixtral): 3-D, per expert
@@ -349,4 +354,5 @@ def quantize_4bit_(setup: StepSetup, name: str, format: str, double_quant: bool,
             replaced += 1
     if not replaced:
         raise MemfitError(f"-t {name}: the model has no nn.Linear to quantize (besides {', '.join(keep)}).")
-    setup.model.is_loaded_in_4bit = True   # as transformers marks it: peft then wraps the 4-bit linears for LoRA
+    # as transformers marks it: peft then wraps the 4-bit linears for LoRA
+    setup.model.is_loaded_in_4bit = True  # type: ignore[assignment]  # nn.Module.__setattr__ takes any value

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
 
 from memfit.core.errors import MemfitError, closest
 from memfit.core.precision import get_precision, precision_names
@@ -24,6 +25,9 @@ from memfit.steps.optim import TORCH_OPTIMIZER_IMPLS, TORCH_OPTIMIZERS, device_d
 from memfit.steps.user_step import check_user_step
 from memfit.techniques.base import REGISTRY, Technique, parse_technique
 from memfit.techniques.rules import check_rules, ordered, parse_all
+
+if TYPE_CHECKING:
+    from memfit.techniques.optimizer_states import _Optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +127,7 @@ class ResolvedWorkload(Workload):
         source = self.source
         seq = self.effective_seq_len
         if source.head == "image-classification":
+            assert source.hf_config is not None   # a Hugging Face head
             patch = source.hf_config.get("patch_size", 1)
             if seq % patch:
                 raise MemfitError(f"image size {seq} is not a multiple of the patch size {patch}.")
@@ -153,7 +158,7 @@ def effective_seq_len(workload: Workload, source: ModelSource) -> int:
     if workload.seq_len is not None:
         return workload.seq_len
     if source.head == "image-classification":
-        return source.image_size
+        return cast(int, source.image_size)   # None when the config has no image_size
     return min(DEFAULT_SEQ_LEN, source.max_seq_len or DEFAULT_SEQ_LEN)
 
 
@@ -180,7 +185,9 @@ def optimizers() -> tuple[str, ...]:
 def implementations(optimizer: str) -> tuple[str, ...]:
     """The --optimizer-impl values `optimizer` runs with: torch.optim's all three; an optimizer technique declares
     its own (none for those with their own kernels)."""
-    return TORCH_OPTIMIZER_IMPLS if optimizer in TORCH_OPTIMIZERS else REGISTRY[optimizer].implementations
+    # an optimizer name that is not torch.optim's is an optimizer technique's (optimizer_states._Optimizer)
+    return TORCH_OPTIMIZER_IMPLS if optimizer in TORCH_OPTIMIZERS else cast(
+        "type[_Optimizer]", REGISTRY[optimizer]).implementations
 
 
 def _check_settings(workload: Workload) -> None:
@@ -209,6 +216,7 @@ def _source_of(workload: ResolvedWorkload) -> ModelSource:
         source = replace(source, overrides={**source.overrides, **overrides})
     tokens = effective_seq_len(workload, source) + workload.new_tokens
     if workload.allow_long_seq and source.max_seq_len and tokens > source.max_seq_len:
+        assert source.hf_config is not None   # only a Hugging Face config has a maximum length
         key = "n_positions" if "n_positions" in source.hf_config else "max_position_embeddings"
         source = replace(source, overrides={**source.overrides, key: tokens})
     return source
@@ -217,14 +225,15 @@ def _source_of(workload: ResolvedWorkload) -> ModelSource:
 def with_technique(workload: Workload, technique: Technique) -> ResolvedWorkload:
     """`workload` with `technique` added (a precision or optimizer technique replaces that field)."""
     if technique.workload_field:
-        return resolve(replace(workload, **{technique.workload_field: technique.name}))
+        # the field is a str one (precision, optimizer): a dict[str, str] would be checked against every field
+        return resolve(replace(workload, **cast("dict[str, Any]", {technique.workload_field: technique.name})))
     return resolve(replace(workload, techniques=tuple(workload.techniques) + (technique.spec,)))
 
 
 def without_technique(workload: Workload, technique: Technique) -> ResolvedWorkload:
     """`workload` without `technique` (a precision or optimizer technique: that field back to its default)."""
     if technique.workload_field:
-        default = Workload.__dataclass_fields__[technique.workload_field].default
+        default: Any = Workload.__dataclass_fields__[technique.workload_field].default   # the field has one
         return resolve(replace(workload, **{technique.workload_field: default}))
     kept = tuple(s for s in workload.techniques if parse_technique(s).name != technique.name)
     return resolve(replace(workload, techniques=kept))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +210,7 @@ def upcast_chunked_lm_loss(model: torch.nn.Module, batch: dict, *, chunks: int, 
     return total / (targets != IGNORE_INDEX).sum()
 
 
-def _loss_inputs(model: torch.nn.Module, batch: dict):
+def _loss_inputs(model: Any, batch: dict):   # a Hugging Face causal LM, or peft's wrapper of one
     """The base model's last hidden state, the LM head, its logit soft-cap and the shifted targets."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper

@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 from memfit.core.categories import CATEGORIES, zero_categories
 from memfit.estimators.analytic import recompute
 from memfit.estimators.analytic.blocks import Gathers, block_numels, block_of
 from memfit.estimators.analytic.recompute import RecomputeDone, Region
 from memfit.estimators.analytic.symbols import Alias, Offloaded, Param, Sym, is_parameter
-from memfit.estimators.caching_allocator import PHASE_START
+from memfit.estimators.caching_allocator import PHASE_START, Event
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class Engine:
         self.autocast_on = policy.autocast_dtype is not None
         self.keep: list = []          # tensors the program holds across calls (inputs, caches)
         # set to [] to record the device's allocations in order: (tensor uid, weighted bytes it holds from now on)
-        self.allocations: list[tuple[int, int, object]] | None = None
+        self.allocations: list[Event] | None = None
         self.stream: object = 0       # the CUDA stream new tensors are allocated on (FSDP2's own streams: blocks.py)
         self.inputs_are_views = False
         self.region: Region | None = None         # the checkpointed block being run, if any
@@ -204,9 +207,10 @@ class Engine:
             output.grad = True
             dtypes = grad_dtypes or [x.dtype for x in needs]
             edges = [(x.uid, x.numel, dtype, x if isinstance(x, Param) else None) for x, dtype in zip(needs, dtypes)]
-            kept = [s for s in saved if isinstance(s, Sym)]
+            kept: list[Sym | Offloaded] = [s for s in saved if isinstance(s, Sym)]
             if self.offloading is not None:   # the pack hook: a host copy of all but the parameters
-                kept = [s if is_parameter(s) else self.offloading.setdefault(s.uid, Offloaded(s)) for s in kept]
+                kept = [s if is_parameter(s) else self.offloading.setdefault(s.uid, Offloaded(s))
+                        for s in cast("list[Sym]", kept)]   # only Syms so far
             node = Node(output.uid, edges, kept, self.segment, scratch or [], passthrough, self.region)
             self.tape.append(node)
             if self.rerun_left is not None and node.saved:
@@ -236,7 +240,7 @@ class Engine:
         stack, layer = segment
         return self._block_numels.get((stack if isinstance(stack, str) else None, layer), 0)
 
-    def block(self, index: int, fn, x: Sym) -> Sym:
+    def block(self, index: int, fn: Callable[[Sym], T], x: Sym) -> T:
         """Run block `index` as `fn(x)`, checkpointed when the policy says so."""
         if self.gathers:   # all-gathered before the block runs, freed after (reshard_after_forward)
             self.gathers.gather(self.segment)
@@ -264,7 +268,7 @@ class Engine:
         pending: dict[int, Sym] = {loss.uid: seed if seed is not None else self.new(1, loss.dtype)}
         del seed
         tape, self.tape = self.tape, []
-        self._param_uses = {}
+        self._param_uses: dict[int, int] = {}
         for node in tape:
             for edge in node.inputs:
                 if edge[3] is not None:

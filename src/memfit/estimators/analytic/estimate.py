@@ -9,6 +9,7 @@ DeepSpeed's own states and buffers (host.deepspeed_states).
 from __future__ import annotations
 
 import time
+from typing import cast
 
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
@@ -20,6 +21,7 @@ from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.extrapolate import (
     NotLinear,
     RegionPeak,
+    Regions,
     extrapolate,
     extrapolate_host,
     extrapolation_depths,
@@ -47,8 +49,8 @@ def regions_of(e: Engine, num_layers: int, period: int, tail: int | None = None)
                 name = f"{stack}:last"
             else:
                 continue
-        else:
-            name = segment
+        else:   # the engine's named segments: "pre", "mid", "post"
+            name = cast(str, segment)
         at, cm = dict(point.at), dict(cmax)
         key = (phase, name)
         if key in regions:   # first and last coincide for a one-period stack
@@ -83,7 +85,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         raise MemfitError(f"-t {traced_only.name}: the analytic model has no program for it; use --method traced.")
     _, spec = registry.family_of(source)
     period = spec.period
-    layers = source.num_layers
+    layers = cast(int, source.num_layers)   # a family's config names its depth
     weights, divisor, notes = state_weights(workload)
     depths, failure, allocations = None, None, None
     if all(t.depth_linear for t in workload.technique_configs):
@@ -94,7 +96,8 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
             if not depths:
                 break
             engines = {n: simulate(workload, gpu, n, weights) for n in depths}
-            samples = {n: regions_of(e, n, period, tail) for n, e in engines.items()}
+            # extrapolate's Regions are keyed (phase, ordinal), these (phase, name): it reads no key's parts
+            samples = {n: cast(Regions, regions_of(e, n, period, tail)) for n, e in engines.items()}
             try:
                 regions = extrapolate(samples, layers)
                 saved = extrapolate_host({n: {"step": e.host_peak} for n, e in engines.items()}, layers)
@@ -110,7 +113,7 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
         by_rank = {}
         for rank in ranks:
             engine = simulate(workload, gpu, layers, weights, rank, record_allocations=gpu is not None)
-            by_rank[rank] = (regions_of(engine, layers, layers), engine.host_peak, engine.allocations,
+            by_rank[rank] = (cast(Regions, regions_of(engine, layers, layers)), engine.host_peak, engine.allocations,
                              engine.paged_bytes)
             del engine
         highest = max(ranks, key=lambda r: peak_of(by_rank[r][0])[0].total)

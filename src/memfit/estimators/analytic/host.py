@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
@@ -168,4 +168,4 @@ def deepspeed_states(workload: ResolvedWorkload, psi: int, at_peak: dict[str, in
         comp["gradients"] = max(comp["gradients"], step["gradients"])
     if workload.with_trait("swaps-to-disk"):
         host, drive = nvme_swap_bytes(sizes, n)
-    return DeepSpeedStates(step if in_step else at, comp, host, drive, in_step)
+    return DeepSpeedStates(cast("dict[str, int]", step) if in_step else at, comp, host, drive, in_step)

@@ -37,6 +37,7 @@ def autocast_input(e: Engine, x: Sym, op: str) -> Sym:
     if not e.autocast_on or x.dtype not in ("float32",) + HALF:
         return x
     if op in _LOWER:
+        assert e.policy.autocast_dtype is not None   # autocast_on: the policy has an autocast dtype
         return weight(e, x) if isinstance(x, Param) else cast(e, x, e.policy.autocast_dtype)
     if op in _FP32_INPUT[e.policy.backend] and x.dtype in HALF:
         return cast(e, x, "float32")
@@ -49,6 +50,7 @@ def weight(e: Engine, p: Param) -> Sym:
     target = e.policy.autocast_dtype
     if not e.autocast_on or p.dtype == target:
         return p
+    assert target is not None   # autocast_on: the policy has an autocast dtype
     if p.frozen:
         return cast(e, p, target)
     cached = e.cast_cache.get(p.name)
@@ -82,6 +84,7 @@ def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = 
 
 def _add_lora(e: Engine, x: Sym, w: Param, out: Sym, out_features: int) -> Sym:
     """peft's LoRA linear: base(x) + B(A(x)) * scaling, each step a new tensor."""
+    assert w.lora is not None   # linear calls this only for a weight with adapters
     a, b = w.lora
     low = linear(e, x, a, a.shape[0])
     return add(e, out, scalar_op(e, linear(e, low, b, out_features)))
@@ -167,6 +170,7 @@ def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     whole weight dequantized to the compute dtype, x @ that; the output cast back to x's dtype. Nothing
     is saved for backward, which dequantizes the weight again in its original dtype and casts it to the
     gradient's."""
+    assert w.quant is not None   # linear calls this only for a quantized weight
     _, original, _, double_quant = w.quant
     compute = e.policy.autocast_dtype or original
     x_in = cast(e, x, compute)

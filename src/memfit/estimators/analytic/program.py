@@ -7,6 +7,7 @@ stage's part, run a pipeline schedule, hold gradient buckets. Nothing here names
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from memfit.estimators.analytic import weights
 from memfit.estimators.analytic.distillation import declare_teacher_and_student, distillation_loss
@@ -32,17 +33,18 @@ class Windows:
     @property
     def tokens(self) -> int:
         """Tokens per sequence in one forward."""
-        return self.window if self.chunked else self.sequence
+        return cast(int, self.window) if self.chunked else self.sequence   # chunked: a window is set
 
     @property
     def count(self) -> int:
         """Forwards (with backward) per step."""
-        return len(window_starts(self.sequence, self.window, self.stride or self.window)) if self.chunked else 1
+        return (len(window_starts(self.sequence, cast(int, self.window), cast(int, self.stride or self.window)))
+                if self.chunked else 1)   # chunked: a window is set
 
     @property
     def overlap(self) -> bool:
         """Later windows copy their labels to mask the overlap."""
-        return self.chunked and (self.stride or self.window) < self.window
+        return self.chunked and cast(int, self.stride or self.window) < cast(int, self.window)   # chunked: window set
 
 
 class Program:
@@ -95,7 +97,8 @@ class Program:
         e = self.engine
         trainable = [p for p in e.params.values() if p.grad]
         for category in ("optimizer_states", "gradients"):
-            e.keep += [e.new(p.numel, e.policy.master_dtype, category=category) for p in trainable]
+            # the technique that holds master weights sets the policy's master dtype
+            e.keep += [e.new(p.numel, cast(str, e.policy.master_dtype), category=category) for p in trainable]
 
     def loss(self, batch: int, tokens: int) -> Sym:
         """One forward to the loss (the student's, on the teacher's soft targets, when there is a teacher)."""
@@ -124,6 +127,7 @@ class Program:
                 if warmup + i < m:
                     order.append(("F", warmup + i))
         in_flight: dict[int, tuple[list, Sym, list]] = {}
+        held: list[Sym]
         for kind, i in order:
             if kind == "F":
                 e.set_phase("forward")

@@ -2,12 +2,15 @@
 offloaded to the host (torch.autograd.graph.save_on_cpu)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from memfit.estimators.analytic.symbols import Sym
 
 if TYPE_CHECKING:
     from memfit.estimators.analytic.engine import Engine, Node
+
+T = TypeVar("T")
 
 
 class RecomputeDone(Exception):
@@ -41,7 +44,7 @@ class Region:
         return kind == "attention"
 
 
-def offloaded(e: Engine, fn, x: Sym) -> Sym:
+def offloaded(e: Engine, fn: Callable[[Sym], T], x: Sym) -> T:
     """`fn(x)` with its saved tensors copied to the host as they are saved (one copy per tensor)."""
     if not e.policy.train:
         return fn(x)
@@ -52,7 +55,7 @@ def offloaded(e: Engine, fn, x: Sym) -> Sym:
         e.offloading = None
 
 
-def checkpointed(e: Engine, fn, x: Sym, *, selective: str | None = None):
+def checkpointed(e: Engine, fn: Callable[[Sym], T], x: Sym, *, selective: str | None = None) -> T:
     """`fn(x)` under torch.utils.checkpoint (non-reentrant: it applies when only the block's parameters
     need gradients too, as under LoRA, whose first block's input needs none)."""
     if not e.policy.train:

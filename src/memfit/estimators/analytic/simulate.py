@@ -10,6 +10,7 @@ names no technique.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
@@ -37,7 +38,7 @@ def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
     precision = get_precision(workload.precision)
     deepspeed = workload.engine == "deepspeed"   # DeepSpeed casts the model to the half type, no autocast
     autocast = engine_dtype(precision.autocast_dtype) if precision.autocast_dtype else None
-    fields = dict(
+    fields: dict[str, Any] = dict(
         param_dtype=autocast if deepspeed else engine_dtype(precision.param_dtype),
         autocast_dtype=None if deepspeed else autocast,
         backend="cuda" if gpu else "cpu", train=workload.task == "train",

@@ -46,6 +46,8 @@ class Param(Sym):
 
     __slots__ = ("name", "grad_sym", "shape", "lora", "frozen", "quant", "state_dtype")
 
+    shape: tuple[int, ...]   # set by Engine.param (and weights.py for quantized codes), not here
+
     def __init__(self, eng: Engine, name: str, numel: int, dtype: str, trainable: bool = True,
                  state_dtype: str | None = None):
         # `dtype`: what the program computes with; `state_dtype`: what is stored (the parameter, its gradient and

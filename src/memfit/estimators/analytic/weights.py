@@ -24,6 +24,8 @@ How these linears compute is in ops.py (the kernel named by each weight's `quant
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from memfit.core.errors import NotModelled
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Param
@@ -98,7 +100,7 @@ def fake_quantize_linears(e: Engine, family) -> None:
             param.quant = ("fake_quant", param.dtype, [], False)
 
 
-def add_adapters(e: Engine, family, rank: int, targets: tuple[str, ...]) -> None:
+def add_adapters(e: Engine, family, rank: int, targets: Collection[str]) -> None:
     """`targets`: Hugging Face module names (their last part), or (ALL_LINEAR,): every linear of the blocks."""
     names = _module_names(family, "adapters")
     targets = set(names.values()) if targets == (ALL_LINEAR,) else {names.get(t, t) for t in targets}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -80,7 +81,7 @@ def self_attention(e: Engine, x: Sym, d: BertSpec, i: int, batch: int, seq: int)
     """q, k, v (separate projections) live until the method returns."""
     p = f"layer.{i}."
     q, k, v = (dense(e, x, p + n, d.width) for n in ("q", "k", "v"))
-    shape = dict(batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.head_dim,
+    shape: dict[str, Any] = dict(batch=batch, heads=d.heads, q_len=seq, kv_len=seq, head_dim=d.head_dim,
                  dropout_p=d.attn_dropout if e.policy.train else 0.0)
     if d.eager:
         return eager_attention(e, q, k, v, **shape)[0]

@@ -40,6 +40,7 @@ def chunked_lm_loss(e: Engine, hidden: Sym, table: Param, vocab: int, *, batch: 
     counted = e.new(batch * seq, "bool")               # targets != -100
     count = e.new(1, "int64")
     del counted
+    assert total is not None                           # at least one slice
     loss = ops.mul(e, total, count)                    # total / count
     del kept, padded                                   # the slices' logits live until the loss returns
     return loss

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -82,7 +83,7 @@ class DecoderSpec:
         window = getattr(cfg, "sliding_window", None)
         if variant.window_opt_in and not getattr(cfg, "use_sliding_window", False):
             window = None
-        pattern = (False,)
+        pattern: tuple[bool, ...] = (False,)
         if variant.alternating_window:
             pattern = (True, False)
         elif window:
@@ -176,9 +177,12 @@ def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, passthrough: bool) -> Sym:
 
 
 def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int, batch: int, q_len: int,
-              cache: dict | None, kv_len: int, masks: dict) -> Sym:
+              cache: dict | None, kv_len: int, masks: dict) -> tuple[Sym, Sym | None]:
     p = f"layers.{layer}."
     q_size, kv_size = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    q: Sym
+    k: Sym
+    v: Sym
     if d.variant.fused_projections:
         qkv = ops.linear(e, x, e.params[p + "qkv"], q_size + 2 * kv_size)
         tokens = qkv.numel // (q_size + 2 * kv_size)
@@ -219,7 +223,7 @@ def _cache_update(e: Engine, cache: dict, layer: int, k: Sym, v: Sym, d: Decoder
     old_k, old_v = cache.pop(layer, (None, None))   # both cats first, then the views replace the old tensors
     tokens = _tokens(k, d, batch)
     if old_k is not None:
-        tokens += min(_tokens(old_k, d, batch), d.sliding_window - 1)
+        tokens += min(_tokens(old_k, d, batch), cast(int, d.sliding_window) - 1)   # sliding: a window is set
     full = batch * d.kv_heads * d.head_dim * tokens
     new_k, new_v = e.new(full, k.dtype, category="kv_cache"), e.new(full, v.dtype, category="kv_cache")
     del old_k, old_v

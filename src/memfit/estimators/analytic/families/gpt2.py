@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import ops
@@ -89,11 +90,13 @@ def attention(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, ca
     output and the eager attention weights (the block holds them until it returns)."""
     p, params = f"h.{i}.", e.params
     qkv = ops.linear(e, x, params[p + "c_attn.w"], 3 * d.hidden, params[p + "c_attn.b"])
+    k: Sym
+    v: Sym
     q, k, v = (View(qkv, qkv.numel // 3) for _ in range(3))
     del qkv
     if cache is not None:
         k, v = grow_cache(e, cache, i, k, v, batch * d.hidden * kv_len)
-    shape = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.hidden // d.heads,
+    shape: dict[str, Any] = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.hidden // d.heads,
                  dropout_p=d.attn_pdrop if e.policy.train else 0.0)
     weights = None
     if d.eager:   # the weights cast to the value's dtype (mixed precision: from float32)

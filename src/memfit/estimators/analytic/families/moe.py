@@ -3,10 +3,11 @@ int8 expert weights (torchao has no grouped matmul for them), its eager loop ove
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import cast
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.symbols import Sym, View
+from memfit.estimators.analytic.symbols import Param, Sym, View
 
 
 def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
@@ -68,8 +69,10 @@ def _eager_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int) 
     p = f"layers.{layer}."
     k, h, inter, hit = d.top_k, d.hidden, d.intermediate, d.experts + 1    # one_hot adds a sentinel expert
     slots = tokens * k    # the routing mask's (slot, token) pairs
-    # one expert's weight, as `experts.gate_up_proj[expert_idx]` selects it: what the linear kernels read
-    w_gate_up, w_down = (SimpleNamespace(numel=w.numel // d.experts, shape=w.shape[1:], quant=w.quant, lora=None)
+    # one expert's weight, as `experts.gate_up_proj[expert_idx]` selects it: what the linear kernels read (a stand-in
+    # with the attributes of a Param they read)
+    w_gate_up, w_down = (cast(Param, SimpleNamespace(numel=w.numel // d.experts, shape=w.shape[1:], quant=w.quant,
+                                                     lora=None))
                          for w in (e.params[p + "experts.gate_up"], e.params[p + "experts.down"]))
     out = e.new(tokens * h, x.dtype)                                     # zeros_like
     mask = e.new(slots * hit, "int64")                                   # one_hot(top_k_index, E + 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -123,7 +124,7 @@ def attention(e: Engine, x: Sym, source: Sym, d: T5Spec, p: str, *, batch: int, 
             bias = relative_bias(e, d, q_len, kv_len, p + "bias")
         else:
             bias = e.new(d.heads * q_len * kv_len, q.dtype)   # zeros: no relative bias in cross-attention
-    shape = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.d_kv,
+    shape: dict[str, Any] = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.d_kv,
                  dropout_p=d.dropout if e.policy.train else 0.0)
     if d.eager:
         out = eager_attention(e, q, k, v, **shape, masks=(bias,) if causal_mask is None else (bias, causal_mask))[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -68,7 +69,7 @@ def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sy
     x = ops.patch_conv(e, pixels, e.params["patch.w"], e.params["patch.b"], batch=batch, channels=d.channels,
                        image=image, patch=d.patch, out_channels=d.hidden)
     x = ops.cat(e, [View(e.params["cls"], batch * d.hidden), x])
-    position = e.params["pos"]
+    position: Sym = e.params["pos"]
     if image != d.image:   # interpolate_pos_encoding: bicubic resize of the patch positions
         position = ops.cat(e, [View(position, d.hidden), ops.copy(e, View(position, patches * d.hidden))])
     x = ops.add(e, x, position)
@@ -78,7 +79,7 @@ def embeddings(e: Engine, d: ViTSpec, pixels: Sym, batch: int, image: int) -> Sy
 def attention(e: Engine, x: Sym, d: ViTSpec, i: int, batch: int, tokens: int) -> Sym:
     p = f"layers.{i}."
     q, k, v = (dense(e, x, p + n, d.hidden) for n in ("q", "k", "v"))
-    shape = dict(batch=batch, heads=d.heads, q_len=tokens, kv_len=tokens, head_dim=d.hidden // d.heads,
+    shape: dict[str, Any] = dict(batch=batch, heads=d.heads, q_len=tokens, kv_len=tokens, head_dim=d.hidden // d.heads,
                  dropout_p=d.attn_dropout if e.policy.train else 0.0)
     if d.eager:   # softmax in float32, cast back to the query's dtype
         out = eager_attention(e, q, k, v, **shape, softmax_dtype="float32", weights_dtype=q.dtype)[0]
