@@ -90,5 +90,16 @@ def host_predicted_as_measured(run) -> None:
         assert rel(run.extra["estimates"][method]["host_bytes"], run.host_bytes) < tolerance, method
 
 
+POINT = 0.01   # what an analytic estimate may drift from its recorded error before a test fails
+
+
+def assert_analytic(run, measured_bytes: int | None = None, *, error: float = 0.0) -> None:
+    """The analytic estimate of a measured run within its error today (`error`, a fraction, recorded at the test
+    where it is more than a rounding) plus one point."""
+    actual = run.peak_bytes if measured_bytes is None else measured_bytes
+    off = (predicted(run, "analytic") - actual) / actual
+    assert abs(off) < abs(error) + POINT, f"analytic {off:+.4f}, recorded {error:+.4f}"
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1)

@@ -70,6 +70,23 @@ def test_every_registered_technique_is_exported_by_its_class_name():
     assert {cls.__name__ for cls in REGISTRY.values()} <= set(techniques.__all__)
 
 
+@pytest.mark.parametrize("declared, problem", [
+    ({"stage": "somewhere"}, "stage 'somewhere' is not one of"),
+    ({"search_axis": "speed"}, "search_axis 'speed' is not one of"),
+    ({"risk": "risky"}, "risk 'risky'"),
+    ({"traits": frozenset({"glows"})}, "unknown traits ['glows']"),
+    ({"name": "Half MLP"}, "lower-case words"),
+    ({"time_factor": 0}, "time_factor 0"),
+    ({"workload_field": "batch_size"}, "workload_field 'batch_size'"),
+])
+def test_registration_checks_every_declaration(declared, problem):
+    """A technique declaring what memfit does not know fails where it registers, naming the declaration."""
+    bad = type("Bad", (HalfMlp,), {"name": "toy-bad", **declared})
+    with pytest.raises(TypeError, match=re.escape(problem)):
+        register(bad)
+    assert "toy-bad" not in REGISTRY and "Half MLP" not in REGISTRY
+
+
 def test_techniques_never_ask_whether_they_are_traced():
     """A traced run's stand-ins live with the tracer (estimators/stand_ins.py), registered by name: no technique
     branches on fake tensors itself, and every stand-in a technique asks for is registered."""

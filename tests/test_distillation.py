@@ -6,13 +6,13 @@ import torch
 import memfit
 from memfit.core.errors import MemfitError
 from memfit.techniques.resolve import ResolvedWorkload
-from tests.conftest import SHAPE, predicted, rel
+from tests.conftest import SHAPE, assert_analytic, predicted, rel
 
 
 def test_distillation_counts_the_teacher_and_its_logits_as_predicted(measured):
     run, base = measured(("distill",)), measured(())
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     teacher = 4 * 4999424                        # tiny-llama in float32, frozen
     student = 4 * (4999424 - 2 * 725504)         # two of its four blocks
     assert run.at_peak["parameters"] == teacher + student
@@ -24,7 +24,7 @@ def test_distillation_counts_the_teacher_and_its_logits_as_predicted(measured):
 def test_an_int8_teacher_takes_less_memory_as_predicted(measured, losses):
     run, full = measured(("distill:teacher=int8",)), measured(("distill",))
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     assert run.at_peak["parameters"] < full.at_peak["parameters"] - 0.6 * 4 * 4 * 725504   # its blocks' linears
     got = losses(("distill:teacher=int8",))
     assert got[-1] < got[0] - 0.1 and got != losses(("distill",))
@@ -33,7 +33,7 @@ def test_an_int8_teacher_takes_less_memory_as_predicted(measured, losses):
 def test_pruning_after_distill_narrows_the_student_only(measured):
     run = measured(("distill", "prune-structured"))
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     torch.manual_seed(0)
     teacher = ResolvedWorkload(**SHAPE).source.build(device="cpu", dtype=torch.float32)
     student = memfit.apply_(teacher, None, ["distill", "prune-structured"]).model

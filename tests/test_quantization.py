@@ -8,7 +8,7 @@ import memfit
 from memfit.core.errors import MemfitError
 from memfit.measurement.training import text_batches
 from memfit.techniques.resolve import ResolvedWorkload
-from tests.conftest import SHAPE, predicted, rel
+from tests.conftest import SHAPE, assert_analytic, predicted, rel
 
 EMBEDDINGS = 4096 * 256 * 4     # tiny-llama's embeddings (and its untied head), float32
 DOWN_PROJS = 4 * 688 * 256 * 4  # its MLPs' down projections: 688 inputs, which no int4 group size divides
@@ -31,7 +31,7 @@ def test_quantized_inference_keeps_the_bytes_per_weight_predicted(technique, kep
         peak = run.extra["tracked_peak_bytes"]
         assert run.extra["untracked_bytes"] < 0.05 * run.peak_bytes
     assert rel(predicted(run, "traced"), peak) < 0.03
-    assert rel(predicted(run, "analytic"), peak) < 0.10
+    assert_analytic(run, peak)
     quantized_weights = (base.at_peak["parameters"] - kept) / 4
     per_weight = (run.at_peak["parameters"] - kept) / quantized_weights
     assert bytes_per_weight <= per_weight < bytes_per_weight * 1.1, per_weight
@@ -77,7 +77,7 @@ def test_qat_trains_through_fake_quantization_and_converts_to_int8(measured, los
 
     run, base = measured(("qat",)), measured(())
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     assert run.peak_bytes > 1.2 * base.peak_bytes
     got = losses(("qat",))
     assert got[-1] < got[0] - 0.1 and got != losses(())

@@ -4,7 +4,7 @@ import pytest
 
 from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET
 from memfit.techniques.resolve import ResolvedWorkload
-from tests.conftest import HALF_SHAPE, SHAPE, host_predicted_as_measured, predicted, rel
+from tests.conftest import HALF_SHAPE, SHAPE, assert_analytic, host_predicted_as_measured, predicted, rel
 
 DATA_PARALLEL = [
     (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0),
@@ -59,6 +59,12 @@ def on_ranks():
     return runs, losses_by_case
 
 
+# The analytic estimate's error today where it is more than a rounding (rank 0's peak, torch 2.13 on 2 gloo ranks);
+# assert_analytic holds each to it plus one point
+RANKS_ANALYTIC_ERROR = {("fsdp2", "cpu-offload"): -0.0537, ("tensor-parallel", "checkpointing", "bf16-mixed"): -0.0154,
+                        ("pipeline-parallel",): -0.0108}
+
+
 @pytest.mark.distributed
 @pytest.mark.xdist_group("ranks")
 @pytest.mark.parametrize("techniques,zero", DATA_PARALLEL)
@@ -78,7 +84,7 @@ def test_data_parallel_on_two_real_ranks(techniques, zero, measured, on_ranks):
     ddp = techniques[:1] == ("ddp",) or zero
     old_buckets = run.extra["estimates"]["traced"]["model_state_bytes"]["parameters"] if ddp else 0
     assert (traced - old_buckets) * 0.97 <= run.peak_bytes <= (traced + late_free) * 1.03, (traced, run.peak_bytes)
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run, error=RANKS_ANALYTIC_ERROR.get(techniques, 0.0))
     if sharded:
         assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
     else:
@@ -109,7 +115,7 @@ def test_deepspeed_engine_on_two_real_ranks(zero, techniques, on_ranks):
     default-bucket test)."""
     run = on_ranks[0][zero, techniques]
     assert len(run.extra["rank_peak_bytes"]) == 2
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     assert run.host_bytes == 0
 
 

@@ -19,7 +19,9 @@ from tests.conftest import (
     EXAMPLES,
     HALF_SHAPE,
     LOSS_SHAPE,
+    POINT,
     SHAPE,
+    assert_analytic,
     host_predicted_as_measured,
     predicted,
     rel,
@@ -67,17 +69,26 @@ def eager_llama(tmp_path_factory) -> str:
     return str(path)
 
 
+# Each mode's analytic error today where it is more than a rounding (against the real run's peak, as a fraction of
+# it; this file's shapes, torch 2.13, CPU): a mode is held to its error plus one point, so a change that moves the
+# estimate by a point fails here. Every other mode is within 0.1 %.
+ANALYTIC_ERROR = {("chunked-ce",): 0.0016, ("lora:rank=8,targets=q_proj|k_proj|v_proj|o_proj", "checkpointing",
+                                                "bf16-mixed"): 0.0006,
+                  ("qlora:format=fp4,double_quant=false", "checkpointing", "bf16-mixed"): 0.0008}
+
+
 @pytest.mark.parametrize("techniques,baseline", MODES)
 def test_predicted_peak_and_saving_match_a_real_run(techniques, baseline, measured):
     # autocast alone saves the activations it stores in half less the half copies of the weights: at HALF_SHAPE the
     # copies outweigh it (-1 %), so it is measured at SHAPE (-10 %)
     shape = SHAPE if techniques in (("bf16-mixed",), ("fp16-mixed",)) else shape_for(techniques)
     run, base = measured(techniques, shape=shape), measured(baseline, shape=shape)
-    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    analytic = ANALYTIC_ERROR.get(techniques, 0.001) + POINT
+    assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03   # a trace in a long session varies by up to 2.5 %
+    assert rel(predicted(run, "analytic"), run.peak_bytes) < analytic
     saving = base.peak_bytes - run.peak_bytes
     assert saving > 0.05 * base.peak_bytes, "every mode saves memory at this shape"
-    for method, tolerance in (("traced", 0.03), ("analytic", 0.10)):
+    for method, tolerance in (("traced", 0.03), ("analytic", analytic)):
         predicted_saving = predicted(base, method) - predicted(run, method)
         assert abs(predicted_saving - saving) <= tolerance * base.peak_bytes, (method, predicted_saving, saving)
 
@@ -103,9 +114,9 @@ def test_attention_techniques_change_memory_as_predicted(model, task, techniques
     model = eager_llama if model == "eager" else model
     run, base = measured(techniques, model, task), measured((), model, task)
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     change = base.peak_bytes - run.peak_bytes
-    for method, tolerance in (("traced", 0.03), ("analytic", 0.10)):
+    for method, tolerance in (("traced", 0.03), ("analytic", POINT)):
         assert abs(predicted(base, method) - predicted(run, method) - change) <= tolerance * base.peak_bytes
     if techniques == ("sdpa",):
         assert change > 0.1 * base.peak_bytes, "eager attention saves the seq x seq scores for backward"
@@ -190,7 +201,8 @@ def test_compositions_of_three_or_more(techniques, measured):
     shape = shape_for(techniques)
     run, base = measured(techniques, shape=shape), measured((), shape=shape)
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    # the analytic estimate of the last composition is +4.4 % today (not explained yet)
+    assert_analytic(run, error=0.0444 if "cpu-offload" in techniques else 0.0)
     assert run.peak_bytes < base.peak_bytes
 
 
@@ -207,7 +219,7 @@ def test_stream_layers_runs_inference_in_less_device_memory(measured):
     """Block weights in host RAM, each block's copied in while it runs: the device holds one block's."""
     run, base = measured(("stream-layers",), task="inference"), measured((), task="inference")
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     assert run.peak_bytes < 0.8 * base.peak_bytes and run.host_bytes > 0
     host_predicted_as_measured(run)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -330,7 +342,7 @@ def test_lora_on_a_mixture_of_experts_keeps_no_expert_inputs(measured):
     """Frozen experts need no weight gradients, so their grouped matmuls save no inputs (predicted)."""
     run, base = measured(("lora",), "tiny-mixtral"), measured((), "tiny-mixtral")
     assert rel(predicted(run, "traced"), run.peak_bytes) < 0.03
-    assert rel(predicted(run, "analytic"), run.peak_bytes) < 0.10
+    assert_analytic(run)
     assert run.peak_bytes < 0.7 * base.peak_bytes
 
 

@@ -8,7 +8,8 @@ from rich.table import Table
 from memfit.cli.common import output_console, print_json
 from memfit.techniques import REGISTRY
 from memfit.techniques.base import CHANGES, TRAITS
-from memfit.techniques.rules import ORDER, declared_rules
+from memfit.techniques.rules import declared_rules
+from memfit.techniques.stages import ORDER
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

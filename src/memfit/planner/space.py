@@ -22,17 +22,15 @@ from memfit.estimators import count_parameters, methods_for
 from memfit.planner.request import PlanRequest
 from memfit.specs.workload import Workload
 from memfit.techniques import REGISTRY
-from memfit.techniques.base import Technique, parse_technique
+from memfit.techniques.base import SEARCH_AXES, Technique, parse_technique
 from memfit.techniques.resolve import ResolvedWorkload, resolve
 from memfit.techniques.rules import ordered
 
 if TYPE_CHECKING:
     from memfit.techniques.distributed import LayoutTechnique
 
-# The axes a technique can be a value of, in the order a plan lists them; "allocator" values are not searched but
-# added to a plan that fits only with them (search.py)
 FLOAT32_ROOM = 4   # float32 is searched on a GPU with bf16 when its model states fit this many times over
-AXES = ("layout", "precision", "optimizer", "optimizer-step", "weights", "attention", "activations", "loss", "offload")
+AXES = SEARCH_AXES   # the axes a technique can be a value of (techniques/base.py), in the order a plan lists them
 DEFAULTS = Workload.__dataclass_fields__
 
 

@@ -14,6 +14,7 @@ explain-oom's objects (documented where each is defined); this layer never impor
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -22,8 +23,13 @@ from memfit.core.errors import MemfitError, closest
 from memfit.specs.hardware import AllocatorSettings
 from memfit.specs.workload import Workload
 from memfit.steps.setup import StepSetup
+from memfit.techniques.stages import STAGES
 
 RISKS = ("lossless", "numerical", "lossy")
+# The planner's search axes a technique can be a value of (`search_axis`), in the order a plan lists them; "allocator"
+# values are not searched but added to a plan that fits only with them (planner/search.py)
+SEARCH_AXES = ("layout", "precision", "optimizer", "optimizer-step", "weights", "attention", "activations", "loss",
+               "offload")
 # What a technique changes in training, least first: how a practitioner ranks them. The planner prefers the least
 # among plans of about the same speed (planner/planning.py).
 CHANGES = {
@@ -91,7 +97,7 @@ class Technique:
     summary: ClassVar[str]
     risk: ClassVar[str]                  # lossless | numerical | lossy
     changes: ClassVar[str | None] = None   # what it changes in training (CHANGES); None: from its risk
-    stage: ClassVar[str]                 # its place in the canonical order (rules.ORDER)
+    stage: ClassVar[str]                 # its place in the canonical order (stages.ORDER)
     workload_field: ClassVar[str | None] = None   # "precision" / "optimizer": sets that Workload field
     # Step time relative to the same step without the technique: a cost-model figure (`assumed`)
     # until benchmarks/technique_table.py measures it.
@@ -109,7 +115,7 @@ class Technique:
     # explain-oom: the configurations it tries on the workload that ran out of memory (memfit's estimate of it
     # with each), best saving first; `oom_fix` predicts one from the OOM message or a snapshot alone
     oom_fixes: ClassVar[tuple[str, ...]] = ()
-    # The planner: the axis of its search this technique is one value of (planner/space.py AXES, or "allocator":
+    # The planner: the axis of its search this technique is one value of (SEARCH_AXES, or "allocator":
     # added only to a plan that fits with it alone), None when it is not searched; `search_values` says which
     # configurations to try
     search_axis: ClassVar[str | None] = None
@@ -262,12 +268,38 @@ REGISTRY: dict[str, type[Technique]] = {}
 
 def register(cls: type[Technique]) -> type[Technique]:
     """Add a technique class to the registry (a decorator): from then on `-t NAME` parses to it, and the rules,
-    the planner's search, the cost model and explain-oom's fixes ask it what it declares."""
-    assert cls.risk in RISKS and cls.training_change() in CHANGES and cls.name not in REGISTRY, cls
-    unknown = set(cls.traits) - set(TRAITS)
-    assert not unknown, f"{cls.name} declares unknown traits {unknown}; add them to TRAITS with their meaning"
+    the planner's search, the cost model and explain-oom's fixes ask it what it declares. Every declaration is
+    checked here: a technique that declares something memfit does not know fails at import, naming it."""
+    for problem in declaration_problems(cls):
+        raise TypeError(f"technique {cls.__name__}: {problem}")
     REGISTRY[cls.name] = cls
     return cls
+
+
+def declaration_problems(cls: type[Technique]) -> list[str]:
+    """What is wrong with the class attributes `cls` declares (empty when nothing is)."""
+    name = getattr(cls, "name", None)
+    checks = [
+        (isinstance(name, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) is not None,
+         f"name {name!r} must be lower-case words joined by '-'"),
+        (name not in REGISTRY, f"name {name!r} is registered already (by {REGISTRY.get(name)})"),
+        (isinstance(getattr(cls, "summary", None), str) and bool(cls.summary), "summary must say what it does"),
+        (getattr(cls, "risk", None) in RISKS, f"risk {getattr(cls, 'risk', None)!r} is not one of {RISKS}"),
+        (cls.changes is None or cls.changes in CHANGES, f"changes {cls.changes!r} is not one of {tuple(CHANGES)}"),
+        (getattr(cls, "stage", None) in STAGES, f"stage {getattr(cls, 'stage', None)!r} is not one of {STAGES}"),
+        (cls.workload_field in (None, "precision", "optimizer"),
+         f"workload_field {cls.workload_field!r} must be None, 'precision' or 'optimizer'"),
+        (cls.search_axis in (None, *SEARCH_AXES, "allocator"),
+         f"search_axis {cls.search_axis!r} is not one of {SEARCH_AXES + ('allocator',)} (or None)"),
+        (cls.needs_engine in (None, "pytorch", "deepspeed"), f"needs_engine {cls.needs_engine!r} is not an engine"),
+        (isinstance(cls.time_factor, (int, float)) and cls.time_factor > 0,
+         f"time_factor {cls.time_factor!r} must be a positive number"),
+        (set(cls.traits) <= set(TRAITS),
+         f"unknown traits {sorted(set(cls.traits) - set(TRAITS))}: add them to TRAITS with their meaning"),
+        (all(isinstance(fix, tuple) and len(fix) == 2 for fix in cls.conflicts_with.values()),
+         "conflicts_with maps a name or a trait to (reason, fix)"),
+    ]
+    return [problem for ok, problem in checks if not ok]
 
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}

@@ -51,7 +51,7 @@ class PipelineParallel(LayoutTechnique):
     risk = "numerical"      # the batch's loss is a mean of micro-batch means: another summation order
     traits = frozenset({"layout", "shards-weights", "splits-blocks", "own-backward", "wraps-forward"})
     summary = "pipeline parallel (torch.distributed.pipelining): each rank holds a run of the blocks; 1f1b or gpipe"
-    stage = "split"     # the model is cut into stages before -t fsdp2 shards each stage (rules.ORDER)
+    stage = "split"     # the model is cut into stages before -t fsdp2 shards each stage (stages.ORDER)
     microbatches: int = 2
     schedule: str = "1f1b"
     stages: int = 0     # stages on a 2-D mesh with a sharding layout across each; 0: every rank is a stage

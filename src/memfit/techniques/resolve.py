@@ -5,7 +5,7 @@ the same fields, with
 - each `-t` spec parsed into its technique config; one that sets a workload field (a precision, an
   optimizer) folded into that field, so there is one source of truth for each setting;
 - techniques a workload implies added (a technique declares when: `implied_by`), all in the canonical
-  order (rules.ORDER);
+  order (stages.ORDER);
 - the model source resolved, with the changes techniques make to a Hugging Face config;
 - every technique's own check and every rule between techniques applied (rules.check_rules).
 A bad value raises a MemfitError before anything runs. `dataclasses.replace` on a resolved workload

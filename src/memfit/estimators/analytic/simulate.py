@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from memfit.core.errors import ImpossibleCombination
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
@@ -48,9 +49,16 @@ def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
         grad_bucket=workload.reduce_bucket if deepspeed and workload.zero_stage < 3 else 0,
         master_dtype=engine_dtype(precision.master_dtype) if precision.master_dtype else None,
     )
+    writers: dict[str, str] = {}   # a setting two techniques set to different values: a combination the rules missed
     for technique in workload.hooked_techniques:
         for name, value in technique.analytic_policy(workload).items():
-            fields[name] = (fields.get(name) or value) if isinstance(value, bool) else value
+            if isinstance(value, bool):   # a mechanism switched on: any technique may
+                fields[name] = fields.get(name) or value
+                continue
+            if name in writers and fields[name] != value:
+                raise ImpossibleCombination(f"{writers[name]} and {technique.spec} both set the analytic engine's "
+                                            f"{name} ({fields[name]!r} and {value!r}); they do not go together.")
+            fields[name], writers[name] = value, technique.spec
     return Policy(**fields)
 
 
