@@ -278,9 +278,9 @@ def register(cls: type[Technique]) -> type[Technique]:
 
 def declaration_problems(cls: type[Technique]) -> list[str]:
     """What is wrong with the class attributes `cls` declares (empty when nothing is)."""
-    name = getattr(cls, "name", None)
+    name = str(getattr(cls, "name", None))
     checks = [
-        (isinstance(name, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) is not None,
+        (re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) is not None,
          f"name {name!r} must be lower-case words joined by '-'"),
         (name not in REGISTRY, f"name {name!r} is registered already (by {REGISTRY.get(name)})"),
         (isinstance(getattr(cls, "summary", None), str) and bool(cls.summary), "summary must say what it does"),
