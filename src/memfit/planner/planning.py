@@ -21,6 +21,7 @@ from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, change_of, lower_bound_estimate, risk_of
 from memfit.specs.instances import usual_host_ram
+from memfit.specs.model_source import catalog
 from memfit.techniques.base import CHANGES
 from memfit.techniques.resolve import ResolvedWorkload, all_techniques, without_technique
 
@@ -97,6 +98,8 @@ def _plan(request: PlanRequest, *, progress: Callable[[str], None] | None, explo
 def _timed(result: Evaluated, request: PlanRequest, workload: ResolvedWorkload, ppl: float | None) -> Evaluated:
     """A sized candidate with its risk, change to training, step time and throughput."""
     result.risk, result.change, result.ppl_increase = risk_of(workload), change_of(workload), ppl
+    if ppl:
+        result.ppl_source = ppl_source(workload, result.estimate.num_parameters)
     timed = step_time(result.workload(request), result.estimate, request.gpu, grad_accum=result.grad_accum,
                       num_gpus=result.candidate.num_gpus, cost=request.cost)
     result.time = timed
@@ -283,16 +286,38 @@ def tradeoff(ordered: list[Evaluated], request: PlanRequest) -> str | None:
 def ppl_increase(workload: ResolvedWorkload) -> float | None:
     """The measured held-out perplexity increase of the workload's lossy techniques (summed), 0 when it has
     none, None when one of them has no measured figure (estimators/effects.py's accuracy data)."""
-    total = 0.0
+    figures = ppl_figures(workload)
+    return None if figures is None else sum((change for change, _ in figures), 0.0)
+
+
+def ppl_figures(workload: ResolvedWorkload) -> list[tuple[float, str]] | None:
+    """Each lossy technique's measured perplexity change (the largest measured) and what it was measured on; None
+    when one has none."""
+    wanted = "held-out perplexity change" + (" after a 60-step fine-tune" if workload.task == "train" else "")
+    out = []
     for technique in all_techniques(workload):
         if technique.risk != "lossy":
             continue
-        wanted = "held-out perplexity change" + (" after a 60-step fine-tune" if workload.task == "train" else "")
-        figures = [r["change"] for r in measured_accuracy(technique) or () if r.get("metric") == wanted]
+        figures = [(r["change"], r["source"]) for r in measured_accuracy(technique) or () if r.get("metric") == wanted]
         if not figures:
             return None
-        total += max(figures)
-    return total
+        out.append(max(figures))
+    return out
+
+
+def ppl_source(workload: ResolvedWorkload, num_parameters: int) -> str | None:
+    """What the workload's perplexity cost was measured on, and how much larger the planned model is: the figures
+    are a small model's on a small corpus, not a measurement of this one."""
+    figures = ppl_figures(workload)
+    if not figures:
+        return None
+    sources = sorted({source for _, source in figures})
+    subject = sources[0].split()[0]
+    ratio = ""
+    if subject in catalog() and num_parameters:
+        measured_on = count_parameters(ResolvedWorkload(model=subject))
+        ratio = f"; {workload.model} has {num_parameters / measured_on:,.0f}x its parameters: extrapolated"
+    return f"perplexity change measured on {'; '.join(sources)} (benchmarks/accuracy_costs.py){ratio}"
 
 
 def _verify(plans: list[Evaluated], request: PlanRequest, search: Search) -> None:

@@ -55,6 +55,7 @@ class PlanResult:
             "peak_phase": estimate.peak_phase,
             "time_parts_s": {k: round(v, 6) for k, v in chosen.timed.parts.items()},
             "ppl_increase": chosen.ppl_increase,
+            **({"ppl_source": chosen.ppl_source} if chosen.ppl_source else {}),
             "sources": {"memory": estimate.method, "time": self.request.cost.source},
             "workload": workload.to_json(),
         }

@@ -56,6 +56,7 @@ class Evaluated:
     risk: str = "lossless"
     change: str = "exact"       # what the plan changes in training (techniques.base.CHANGES)
     ppl_increase: float | None = None
+    ppl_source: str | None = None   # what the perplexity change was measured on (planning.ppl_source)
 
     @property
     def techniques(self) -> list[str]:

@@ -64,6 +64,9 @@ def print_plans(result: PlanResult, console: Console | None = None) -> None:
             console.print(f"  • {suggestion}")
     else:
         console.print(plans_table(result, console.width))
+        for source in dict.fromkeys(plan["ppl_source"] for plan in map(result.plan_json, range(len(result.plans)))
+                                    if plan.get("ppl_source")):
+            console.print(f"[dim]ppl: {source}[/dim]")
         if result.savings and result.savings[0]:
             console.print(savings_table(result.savings[0]))
         best = result.plan_json(0)
