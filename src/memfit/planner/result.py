@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from memfit.core.errors import MemfitError
 from memfit.planner.request import PlanRequest
@@ -42,7 +43,7 @@ class PlanResult:
     def plan_json(self, index: int) -> dict:
         chosen = self.plans[index]
         estimate, workload = chosen.estimate, chosen.workload(self.request)
-        data = {
+        data: dict[str, Any] = {
             "techniques": chosen.techniques, "micro_batch": chosen.micro_batch, "grad_accum": chosen.grad_accum,
             "world_size": chosen.candidate.num_gpus, "gpu": self.request.gpu.name, "peak_bytes": chosen.device_bytes,
             "host_ram_bytes": chosen.host_ram_bytes, "step_time_s": round(chosen.timed.total_s, 6),
