@@ -144,6 +144,8 @@ def test_plan_tables_fit_the_columns_they_are_given(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, fragment", [
     (["estimate", "tiny-llama", "--precison", "bf16"], "Did you mean: --precision?"),
     (["estimat", "tiny-llama"], "Did you mean: estimate?"),
+    (["estimate", "tiny-llama", "--method", "tracd"], "Did you mean: traced?"),
+    (["estimate", "tiny-llama", "-t", "checkpointing:mode=selectiv"], "Did you mean: selective, selective-op?"),
     (["plan", "tiny-llama", "--gpu", "rtx-4090", "--host-ram", "64"], "64GiB"),
     (["plan", "tiny-llama", "--gpu", "rtx-4090", "--batch-size", "4"], "--global-batch"),
     (["plan", "tiny-llama", "--gpu", "rtx-4090", "--zero", "2"], "--zero"),

@@ -27,6 +27,14 @@ def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     return f" Did you mean: {', '.join(matches)}?" if matches else ""
 
 
+def require_choice(value: object, choices: Iterable[object], what: str) -> None:
+    """`value` one of `choices`, else a MemfitError naming them (and the closest, for a mistyped string)."""
+    options = list(choices)
+    if value not in options:
+        near = closest(value, map(str, options)) if isinstance(value, str) else ""
+        raise MemfitError(f"{what} must be one of {', '.join(map(str, options))}, got {value!r}.{near}")
+
+
 def require_positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise MemfitError(f"{what} must be a positive integer, got {value!r}.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, closest
 from memfit.estimators import stand_ins  # noqa: F401  (registers the trace stand-ins)
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic import count_parameters as analytic_parameters
@@ -71,7 +71,8 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
     if isinstance(gpu, str):
         gpu = get_gpu(gpu)
     if method not in METHODS:
-        raise MemfitError(f"unknown --method {method!r}; choose auto, traced or analytic.")
+        raise MemfitError(f"unknown --method {method!r}; choose auto, traced or analytic."
+                          f"{closest(str(method), METHODS)}")
     assert isinstance(workload, Workload)   # a live model became one above; anything else raised
     workload = resolve(workload)
     if method == "auto":

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.core.errors import MemfitError, require_positive_int
+from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.core.precision import get_precision
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
@@ -79,9 +79,7 @@ class Lora(Technique):
                 and not all(re.fullmatch(r"[\w.]+", t) for t in self.targets.split("|"))):
             raise MemfitError(f"-t lora: targets are module names joined by '|' (or {ALL_LINEAR}), got "
                               f"{self.targets!r}.")
-        if self.adapter_dtype not in ADAPTER_DTYPES:
-            raise MemfitError(f"-t {self.name}: adapter_dtype must be one of {', '.join(ADAPTER_DTYPES)}, got "
-                              f"{self.adapter_dtype!r}.")
+        require_choice(self.adapter_dtype, ADAPTER_DTYPES, f"-t {self.name}: adapter_dtype")
 
     @property
     def target_names(self) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.core.errors import MemfitError, require_positive_int
+from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
@@ -102,8 +102,7 @@ class Checkpointing(Technique):
 
     def __post_init__(self) -> None:
         require_positive_int(self.every, "-t checkpointing: every")
-        if self.mode not in MODES:
-            raise MemfitError(f"-t checkpointing: mode must be one of {', '.join(MODES)}, got {self.mode!r}.")
+        require_choice(self.mode, MODES, "-t checkpointing: mode")
 
     def export(self, tool, workload) -> Export | None:
         if self != Checkpointing():   # every block, whole: what the tools' own checkpointing does

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, require_choice
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
@@ -50,8 +50,7 @@ class Compile(Technique):
     mode: str = "default"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise MemfitError(f"-t compile: mode must be one of {', '.join(MODES)}, got {self.mode!r}.")
+        require_choice(self.mode, MODES, "-t compile: mode")
 
     def estimate_notes(self, workload) -> list[str]:
         return ["torch.compile modelled: Inductor's partitioner run under fake tensors, fused pointwise intermediates "

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from memfit.core.errors import MemfitError, require_positive_int
+from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import register
 from memfit.techniques.distributed import (
@@ -60,9 +60,7 @@ class PipelineParallel(LayoutTechnique):
         require_positive_int(self.microbatches, "-t pipeline-parallel: microbatches")
         if self.stages < 0:
             raise MemfitError(f"-t pipeline-parallel: stages must be 0 (every rank) or at least 2, got {self.stages}.")
-        if self.schedule not in SCHEDULES:
-            raise MemfitError(f"-t pipeline-parallel: schedule must be one of {', '.join(SCHEDULES)}, "
-                              f"got {self.schedule!r}.")
+        require_choice(self.schedule, SCHEDULES, "-t pipeline-parallel: schedule")
 
     @classmethod
     def search_values(cls, request, workload):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, require_choice
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
@@ -57,8 +57,7 @@ class PruneStructured(Technique):
 
     def __post_init__(self) -> None:
         _check_ratio(self.ratio, "-t prune-structured: ratio")
-        if self.part not in PARTS:
-            raise MemfitError(f"-t prune-structured: part must be one of {', '.join(PARTS)}, not {self.part!r}.")
+        require_choice(self.part, PARTS, "-t prune-structured: part")
 
     @classmethod
     def search_values(cls, request, workload):

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
-from memfit.core.errors import MemfitError
+from memfit.core.errors import MemfitError, require_choice
 from memfit.core.precision import get_precision, precision_names, precision_of_dtype
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
@@ -218,9 +218,7 @@ class Int4WeightOnly(Technique):
     group_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise MemfitError(f"-t {self.name}: group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
-                              f"not {self.group_size}.")
+        require_choice(self.group_size, GROUP_SIZES, f"-t {self.name}: group_size")
 
     def check(self, workload) -> None:
         if workload.task != "inference":
@@ -309,8 +307,7 @@ class Bnb4bit(Technique):
 
 
 def check_format(name: str, format: str) -> None:
-    if format not in FORMATS:
-        raise MemfitError(f"-t {name}: format must be one of {', '.join(FORMATS)}, not {format!r}.")
+    require_choice(format, FORMATS, f"-t {name}: format")
 
 
 def check_4bit_model(name: str, workload) -> None:

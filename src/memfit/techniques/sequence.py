@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.core.errors import MemfitError, require_positive_int
+from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.checkpointing import step_checkpoint
@@ -157,8 +157,7 @@ class ChunkedCrossEntropy(Technique):
 
     def __post_init__(self) -> None:
         require_positive_int(self.chunks, "-t chunked-ce: chunks")
-        if self.mode not in CHUNKED_CE_MODES:
-            raise MemfitError(f"-t chunked-ce: mode must be one of {', '.join(CHUNKED_CE_MODES)}, got {self.mode!r}.")
+        require_choice(self.mode, CHUNKED_CE_MODES, "-t chunked-ce: mode")
 
     @classmethod
     def search_values(cls, request, workload):
