@@ -76,10 +76,10 @@ def grouped_math_note(workload, capability: tuple[int, int]) -> str | None:
     """What to tell a user whose GPU step runs SDPA's math kernel only because its attention is grouped (fewer
     key/value heads than query heads): a memory cliff nothing else in the estimate explains. None otherwise."""
     source = workload.source
-    config = {**source.hf_config, **source.overrides} if source.is_hf else {}
+    config = source.config_fields
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
-    if config.get("attn_implementation") == "eager" or source.attention_kernel or not heads or kv_heads == heads:
+    if source.eager_attention or source.attention_kernel or not heads or kv_heads == heads:
         return None   # eager, or a kernel that always runs (FlashAttention-2, flex): SDPA does not choose
     precision = PRECISIONS[workload.precision]
     dtype = str(precision.compute_dtype).removeprefix("torch.")

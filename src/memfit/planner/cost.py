@@ -142,7 +142,7 @@ class ModelShape:
                 expert_bytes = expert_params + 5 * num_layers * experts * (2 * spec.intermediate + hidden)
         layers = num_layers + getattr(spec, "decoder_layers", 0)
         return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
-                   active_params=active, causal=type(spec).__name__ in ("DecoderSpec", "GPT2Spec"),
+                   active_params=active, causal=spec.causal,
                    expert_params=expert_params, expert_bytes=expert_bytes, experts=experts,
                    top_k=getattr(spec, "top_k", 0))
 

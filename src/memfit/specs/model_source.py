@@ -111,13 +111,21 @@ class ModelSource:
         return config
 
     @property
+    def config_fields(self) -> dict:
+        """The Hugging Face config's fields as the model is built: the techniques' overrides applied (the one place
+        they are); {} for a custom module."""
+        return {**self._hf_config, **self.overrides} if self.is_hf else {}
+
+    @property
+    def eager_attention(self) -> bool:
+        """The model as built runs transformers' eager attention (its config asks for it), not SDPA."""
+        return self.config_fields.get("attn_implementation") == "eager"
+
+    @property
     def attention_kernel(self) -> str | None:
         """"flash" when the config asks for FlashAttention-2 or flex attention (run as SDPA's flash kernel on a GPU),
         else None: SDPA's kernel is PyTorch's own choice."""
-        if not self.is_hf:
-            return None
-        wanted = {**self._hf_config, **self.overrides}.get("attn_implementation")
-        return "flash" if wanted in FUSED_OUTSIDE_SDPA else None
+        return "flash" if self.config_fields.get("attn_implementation") in FUSED_OUTSIDE_SDPA else None
 
     def check_attention(self) -> None:
         """The config's `attn_implementation` is one memfit models and its transformers class has."""

@@ -43,8 +43,7 @@ class Sdpa(Technique):
 
     @classmethod
     def search_values(cls, request, workload):
-        eager = workload.source.is_hf and workload.source.hf_config.get("attn_implementation") == "eager"
-        return [cls.name] if eager else []
+        return [cls.name] if workload.source.eager_attention else []
 
     def cost_compute(self, compute) -> None:   # fused attention: the same FLOPs, which is what the roofline counts
         pass

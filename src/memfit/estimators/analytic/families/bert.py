@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -17,6 +17,7 @@ FAMILIES = ("bert",)
 
 @dataclass(frozen=True)
 class BertSpec:
+    causal: ClassVar[bool] = False   # an encoder: every token attends to every other
     hidden: int
     layers: int
     heads: int

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import cast
+from typing import ClassVar, cast
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -56,6 +56,7 @@ MODULE_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gat
 
 @dataclass(frozen=True)
 class DecoderSpec:
+    causal: ClassVar[bool] = True   # a decoder: each token attends to those before it
     variant: Variant
     hidden: int
     layers: int

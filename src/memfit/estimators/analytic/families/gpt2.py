@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import ops
@@ -25,6 +25,7 @@ FAMILIES = ("gpt2",)
 
 @dataclass(frozen=True)
 class GPT2Spec:
+    causal: ClassVar[bool] = True   # a decoder: each token attends to those before it
     hidden: int
     layers: int
     heads: int

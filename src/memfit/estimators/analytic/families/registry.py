@@ -29,7 +29,7 @@ def family_of(source):
             f"no analytic model for model_type {source.model_type!r} (supported: "
             f"{', '.join(supported_model_types())}); use --method traced.")
     module, spec_type = entry
-    key = json.dumps({**source.hf_config, **source.overrides}, sort_keys=True)
+    key = json.dumps(source.config_fields, sort_keys=True)
     if key not in _SPECS:
         _SPECS[key] = spec_type.from_config(source.config())
     return module, _SPECS[key]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -18,6 +18,7 @@ _BUCKET_TEMPS = 5   # int64 (q, k) tensors alive at once while _relative_positio
 
 @dataclass(frozen=True)
 class T5Spec:
+    causal: ClassVar[bool] = False   # counted as bidirectional (its decoder's causal half is not told apart)
     d_model: int
     d_kv: int
     d_ff: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
@@ -16,6 +16,7 @@ FAMILIES = ("vit",)
 
 @dataclass(frozen=True)
 class ViTSpec:
+    causal: ClassVar[bool] = False   # an encoder over image patches (the step-time model's attention FLOPs)
     hidden: int
     layers: int
     heads: int
