@@ -37,6 +37,7 @@ from memfit.core.precision import get_precision
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Export, Technique, register
+from memfit.techniques.contracts import AnalyticProgram, CostCompute, PlanQuery
 from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
@@ -90,7 +91,7 @@ class Lora(Technique):
         return (self.alpha or 2 * self.rank) / self.rank
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         """LoRA (and QLoRA) at its defaults, at a higher rank, and on every linear (a custom model's default already
         is)."""
         if request.task != "train":
@@ -109,10 +110,10 @@ class Lora(Technique):
         return Export({"peft_config": {"r": self.rank, "lora_alpha": self.alpha or 2 * self.rank, "lora_dropout": 0.0,
                                        "target_modules": targets}}, how)
 
-    def cost_compute(self, compute) -> None:   # frozen weights: backward computes input gradients only
+    def cost_compute(self, compute: CostCompute) -> None:   # frozen weights: backward computes input gradients only
         compute.backward = compute.forward
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         program.add_adapters(self.rank, self.target_names)
 
     def check(self, workload) -> None:
@@ -174,11 +175,12 @@ class Qlora(Lora):
                       "load the model with from_pretrained(..., quantization_config=BitsAndBytesConfig("
                       "**quantization_config)), then " + lora.how)
 
-    def cost_compute(self, compute) -> None:
+    def cost_compute(self, compute: CostCompute) -> None:
         super().cost_compute(compute)
         compute.factor *= QLORA_DEQUANT
 
-    def analytic_weights(self, program) -> None:   # the base's linears as 4-bit codes, then the adapters
+    def analytic_weights(self, program: AnalyticProgram) -> None:
+        # the base's linears as 4-bit codes, then the adapters
         program.quantize_linears("4bit", double_quant=self.double_quant)
         super().analytic_weights(program)
 

@@ -26,6 +26,7 @@ import torch
 from memfit.specs.hardware import AllocatorSettings
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import OomFix, Technique, register
+from memfit.techniques.contracts import CostCompute, OomMessage, OomSnapshot, PlanQuery
 
 
 @register
@@ -41,16 +42,16 @@ class ExpandableSegments(Technique):
     how = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [] if request.on_cpu else [cls.name]
 
-    def cost_compute(self, compute) -> None:   # growing a segment in place costs no step time here
+    def cost_compute(self, compute: CostCompute) -> None:   # growing a segment in place costs no step time here
         pass
 
     def allocator_settings(self, settings: AllocatorSettings) -> AllocatorSettings:
         return replace(settings, expandable_segments=True)
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         """What the allocator held but no tensor used: the message's "reserved but unallocated", or a snapshot's
         reserved segments less its active blocks."""
         if message is not None and message.reserved_unallocated_bytes:

@@ -23,6 +23,7 @@ from memfit.core.errors import MemfitError, require_positive_int
 from memfit.specs.model_source import FUSED_OUTSIDE_SDPA
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.techniques.contracts import CostCompute, OomMessage, OomSnapshot, PlanQuery
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,10 +43,11 @@ class Sdpa(Technique):
     search_axis = "attention"
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if workload.source.eager_attention else []
 
-    def cost_compute(self, compute) -> None:   # fused attention: the same FLOPs, which is what the roofline counts
+    def cost_compute(self, compute: CostCompute) -> None:
+        # fused attention: the same FLOPs, which is what the roofline counts
         pass
 
     def config_overrides(self, source) -> dict:
@@ -77,7 +79,7 @@ class SlidingWindow(Technique):
     summary = "local attention over the last `window` tokens (KV cache capped at the window)"
     window: int = 4096
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         cache = snapshot.by_category.get("kv_cache") if snapshot is not None else None
         if not cache:
             return None

@@ -23,6 +23,7 @@ from memfit.core.errors import MemfitError, closest
 from memfit.specs.hardware import AllocatorSettings
 from memfit.specs.workload import Workload
 from memfit.steps.setup import StepSetup
+from memfit.techniques.contracts import AnalyticProgram, CostCompute, CostStep, OomMessage, OomSnapshot, PlanQuery
 from memfit.techniques.stages import STAGES
 
 RISKS = ("lossless", "numerical", "lossy")
@@ -126,7 +127,7 @@ class Technique:
         return False
 
     @classmethod
-    def search_values(cls, request, workload: Workload) -> list[str]:
+    def search_values(cls, request: PlanQuery, workload: Workload) -> list[str]:
         """The configurations (specs) the planner tries for `request` (a PlanRequest), `workload` being the request's
         model and task resolved; [] for none. Lossy ones are kept only under --allow lossy."""
         return []
@@ -163,20 +164,20 @@ class Technique:
         rest; None when every rank's step is alike (rank 0 stands for all)."""
         return None
 
-    def analytic_model(self, program) -> None:
+    def analytic_model(self, program: AnalyticProgram) -> None:
         """Declare the model itself, when the technique changes what is declared (Program.declare_teacher)."""
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         """Change the declared weights (Program: quantize_linears, add_adapters, keep_stage, ...)."""
 
     def analytic_windows(self, windows, workload: Workload):
         """What the step's forwards see of each sequence (analytic/program.py `Windows`)."""
         return windows
 
-    def analytic_buffers(self, program) -> None:
+    def analytic_buffers(self, program: AnalyticProgram) -> None:
         """Allocate what the training step holds throughout (Program.hold_gradient_buckets)."""
 
-    def analytic_train(self, program) -> bool:
+    def analytic_train(self, program: AnalyticProgram) -> bool:
         """Run the step's forwards and backwards itself (Program.pipeline_schedule); False: the default loop."""
         return False
 
@@ -195,13 +196,13 @@ class Technique:
         raise NotImplementedError(f"{self.name} is not an optimizer")
 
     # ---- the planner's cost model (planner/cost.py) ----
-    def cost_compute(self, compute) -> None:
+    def cost_compute(self, compute: CostCompute) -> None:
         """Change one micro-step's FLOPs in the planner's cost model (planner/cost.py `Compute`: recompute,
         backward, the ranks they split over, a bubble). By default: multiply the compute by this technique's
         step-time factor, for a technique whose time the model does not derive."""
         compute.factor *= self.step_time_factor()
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """Add the seconds this technique spends beside the compute (planner/cost.py `Step`: communication,
         offload copies, a host optimizer step)."""
 
@@ -225,7 +226,7 @@ class Technique:
         whole model or a shard of all of it. The ranks divided by these are the data-parallel copies."""
         return 1
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         """A fix read off the OOM message or the memory snapshot alone (no workload given; each may be None), or
         None: the bytes it would free and where that prediction comes from."""
         return None

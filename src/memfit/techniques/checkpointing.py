@@ -30,6 +30,7 @@ from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.contracts import CostCompute, CostStep, OomMessage, OomSnapshot, PlanQuery
 from memfit.techniques.offload import offload_saved_tensors_, parameter_storages
 
 MODES = ("full", "selective", "selective-op", "offload")
@@ -119,7 +120,7 @@ class Checkpointing(Technique):
         return {"full": self.time_factor, "selective": 1.1, "selective-op": 1.17, "offload": 1.1}[self.mode]
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return list(cls.oom_fixes) if request.task == "train" else []
 
     def analytic_policy(self, workload) -> dict:
@@ -127,7 +128,7 @@ class Checkpointing(Technique):
                 "checkpoint_selective": self.mode if self.mode.startswith("selective") else None,
                 "checkpoint_offload": self.mode == "offload"}
 
-    def cost_compute(self, compute) -> None:
+    def cost_compute(self, compute: CostCompute) -> None:
         """Full: one more forward of every n-th block; selective: everything of the forward but its matmuls (their
         outputs are kept; pointwise ops, attention and dropout's draws are re-run: the step-time model times that
         work, not a share of FLOPs); offload recomputes nothing (its copies are `cost_overhead`)."""
@@ -138,12 +139,12 @@ class Checkpointing(Technique):
         elif self.mode == "selective-op":
             compute.recompute += SELECTIVE_OP_RECOMPUTE * compute.forward
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         if self.mode == "offload":   # the saved tensors go to the host and back, overlapped with the compute
             moved = 2 * step.activation_host_bytes() / step.pcie_bytes_per_s
             step.add("offload", max(0.0, moved - step.cost.copy_overlap * step.work_s * step.accum))
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         activations = snapshot.by_category.get("activations") if snapshot is not None else None
         if not activations:
             return None

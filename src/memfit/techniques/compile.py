@@ -35,6 +35,7 @@ from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
 from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.contracts import CostCompute
 
 MODES = ("default", "reduce-overhead")
 
@@ -59,7 +60,8 @@ class Compile(Technique):
     def allocator_settings(self, settings):
         return replace(settings, empty_cache_before_step=True) if self.mode == "reduce-overhead" else settings
 
-    def cost_compute(self, compute) -> None:   # fused pointwise kernels: the kernel profile's fused figures
+    def cost_compute(self, compute: CostCompute) -> None:
+        # fused pointwise kernels: the kernel profile's fused figures
         compute.fused = True
         compute.graphs = self.mode == "reduce-overhead"
 

@@ -25,6 +25,7 @@ from memfit.core.errors import MemfitError, require_positive_int
 from memfit.core.precision import get_precision, precision_names
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
+from memfit.techniques.contracts import AnalyticProgram
 from memfit.techniques.quantization import Int8WeightOnly
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Distill(Technique):
 
     depth_linear = False   # the student's depth is half the model's, rounded down
 
-    def analytic_model(self, program) -> None:
+    def analytic_model(self, program: AnalyticProgram) -> None:
         program.declare_teacher(self.student_layers(program.num_layers), int8=self.teacher == "int8")
 
     def student_layers(self, teacher_layers: int) -> int:

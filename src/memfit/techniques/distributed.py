@@ -58,6 +58,7 @@ from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Export, Technique, register
 from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.contracts import AnalyticProgram, CostCompute, CostStep, PlanQuery
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -94,7 +95,7 @@ class LayoutTechnique(Technique):
         micro-batch must be a multiple of)."""
         return num_gpus, num_gpus, 1
 
-    def cost_compute(self, compute) -> None:   # the FLOPs stay; the layout's time is its collectives
+    def cost_compute(self, compute: CostCompute) -> None:   # the FLOPs stay; the layout's time is its collectives
         pass
 
 
@@ -119,13 +120,13 @@ class Ddp(LayoutTechnique):
         return (workload.task == "train" and workload.world_size > 1 and workload.zero_stage <= 1
                 and workload.engine == "pytorch" and not any("layout" in t.traits for t in techniques))
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         step.add("communication", step.gradient_all_reduce_s(step.state_bytes("gradients")))
 
     def analytic_policy(self, workload) -> dict:   # bucket views: each gradient is copied in and freed
         return {"grads_leave": self.bucket_view}
 
-    def analytic_buffers(self, program) -> None:
+    def analytic_buffers(self, program: AnalyticProgram) -> None:
         """The reduction buckets: a flat copy of every gradient, built with DDP, and rebuilt in gradient order in
         the second step, which holds both sets."""
         program.hold_gradient_buckets(2)
@@ -193,7 +194,7 @@ class Fsdp2(LayoutTechnique):
         return Export({"zero_optimization": {"stage": 3 if self.reshard else 2}})
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name, f"{cls.name}:reshard=false"] if request.task == "train" and request.num_gpus > 1 else []
 
     def mixed_dtype(self, precision: Precision) -> torch.dtype | None:
@@ -208,7 +209,7 @@ class Fsdp2(LayoutTechnique):
                           state_dtype="float32")
         return policy
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         # an all-gather before forward and again before backward (once, without resharding), a reduce-scatter
         step.add("communication", step.sharded_gathers_s(2 if self.reshard else 1))
 
@@ -292,7 +293,7 @@ class TensorParallel(LayoutTechnique):
     size: int = 0   # ranks each block is split over; 0: all of them
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         """Over every GPU; from 16 GPUs (two nodes and more) also within each node of 8 or a half of it, with a
         sharding layout across them (the planner pairs it: planner/space.py)."""
         n = request.num_gpus
@@ -313,7 +314,7 @@ class TensorParallel(LayoutTechnique):
     def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
         return num_gpus, num_gpus // self.split(num_gpus), 1   # each group of `size` ranks sees its share of the batch
 
-    def cost_compute(self, compute) -> None:
+    def cost_compute(self, compute: CostCompute) -> None:
         compute.split = self.split(compute.world_size)
 
     def analytic_spec(self, spec, workload):
@@ -324,7 +325,7 @@ class TensorParallel(LayoutTechnique):
         return dataclasses.replace(spec, heads=spec.heads // n, kv_heads=spec.kv_heads // n,
                                    intermediate=spec.intermediate // n)
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """Every block all-reduces its attention and MLP outputs within its group (not overlapped: the next op
         waits): in training 4 per block (forward and backward), 2 more with recompute; in inference 2 per block
         for the prefill and for every decoded token. A group within one node talks over the node's own links."""

@@ -26,6 +26,7 @@ from memfit.core.precision import get_precision
 from memfit.steps.master_weights import over_masters
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
+from memfit.techniques.contracts import AnalyticProgram, CostStep, OomMessage, OomSnapshot, PlanQuery
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,7 @@ class Fp16Mixed(_Precision):
     time_factor = 0.5
 
     @classmethod
-    def search_values(cls, request, workload):   # where bf16 is missing: GPUs before Ampere
+    def search_values(cls, request: PlanQuery, workload):   # where bf16 is missing: GPUs before Ampere
         return [cls.name] if not request.on_cpu and not request.gpu.bf16_tflops else []
 
     conflicts_with = {
@@ -88,7 +89,7 @@ class Bf16Mixed(_Precision):
     oom_fixes = ("bf16-mixed",)
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "train" and (request.on_cpu or request.gpu.bf16_tflops) else []
 
 
@@ -103,10 +104,10 @@ class PureBf16(_Precision):
     oom_fixes = ("bf16",)
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.on_cpu or request.gpu.bf16_tflops else []
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         weights = snapshot.by_category.get("parameters") if snapshot is not None else None
         if not weights:
             return None
@@ -123,7 +124,8 @@ class PureFp16(_Precision):
     time_factor = 0.5
 
     @classmethod
-    def search_values(cls, request, workload):   # inference on GPUs before Ampere; training needs a loss scaler
+    def search_values(cls, request: PlanQuery, workload):
+        # inference on GPUs before Ampere; training needs a loss scaler
         return [cls.name] if request.task == "inference" and not request.on_cpu and not request.gpu.bf16_tflops else []
 
     def estimate_notes(self, workload) -> list[str]:
@@ -153,7 +155,8 @@ class Bf16Master(_Precision):
     }
 
     @classmethod
-    def search_values(cls, request, workload):   # one process only (a layout's sharding keeps its own masters)
+    def search_values(cls, request: PlanQuery, workload):
+        # one process only (a layout's sharding keeps its own masters)
         return ([cls.name] if request.task == "train" and request.num_gpus == 1
                 and (request.on_cpu or request.gpu.bf16_tflops) else [])
 
@@ -169,10 +172,10 @@ class Bf16Master(_Precision):
     def analytic_policy(self, workload) -> dict:
         return {"grads_leave": True}   # each half gradient is added into its master's float32 one, then freed
 
-    def analytic_buffers(self, program) -> None:
+    def analytic_buffers(self, program: AnalyticProgram) -> None:
         program.hold_master_weights()
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """Beside the step on the masters: each micro-step adds its half gradients into the float32 ones (read 2
         bytes, read and write 4), and the step casts the masters back into the weights (read 4, write 2)."""
         float32_gradients = step.state_bytes("gradients")

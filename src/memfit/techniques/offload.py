@@ -65,6 +65,7 @@ from memfit.steps.master_weights import MasterWeightsOptimizer
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, Export, OomFix, Technique, register
 from memfit.techniques.blocks import repeated_blocks
+from memfit.techniques.contracts import CostCompute, CostStep, OomMessage, OomSnapshot, PlanQuery
 
 
 @register
@@ -101,17 +102,18 @@ class CpuOffload(Technique):
         return None
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "train" else []
 
-    def cost_compute(self, compute) -> None:   # the compute stays; the time is the host step and the copies
+    def cost_compute(self, compute: CostCompute) -> None:
+        # the compute stays; the time is the host step and the copies
         pass
 
     def analytic_policy(self, workload) -> dict:
         # each gradient leaves the device once accumulated, unless a sharding wrapper keeps the shards itself
         return {} if workload.with_trait("offloads-shards") else {"grads_leave": True}
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """The optimizer steps on the host (every rank of a node shares its memory bandwidth); the updated weights
         cross PCIe back after it, the gradients during backward (overlapped)."""
         w, e = step.workload, step.estimate
@@ -124,7 +126,7 @@ class CpuOffload(Technique):
         overlap = step.cost.copy_overlap * step.backward_share(step.work_s * step.accum)
         step.add("offload", weights_up / step.pcie_bytes_per_s + max(0.0, grads_down / step.pcie_bytes_per_s - overlap))
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         if snapshot is None or not snapshot.by_category.get("optimizer_states"):
             return None
         moved = snapshot.by_category["optimizer_states"] + snapshot.by_category.get("gradients", 0)
@@ -186,14 +188,14 @@ class NvmeOffload(CpuOffload):
                               "only: add --engine deepspeed --zero 3 (one GPU or --world-size N).")
         super().check(workload)
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         return None
 
     def apply_(self, setup: StepSetup) -> None:
         super().apply_(setup)
         setup.swap_folder = swap_folder(self.path, owner=setup)
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """The host step as cpu-offload's, plus the drive: what was swapped is read for the step and written
         back after it, the node's ranks sharing its drives (DeepSpeed overlaps neither with the compute)."""
         super().cost_overhead(step)
@@ -294,16 +296,17 @@ class StreamLayers(Technique):
     search_axis = "offload"
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "inference" else []
 
-    def cost_compute(self, compute) -> None:
+    def cost_compute(self, compute: CostCompute) -> None:
         pass
 
     def analytic_policy(self, workload) -> dict:
         return {"stream_blocks": True}
 
-    def cost_overhead(self, step) -> None:   # the blocks' weights cross PCIe for every forward (each token's too)
+    def cost_overhead(self, step: CostStep) -> None:
+        # the blocks' weights cross PCIe for every forward (each token's too)
         streamed = step.estimate.host_bytes / step.pcie_bytes_per_s
         step.add("offload", streamed * (1 + step.workload.new_tokens) * step.accum)
 

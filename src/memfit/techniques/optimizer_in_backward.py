@@ -24,6 +24,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.precision import precision_names
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import SNAPSHOT_RATIO, OomFix, Technique, register
+from memfit.techniques.contracts import CostStep, OomMessage, OomSnapshot, PlanQuery
 
 
 @register
@@ -50,12 +51,12 @@ class OptimizerInBackward(Technique):
     oom_fixes = ("optimizer-in-backward",)
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         """Training on one GPU: each micro-batch is then a whole optimizer step (the search gives it the whole
         batch: a step in backward cannot accumulate)."""
         return [cls.name] if request.task == "train" and request.num_gpus == 1 else []
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """Its steps still read every gradient, though the estimate holds one at a time: the optimizer's time
         (planner/cost.py) on those it does not hold, every weight trainable; and the host calls one optimizer's step
         per trainable parameter tensor (where a foreach step calls one for all), hidden behind the backward where the
@@ -68,7 +69,7 @@ class OptimizerInBackward(Technique):
         unheld = max(0, step.state_bytes("parameters") - step.state_bytes("gradients"))
         step.add("optimizer", step.optimizer_s(unheld, 0.0))
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         """From a snapshot: the gradients, never all held at once (the most it saves: the peak may lie before)."""
         gradients = snapshot.by_category.get("gradients") if snapshot is not None else None
         if not gradients:

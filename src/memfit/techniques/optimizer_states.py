@@ -40,6 +40,7 @@ from memfit.steps.optim import impl_of, torch_optimizer, torch_optimizer_name, t
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import REGISTRY, SNAPSHOT_RATIO, Export, OomFix, Technique, register
+from memfit.techniques.contracts import CostStep, OomMessage, OomSnapshot, PlanQuery
 
 KEEP_8BIT_STATE = 2 / 8   # bytes of state per parameter: 8-bit m and v against float32 AdamW's (Dettmers et al.)
 BNB_MIN_8BIT_SIZE, BNB_BLOCK, BNB_QMAP = 4096, 256, 256   # bitsandbytes' 8-bit state layout
@@ -67,7 +68,7 @@ class _Optimizer(Technique):
         return Export({}, f"build {self.optimizer_class} yourself and hand it to {where}")
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "train" else []
 
     def apply_(self, setup: StepSetup) -> None:
@@ -120,7 +121,7 @@ class AdamW8bit(_Optimizer):
         largest = max(quantized, key=lambda p: p.numel)
         return [(largest.numel, "float32")] * (5 + (largest.dtype != "float32"))
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         states = snapshot.by_category.get("optimizer_states") if snapshot is not None else None
         if not states:
             return None
@@ -141,7 +142,7 @@ class _Paged:
     def analytic_paged_states(self, params) -> list[tuple[int, str]]:
         return [(p.numel, self.state_dtype) for p in params if p.numel >= PAGED_MIN_NUMEL for _ in range(2)]
 
-    def oom_fix(self, message, snapshot) -> OomFix | None:
+    def oom_fix(self, message: OomMessage | None, snapshot: OomSnapshot | None) -> OomFix | None:
         states = snapshot.by_category.get("optimizer_states") if snapshot is not None else None
         if not states:
             return None
@@ -151,7 +152,7 @@ class _Paged:
     def build(self, params, *, lr=None, impl=None, shard=False):
         return _noting_paged_states(_build_bnb(self, params, lr, shard))
 
-    def cost_overhead(self, step) -> None:
+    def cost_overhead(self, step: CostStep) -> None:
         """The paged states that do not fit on the device cross PCIe twice a step (in for the update, out again)."""
         step.add("offload", 2 * step.estimate.paged_out_bytes / step.pcie_bytes_per_s)
 

@@ -30,6 +30,7 @@ from torch import nn
 from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import register
+from memfit.techniques.contracts import AnalyticProgram, CostCompute, PlanQuery
 from memfit.techniques.distributed import (
     LayoutTechnique,
     check_mesh_axis,
@@ -63,7 +64,7 @@ class PipelineParallel(LayoutTechnique):
         require_choice(self.schedule, SCHEDULES, "-t pipeline-parallel: schedule")
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         """Over every GPU; from 16 GPUs (two nodes and more) also one stage per node of 8, with a sharding layout
         within each stage (the planner pairs it: planner/space.py)."""
         n = request.num_gpus
@@ -106,7 +107,7 @@ class PipelineParallel(LayoutTechnique):
             return firsts, "each stage holds other blocks"
         return sorted({firsts[0], firsts[-1]}), "pipeline stages: the first and the last bound the rest"
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         n = program.workload.world_size
         stage = self.stage_of(program.rank, n)
         program.keep_stage(first=stage == 0, last=stage == self.num_stages(n) - 1)
@@ -114,13 +115,13 @@ class PipelineParallel(LayoutTechnique):
     def analytic_windows(self, windows, workload):   # the schedule cuts the batch into micro-batch views
         return dataclasses.replace(windows, views=True)
 
-    def analytic_train(self, program) -> bool:
+    def analytic_train(self, program: AnalyticProgram) -> bool:
         n = program.workload.world_size
         program.pipeline_schedule(self.schedule, self.microbatches, self.stage_of(program.rank, n),
                                   self.num_stages(n))
         return True
 
-    def cost_compute(self, compute) -> None:
+    def cost_compute(self, compute: CostCompute) -> None:
         """Each rank computes 1/S of its copy's FLOPs; the schedule's bubble stretches the step by (M + S - 1) / M."""
         stages = self.num_stages(compute.world_size)
         compute.split = stages

@@ -28,6 +28,7 @@ from memfit.core.errors import MemfitError, require_choice
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
+from memfit.techniques.contracts import PlanQuery
 from memfit.techniques.quantization import refuse_conv1d
 
 PARTS = ("both", "heads", "mlp")
@@ -60,7 +61,7 @@ class PruneStructured(Technique):
         require_choice(self.part, PARTS, "-t prune-structured: part")
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [f"{cls.name}:ratio=0.25"]   # a quarter: the ratio whose accuracy cost is measured (accuracy.json)
 
     def analytic_spec(self, spec, workload):

@@ -61,6 +61,7 @@ from memfit.core.precision import get_precision, precision_names, precision_of_d
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
+from memfit.techniques.contracts import AnalyticProgram, PlanQuery
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -93,7 +94,7 @@ class Int8WeightOnly(Technique):
     search_axis = "weights"
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "inference" else []
 
     def check(self, workload) -> None:
@@ -107,7 +108,7 @@ class Int8WeightOnly(Technique):
 
     kernel = "int8_weight"   # how the analytic estimator runs its linears (estimators/analytic/ops.py)
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         program.quantize_linears(self.kernel)
 
     def torchao_config(self):
@@ -175,7 +176,7 @@ class Qat(Technique):
                               "--precision fp32.")
         refuse_conv1d(self.name, workload)
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         program.fake_quantize_linears()
 
     def apply_(self, setup: StepSetup) -> None:
@@ -237,7 +238,7 @@ class Int4WeightOnly(Technique):
                 f"{workload.precision} runs on a CPU): use --precision {precision_of_dtype(torch.bfloat16).name} "
                 "there"]
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         program.quantize_linears("int4_weight", group_size=self.group_size)
 
     def apply_(self, setup: StepSetup) -> None:
@@ -285,7 +286,7 @@ class Bnb4bit(Technique):
     search_axis = "weights"
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "inference" else []
     format: str = "nf4"
     double_quant: bool = True
@@ -299,7 +300,7 @@ class Bnb4bit(Technique):
                               f"-t qlora (4-bit base + LoRA).")
         check_4bit_model(self.name, workload)
 
-    def analytic_weights(self, program) -> None:
+    def analytic_weights(self, program: AnalyticProgram) -> None:
         program.quantize_linears("4bit", double_quant=self.double_quant)
 
     def apply_(self, setup: StepSetup) -> None:

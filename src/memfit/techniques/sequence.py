@@ -35,6 +35,7 @@ from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import Technique, register
 from memfit.techniques.checkpointing import step_checkpoint
+from memfit.techniques.contracts import CostCompute, PlanQuery
 
 IGNORE_INDEX = -100
 CHUNKED_CE_MODES = ("recompute", "upcast")
@@ -160,13 +161,13 @@ class ChunkedCrossEntropy(Technique):
         require_choice(self.mode, CHUNKED_CE_MODES, "-t chunked-ce: mode")
 
     @classmethod
-    def search_values(cls, request, workload):
+    def search_values(cls, request: PlanQuery, workload):
         return [cls.name] if request.task == "train" else []
 
     def analytic_policy(self, workload) -> dict:
         return {"loss_chunks": self.chunks, "loss_logits_kept": self.mode == "upcast"}
 
-    def cost_compute(self, compute) -> None:   # the LM head runs again in backward (it is checkpointed)
+    def cost_compute(self, compute: CostCompute) -> None:   # the LM head runs again in backward (it is checkpointed)
         if self.mode == "recompute":
             compute.recompute += 2 * compute.shape.hidden * compute.shape.vocab * compute.tokens
 
