@@ -109,6 +109,29 @@ def _snapshot() -> dict:
     return {"segments": [{"device": 0, "total_size": 20 << 30, "blocks": blocks}], "device_traces": [trace]}
 
 
+FLAGS = {"task": "--task", "batch_size": "--batch-size", "seq_len": "--seq-len", "new_tokens": "--new-tokens",
+         "precision": "--precision", "world_size": "--world-size", "zero_stage": "--zero", "engine": "--engine",
+         "inputs": "--inputs"}
+
+
+def example_cases(covered: dict[str, list[str]]) -> dict[str, list[str]]:
+    """A case for each registered technique no other case names: its first declared example (techniques/*.py
+    `examples`) at tiny-llama's traced shape, estimated as `memfit estimate` chooses."""
+    from memfit.techniques import REGISTRY, parse_technique
+
+    named = {word for argv in covered.values() for word in argv}
+    named |= {parse_technique(word).name for word in named if word.split(":")[0] in REGISTRY}
+    out = {}
+    for name, cls in sorted(REGISTRY.items()):
+        if name in named:
+            continue
+        spec, fields = cls.examples[0]
+        shape = {"model": "tiny-llama", "batch_size": 2, "seq_len": 64, **fields}
+        argv = ["estimate", shape.pop("model"), *(x for key, value in shape.items() for x in (FLAGS[key], str(value)))]
+        out[f"example {spec}"] = [*argv, "-t", spec]
+    return out
+
+
 def cases(kind: str, folder: Path) -> dict[str, list[str]]:
     """Case name -> memfit's argv (every case prints JSON)."""
     out: dict[str, list[str]] = {}
@@ -155,6 +178,7 @@ def cases(kind: str, folder: Path) -> dict[str, list[str]]:
                                        f"memfit.examples.{example}:make_inputs", "--seq-len", "32", "--method",
                                        "traced", "--batch-size", "2"]
         out["frozen_encoder park-frozen"] = out["frozen_encoder train"] + ["-t", "park-frozen"]
+        out.update(example_cases({**cases("analytic", folder), **out}))
     elif kind == "plan":
         plans = {
             "8b on a 4090": ["llama-3.1-8b", "--seq-len", "4096", "--global-batch", "64", "--gpu", "rtx-4090"],

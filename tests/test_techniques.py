@@ -415,37 +415,28 @@ def test_bad_input_is_one_error_and_changes_nothing():
         ResolvedWorkload(model="tiny-llama", world_size=2, techniques=("chunked-ce",))
 
 
-# Where each technique applies, and with which parameters it changes something at SHAPE's 128 tokens
-APPLIES = {"sdpa": ("sdpa", {"model": "eager"}),
-           # bucket views free each gradient once copied: what the optimizer step's peak holds, at a short sequence
-           "ddp": ("ddp:bucket_view=true", {"world_size": 2, "batch_size": 1, "seq_len": 16}),
-           "sliding-window": ("sliding-window:window=32", {"model": "tiny-qwen2", "task": "inference",
-                                                          "new_tokens": 64}),
-           "truncate": ("truncate:max_len=64", {}), "sequence-chunks": ("sequence-chunks:window=64", {}),
-           **{name: (name, {"world_size": 2}) for name in ("fsdp2", "tensor-parallel", "pipeline-parallel")},
-           **{name: (name, {"task": "inference"}) for name in ("stream-layers", "int8-weight-only", "bnb-4bit",
-                                                               "int8-dynamic", "int4-weight-only")},
-           "park-frozen": ("park-frozen", dict(zip(("model", "inputs"), EXAMPLES["frozen_encoder"]))),
-           "nvme-offload": ("nvme-offload", {"engine": "deepspeed", "zero_stage": 3, "precision": "bf16-mixed"}),
-           # its saving is the optimizer step's peak: a batch small enough for that step to be the peak
-           "optimizer-in-backward": ("optimizer-in-backward", {"batch_size": 1, "seq_len": 16})}
 # ... and the ones that by design change no tensor of the step
 NO_TENSOR_EFFECT = {"expandable-segments": "changes the CUDA allocator's reserve",
                     "release-cache": "returns cached CUDA blocks between phases",
                     "prune-unstructured": "leaves its zeros in the same dense tensors"}
 
 
-def test_every_technique_parses_round_trips_and_has_an_effect(eager_llama):
-    for name, cls in REGISTRY.items():
-        spec, where = APPLIES.get(name, (name, {}))
-        where = {**where, "model": eager_llama} if where.get("model") == "eager" else where
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_technique_example_parses_round_trips_and_has_an_effect(name):
+    """Each technique's examples (what it declares: a configuration and the workload it applies to) change the
+    estimate, but for those that by design change no tensor."""
+    cls = REGISTRY[name]
+    for spec, where in cls.examples:
         workload = ResolvedWorkload(**{**SHAPE, "seq_len": 128, **where})   # `where` may set another shape
         method = "analytic" if workload.source.is_hf and "traced-only" not in cls.traits else "traced"
         base = memfit.estimate(workload, method=method)
         technique = parse_technique(spec)
-        assert parse_technique(technique.spec) == technique
+        assert type(technique) is cls and parse_technique(technique.spec) == technique
         changed = effect(technique, base, workload, method=method).extra["effect"]
-        assert (changed["saved_bytes"] == 0) == (name in NO_TENSOR_EFFECT), (name, changed["saved_bytes"])
+        assert (changed["saved_bytes"] == 0) == (name in NO_TENSOR_EFFECT), (spec, changed["saved_bytes"])
+
+
+def test_a_workloads_techniques_round_trip_through_json():
     spec = parse_technique("sequence-chunks:window=64,stride=32").spec
     assert spec == "sequence-chunks:window=64,stride=32"
     data = ResolvedWorkload(**SHAPE, techniques=("checkpointing:every=2", "bf16-mixed")).to_json()

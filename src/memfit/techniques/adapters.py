@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,7 +37,7 @@ from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.core.precision import get_precision
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
-from memfit.techniques.base import Export, Technique, register
+from memfit.techniques.base import Examples, Export, Technique, register
 from memfit.techniques.contracts import AnalyticProgram, CostCompute, PlanQuery
 from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
 
@@ -53,6 +54,7 @@ QLORA_DEQUANT = 1.2   # QLoRA's compute against LoRA's: every 4-bit weight dequa
 @dataclass(frozen=True, kw_only=True)
 class Lora(Technique):
     name = "lora"
+    examples: ClassVar[Examples] = (("lora", {}), ("lora:rank=8,targets=q_proj|v_proj", {}))
     risk = "lossy"       # only the adapters train: another model than a full fine-tune
     stage = "adapters"
     summary = "LoRA (peft): every weight frozen, low-rank adapters on the target linears train"
@@ -151,6 +153,7 @@ class Lora(Technique):
 @dataclass(frozen=True, kw_only=True)
 class Qlora(Lora):
     name = "qlora"
+    examples = (("qlora", {}),)
     summary = "QLoRA: the base's linears frozen as bitsandbytes 4-bit codes (NF4), LoRA adapters train"
     time_factor = 0.9    # LoRA's saving, less a dequantization per linear in forward and backward (assumed)
     traits = frozenset({"adapters", "subclass-weights", "quantized-linears"})

@@ -33,6 +33,7 @@ from memfit.techniques.contracts import CostCompute, OomMessage, OomSnapshot, Pl
 @dataclass(frozen=True, kw_only=True)
 class ExpandableSegments(Technique):
     name = "expandable-segments"
+    examples = (("expandable-segments", {}),)
     risk = "lossless"
     stage = "memory"
     traits = frozenset({"allocator-only"})
@@ -69,6 +70,7 @@ class ExpandableSegments(Technique):
 @dataclass(frozen=True, kw_only=True)
 class ReleaseCache(Technique):
     name = "release-cache"
+    examples = (("release-cache", {}),)
     risk = "lossless"
     stage = "memory"
     traits = frozenset({"allocator-only"})

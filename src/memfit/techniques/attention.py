@@ -35,6 +35,7 @@ SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "phi3")
 @dataclass(frozen=True, kw_only=True)
 class Sdpa(Technique):
     name = "sdpa"
+    examples = (("sdpa", {"model": "tiny-llama-eager"}),)
     risk = "numerical"
     stage = "sequence"
     summary = "fused scaled-dot-product attention instead of eager attention (no seq x seq scores saved)"
@@ -74,6 +75,7 @@ class Sdpa(Technique):
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindow(Technique):
     name = "sliding-window"
+    examples = (("sliding-window:window=32", {"model": "tiny-qwen2", "task": "inference", "new_tokens": 64}),)
     risk = "lossy"
     stage = "sequence"
     summary = "local attention over the last `window` tokens (KV cache capped at the window)"

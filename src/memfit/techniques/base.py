@@ -17,7 +17,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from memfit.core.errors import MemfitError, closest
 from memfit.specs.hardware import AllocatorSettings
@@ -92,6 +92,9 @@ class Export(NamedTuple):
     how: str | None = None      # what the settings cannot say, and what to do about it
 
 
+Examples = tuple[tuple[str, Mapping[str, Any]], ...]   # (spec, the workload fields it applies with), ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Technique:
     name: ClassVar[str]
@@ -120,6 +123,10 @@ class Technique:
     # added only to a plan that fits with it alone), None when it is not searched; `search_values` says which
     # configurations to try
     search_axis: ClassVar[str | None] = None
+    # Where it applies: configurations (specs), each with the smallest workload it changes something on (Workload
+    # fields over tiny-llama training, 4 sequences of 128 tokens). Every technique declares its own (a subclass too):
+    # the technique tests, the fuzzed specs and the golden cases run them.
+    examples: ClassVar[Examples] = ()
 
     @classmethod
     def implied_by(cls, workload: Workload, techniques: list[Technique]) -> bool:

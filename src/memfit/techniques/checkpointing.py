@@ -88,6 +88,7 @@ def selective_op_context():
 @dataclass(frozen=True, kw_only=True)
 class Checkpointing(Technique):
     name = "checkpointing"
+    examples = (("checkpointing", {}), ("checkpointing:mode=selective", {}), ("checkpointing:mode=offload", {}))
     risk = "lossless"
     stage = "activations"
     summary = ("recompute block activations in backward: full per block, every n-th block, selective per op; "

@@ -44,6 +44,7 @@ MODES = ("default", "reduce-overhead")
 @dataclass(frozen=True, kw_only=True)
 class Compile(Technique):
     name = "compile"
+    examples = (("compile", {}),)
     risk = "numerical"
     stage = "compile"
     summary = "torch.compile each block: min-cut rematerialisation and fused pointwise kernels save less"

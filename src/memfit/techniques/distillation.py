@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class Distill(Technique):
     name = "distill"
+    examples = (("distill", {}),)
     risk = "lossy"          # another, smaller model is trained
     stage = "student"
     summary = "knowledge distillation: a student with fewer blocks trains on the frozen teacher's soft targets"

@@ -103,6 +103,7 @@ class LayoutTechnique(Technique):
 @dataclass(frozen=True, kw_only=True)
 class Ddp(LayoutTechnique):
     name = "ddp"
+    examples = (("ddp:bucket_view=true", {"world_size": 2, "batch_size": 1, "seq_len": 16}),)
     risk = "numerical"     # gradients are averaged across ranks in buckets: a different summation order
     traits = frozenset({"layout", "reduces-gradients", "wraps-forward"})
     summary = "DistributedDataParallel: a whole model per rank, gradients all-reduced in buckets"
@@ -167,6 +168,7 @@ MP_MODES = ("policy", "autocast")
 @dataclass(frozen=True, kw_only=True)
 class Fsdp2(LayoutTechnique):
     name = "fsdp2"
+    examples = (("fsdp2", {"world_size": 2}),)
     risk = "numerical"
     traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward", "offloads-shards", "shards-on-mesh"})
     zero_stage = 3
@@ -282,6 +284,7 @@ ROWWISE = ("o_proj", "down_proj")                                   # input feat
 @dataclass(frozen=True, kw_only=True)
 class TensorParallel(LayoutTechnique):
     name = "tensor-parallel"
+    examples = (("tensor-parallel", {"world_size": 2}),)
     stage = "split"
     traits = frozenset({"layout", "dtensor", "shards-weights", "splits-linears"})
     risk = "numerical"      # each rank sums a part of every row-parallel matmul; the all-reduce adds them

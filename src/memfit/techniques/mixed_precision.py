@@ -61,6 +61,7 @@ class _Precision(Technique):
 @dataclass(frozen=True, kw_only=True)
 class Fp16Mixed(_Precision):
     name = "fp16-mixed"
+    examples = (("fp16-mixed", {}),)
     risk = "numerical"
     changes = "mixed-precision"
     summary = "fp16 autocast with dynamic loss scaling (GradScaler skips steps whose gradients overflow)"
@@ -82,6 +83,7 @@ class Fp16Mixed(_Precision):
 @dataclass(frozen=True, kw_only=True)
 class Bf16Mixed(_Precision):
     name = "bf16-mixed"
+    examples = (("bf16-mixed", {}),)
     risk = "numerical"
     changes = "mixed-precision"
     summary = "bf16 autocast over fp32 weights (half activations, cached half copies of the weights)"
@@ -97,6 +99,7 @@ class Bf16Mixed(_Precision):
 @dataclass(frozen=True, kw_only=True)
 class PureBf16(_Precision):
     name = "bf16"
+    examples = (("bf16", {}),)
     risk = "numerical"
     changes = "reduced-precision"
     summary = "weights, gradients and optimizer states in bfloat16 (no fp32 master copy)"
@@ -118,6 +121,7 @@ class PureBf16(_Precision):
 @dataclass(frozen=True, kw_only=True)
 class PureFp16(_Precision):
     name = "fp16"
+    examples = (("fp16", {}),)
     risk = "numerical"
     changes = "reduced-precision"
     summary = "weights (and in training gradients and optimizer states) in float16: inference where bf16 is missing"
@@ -139,6 +143,7 @@ class PureFp16(_Precision):
 @dataclass(frozen=True, kw_only=True)
 class Bf16Master(_Precision):
     name = "bf16-master"
+    examples = (("bf16-master", {}),)
     risk = "numerical"
     changes = "mixed-precision"
     summary = ("bf16 weights, activations and compute; the optimizer steps on float32 master weights with float32 "

@@ -72,6 +72,7 @@ from memfit.techniques.contracts import CostCompute, CostStep, OomMessage, OomSn
 @dataclass(frozen=True, kw_only=True)
 class CpuOffload(Technique):
     name = "cpu-offload"
+    examples = (("cpu-offload", {}),)
     risk = "lossless"
     traits = frozenset({"host-optimizer"})
     conflicts_with = {
@@ -156,6 +157,7 @@ class NvmeOffload(CpuOffload):
     through DeepSpeed's async_io op (libaio), read back for each step. Host RAM holds DeepSpeed's swap buffers
     instead of the states, and a flat copy of the half weights up to max_in_cpu (1e9 elements)."""
     name = "nvme-offload"
+    examples = (("nvme-offload", {"engine": "deepspeed", "zero_stage": 3, "precision": "bf16-mixed"}),)
     traits = frozenset({"host-optimizer", "swaps-to-disk"})
     conflicts_with = {**CpuOffload.conflicts_with,
                       "cpu-offload": ("both move the optimizer states off the device, to host RAM or to a drive",
@@ -286,6 +288,7 @@ def parameter_storages(model: torch.nn.Module) -> WeakIdKeyDictionary:
 @dataclass(frozen=True, kw_only=True)
 class StreamLayers(Technique):
     name = "stream-layers"
+    examples = (("stream-layers", {"task": "inference"}),)
     risk = "lossless"
     stage = "offload"
     summary = "inference larger than the device: block weights in host RAM, each copied in just before it runs"
@@ -356,6 +359,8 @@ def stream_block_(block: torch.nn.Module, park_after: Callable[[object], bool] =
 @dataclass(frozen=True, kw_only=True)
 class ParkFrozen(Technique):
     name = "park-frozen"
+    examples = (("park-frozen", {"model": "memfit.examples.frozen_encoder:build",
+                                 "inputs": "memfit.examples.frozen_encoder:make_inputs"}),)
     risk = "lossless"
     stage = "offload"
     summary = ("frozen modules that backward never needs (no gradient flows through them) wait in host RAM "

@@ -31,6 +31,7 @@ from memfit.techniques.contracts import CostStep, OomMessage, OomSnapshot, PlanQ
 @dataclass(frozen=True, kw_only=True)
 class OptimizerInBackward(Technique):
     name = "optimizer-in-backward"
+    examples = (("optimizer-in-backward", {"batch_size": 1, "seq_len": 16}),)
     risk = "lossless"
     stage = "optimizer"
     summary = "each parameter's optimizer step runs in backward as its gradient is complete, and frees it"

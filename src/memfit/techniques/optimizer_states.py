@@ -92,6 +92,7 @@ class _Optimizer(Technique):
 @dataclass(frozen=True, kw_only=True)
 class AdamW8bit(_Optimizer):
     name = "adamw8bit"
+    examples = (("adamw8bit", {}),)
     trainer_optim = "adamw_bnb_8bit"
     optimizer_class = "bitsandbytes.optim.AdamW8bit"
     summary = "AdamW with block-wise 8-bit m and v (bitsandbytes): ~2 bytes of state per parameter"
@@ -161,6 +162,7 @@ class _Paged:
 @dataclass(frozen=True, kw_only=True)
 class PagedAdamW8bit(_Paged, AdamW8bit):
     name = "paged-adamw8bit"
+    examples = (("paged-adamw8bit", {}),)
     trainer_optim = "paged_adamw_8bit"
     optimizer_class = "bitsandbytes.optim.PagedAdamW8bit"
     summary = ("AdamW8bit with its large states in CUDA unified memory (bitsandbytes PagedAdamW8bit): outside the "
@@ -173,6 +175,7 @@ class PagedAdamW8bit(_Paged, AdamW8bit):
 @dataclass(frozen=True, kw_only=True)
 class PagedAdamW(_Paged, _Optimizer):
     name = "paged-adamw"
+    examples = (("paged-adamw", {}),)
     trainer_optim = "paged_adamw_32bit"
     optimizer_class = "bitsandbytes.optim.PagedAdamW"
     summary = ("AdamW with float32 m and v in CUDA unified memory (bitsandbytes PagedAdamW): outside the allocator, "
@@ -232,6 +235,7 @@ def _noting_paged_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
 @dataclass(frozen=True, kw_only=True)
 class AdamW4bit(_Optimizer):
     name = "adamw4bit"
+    examples = (("adamw4bit", {}),)
     trainer_optim = "adamw_torch_4bit"
     optimizer_class = "torchao.optim.AdamW4bit"
     # measured: +24 % held-out perplexity after 60 steps from scratch (benchmarks/results/technique_table.txt)
@@ -279,6 +283,7 @@ class AdamW4bit(_Optimizer):
 @dataclass(frozen=True, kw_only=True)
 class Adafactor(_Optimizer):
     name = "adafactor"
+    examples = (("adafactor", {}),)
     trainer_optim = "adafactor"
     optimizer_class = "torch.optim.Adafactor"
     risk = "lossy"      # a different update rule (and learning rate) than AdamW: the training path changes

@@ -49,6 +49,7 @@ SCHEDULES = ("1f1b", "gpipe")
 @dataclass(frozen=True, kw_only=True)
 class PipelineParallel(LayoutTechnique):
     name = "pipeline-parallel"
+    examples = (("pipeline-parallel", {"world_size": 2}),)
     risk = "numerical"      # the batch's loss is a mean of micro-batch means: another summation order
     traits = frozenset({"layout", "shards-weights", "splits-blocks", "own-backward", "wraps-forward"})
     summary = "pipeline parallel (torch.distributed.pipelining): each rank holds a run of the blocks; 1f1b or gpipe"

@@ -48,6 +48,7 @@ def kept_count(total: int, ratio: float) -> int:
 @dataclass(frozen=True, kw_only=True)
 class PruneStructured(Technique):
     name = "prune-structured"
+    examples = (("prune-structured", {}),)
     risk = "lossy"
     stage = "prune"
     summary = "torch-pruning: attention-head groups and MLP channels removed for real (Llama-style decoders)"
@@ -177,6 +178,7 @@ def _prune_channels(tp, producers: tuple, consumer, ratio: float) -> None:
 @dataclass(frozen=True, kw_only=True)
 class PruneUnstructured(Technique):
     name = "prune-unstructured"
+    examples = (("prune-unstructured", {}),)
     risk = "lossy"
     stage = "prune"
     summary = "magnitude pruning (torch.nn.utils.prune, L1): zeros in dense weights, which save no memory"

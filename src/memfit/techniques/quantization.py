@@ -84,6 +84,7 @@ FOUR_BIT_CONFLICTS = {**ONE_QUANTIZATION, "shards-weights": (
 @dataclass(frozen=True, kw_only=True)
 class Int8WeightOnly(Technique):
     name = "int8-weight-only"
+    examples = (("int8-weight-only", {"task": "inference"}),)
     risk = "lossy"
     stage = "quantize"
     summary = ("torchao int8 weight-only: every nn.Linear weight (and a mixture's expert weights) as int8 codes with "
@@ -139,6 +140,7 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")   # transformers' fused experts (
 @dataclass(frozen=True, kw_only=True)
 class Int8Dynamic(Int8WeightOnly):
     name = "int8-dynamic"
+    examples = (("int8-dynamic", {"task": "inference"}),)
     summary = "torchao int8 dynamic: int8 weights (scale per row) and each token's activations quantized per call"
     oom_fixes = ()
     time_factor = 1.2    # quantizing activations per call; the int8 matmul pays off on GPUs (assumed)
@@ -154,6 +156,7 @@ class Int8Dynamic(Int8WeightOnly):
 @dataclass(frozen=True, kw_only=True)
 class Qat(Technique):
     name = "qat"
+    examples = (("qat", {}),)
     risk = "lossy"
     stage = "quantize"
     summary = "quantization-aware training (torchao): int8 fake quantization of weights and inputs in every linear"
@@ -209,6 +212,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 @dataclass(frozen=True, kw_only=True)
 class Int4WeightOnly(Technique):
     name = "int4-weight-only"
+    examples = (("int4-weight-only", {"task": "inference"}),)
     risk = "lossy"
     stage = "quantize"
     summary = ("torchao int4 weight-only (tinygemm layout): every nn.Linear weight as 4-bit codes with a scale and a "
@@ -276,6 +280,7 @@ BLOCK = 64   # bitsandbytes' 4-bit block: one scale per 64 weights
 @dataclass(frozen=True, kw_only=True)
 class Bnb4bit(Technique):
     name = "bnb-4bit"
+    examples = (("bnb-4bit", {"task": "inference"}),)
     risk = "lossy"
     stage = "quantize"
     summary = "bitsandbytes 4-bit weights (NF4 or FP4, blocks of 64) on every nn.Linear but the LM head"

@@ -55,6 +55,7 @@ def _token_tensors(batch: dict) -> dict:
 @dataclass(frozen=True, kw_only=True)
 class Truncate(Technique):
     name = "truncate"
+    examples = (("truncate:max_len=64", {}),)
     risk = "lossy"
     stage = "sequence"
     traits = frozenset({"shapes-batch"})
@@ -82,6 +83,7 @@ def _truncate(batch: dict, *, max_len: int) -> dict:
 @dataclass(frozen=True, kw_only=True)
 class SequenceChunks(Technique):
     name = "sequence-chunks"
+    examples = (("sequence-chunks:window=64", {}),)
     risk = "lossy"
     stage = "sequence"
     traits = frozenset({"shapes-batch"})
@@ -139,6 +141,7 @@ def sequence_windows(batch: dict, *, window: int, stride: int) -> list[dict]:
 @dataclass(frozen=True, kw_only=True)
 class ChunkedCrossEntropy(Technique):
     name = "chunked-ce"
+    examples = (("chunked-ce", {}), ("chunked-ce:mode=upcast", {}))
     risk = "numerical"
     stage = "loss"
     summary = ("LM head + cross-entropy over sequence slices under checkpoint: full logits never exist "
