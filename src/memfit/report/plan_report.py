@@ -122,15 +122,27 @@ def print_instance_ranking(ranking: InstanceRanking, console: Console) -> None:
         table = Table(title=f"memfit plan — {request.model} {request.task} on every priced instance, cheapest per "
                             f"million {unit} first (on-demand list prices: `memfit instances` has each date and "
                             "source; --price NAME=USD to use yours)", title_justify="left")
-        for column in ("#", "instance", "GPUs", "$/h", "plan", "mb×acc", "peak/GPU", "host RAM",
-                       _rate_column(plans), f"$/M {unit}"):
-            table.add_column(column, justify="left" if column in ("instance", "GPUs", "plan") else "right")
+        wide = console.width >= WIDE   # narrower: the GPUs go under the instance, the batch and host RAM under the plan
+        columns = ["#", "instance", "GPUs", "$/h", "plan", "mb×acc", "peak/GPU", "host RAM", _rate_column(plans),
+                   f"$/M {unit}"]
+        if not wide:
+            columns = [c for c in columns if c not in ("GPUs", "mb×acc", "host RAM")]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("instance", "GPUs", "plan") else "right",
+                             no_wrap=column != "plan", overflow="fold", ratio=1 if column == "plan" else None)
         for index, (result, plan) in enumerate(zip(fitting, plans)):
-            table.add_row(str(index + 1), plan["instance"], f"{result.request.num_gpus} × {result.request.gpu.name}",
-                          _usd(plan["usd_per_hour"]), " + ".join(plan["techniques"]),
-                          f"{plan['micro_batch']} × {plan['grad_accum']}", format_bytes(plan["peak_bytes"], 1),
-                          format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else "",
-                          f"{plan['throughput']:,.0f}", _usd(plan["usd_per_million_tokens"]))
+            gpus = f"{result.request.num_gpus} × {result.request.gpu.name}"
+            host = format_bytes(plan["host_ram_bytes"], 1) if plan["host_ram_bytes"] else ""
+            batch = f"{plan['micro_batch']} × {plan['grad_accum']}"
+            techniques = " + ".join(plan["techniques"])
+            cells = {"#": str(index + 1), "instance": plan["instance"] if wide else f"{plan['instance']}\n{gpus}",
+                     "GPUs": gpus, "$/h": _usd(plan["usd_per_hour"]),
+                     "plan": techniques if wide else f"{techniques}\n[dim]{batch}" + (f", host {host}" if host else "")
+                     + "[/dim]",
+                     "mb×acc": batch, "peak/GPU": format_bytes(plan["peak_bytes"], 1), "host RAM": host,
+                     _rate_column(plans): f"{plan['throughput']:,.0f}",
+                     f"$/M {unit}": _usd(plan["usd_per_million_tokens"])}
+            table.add_row(*(cells[column] for column in columns))
         console.print(table)
     else:
         console.print("[red]No priced instance fits this request.[/red]")
