@@ -93,12 +93,14 @@ def host_predicted_as_measured(run) -> None:
 POINT = 0.01   # what an analytic estimate may drift from its recorded error before a test fails
 
 
-def assert_analytic(run, measured_bytes: int | None = None, *, error: float = 0.0) -> None:
+def assert_analytic(run, measured_bytes: int | None = None, *, error: float = 0.0,
+                    outcomes: tuple[int, ...] = ()) -> None:
     """The analytic estimate of a measured run within its error today (`error`, a fraction, recorded at the test
-    where it is more than a rounding) plus one point."""
+    where it is more than a rounding) plus one point. `outcomes`: other peaks the same run can reach (limits.md: an
+    all-gather freed late, an old bucket set let go early), any of which the estimate may match."""
     actual = run.peak_bytes if measured_bytes is None else measured_bytes
-    off = (predicted(run, "analytic") - actual) / actual
-    assert abs(off) < abs(error) + POINT, f"analytic {off:+.4f}, recorded {error:+.4f}"
+    offs = [(predicted(run, "analytic") - peak) / peak for peak in (actual, *outcomes)]
+    assert min(map(abs, offs)) < abs(error) + POINT, f"analytic {offs[0]:+.4f}, recorded {error:+.4f}"
 
 
 def rel(a: float, b: float) -> float:

