@@ -107,13 +107,19 @@ def test_savings_fall_back_to_traced_where_the_analytic_model_has_no_program(cap
     (["frobnicate"], "invalid choice"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, fragment):
+    code, lines = error_of(capsys, argv)
+    assert code == 2 and len(lines) == 1 and fragment in lines[0]
+
+
+def error_of(capsys, argv: list[str]) -> tuple[int, list[str]]:
+    """The exit code and the non-empty lines on stderr of `memfit ARGV` (argparse's errors exit by SystemExit)."""
     try:
         code = main(argv)
     except SystemExit as exc:
         code = exc.code
     _, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and fragment in lines[0] and "Traceback" not in err
+    assert "Traceback" not in err
+    return code, [line for line in err.splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("command", ["techniques", "models", "gpus"])
@@ -157,13 +163,8 @@ def test_plan_tables_fit_the_columns_they_are_given(capsys, monkeypatch):
 ])
 def test_flags_the_commands_share_and_refuse(capsys, monkeypatch, argv, fragment):
     monkeypatch.setattr("sys.stdin", io.StringIO(OOM))
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    _, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and fragment in lines[0], err
+    code, lines = error_of(capsys, argv)
+    assert code == 2 and len(lines) == 1 and fragment in lines[0], lines
 
 
 OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
