@@ -36,7 +36,10 @@ def one_line(text: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, as for every user error
-        print(f"memfit: error: {one_line(message + _suggestion(message, self))}", file=sys.stderr)
+        suggestion = _suggestion(message, self)
+        if suggestion:
+            message = message.rstrip(".") + "." + suggestion
+        print(f"memfit: error: {one_line(message)}", file=sys.stderr)
         raise SystemExit(2)
 
 
