@@ -196,6 +196,16 @@ def test_version_and_help_answer_without_loading_torch():
     assert done.stdout.strip() == "False"
 
 
+def test_version_names_the_installed_libraries_memfit_models(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("memfit ") and f"torch {version('torch')}, checked with" in out
+    assert f"transformers {version('transformers')}, checked with" in out
+
+
 def test_plan_constraints_hold_in_every_plan(capsys):
     """-t lora --precision bf16-mixed: every plan runs LoRA in bf16-mixed; --exclude keeps a technique out."""
     code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--seq-len", "1024", "--global-batch",

@@ -57,11 +57,30 @@ def _suggestion(message: str, parser: argparse.ArgumentParser) -> str:
     return ""
 
 
+# the versions memfit's runs have checked (the GPU run: torch 2.11, transformers 5.17; the suite: 2.13 and 5.24)
+CHECKED = {"torch": "2.11 to 2.13", "transformers": "5.17 to 5.24"}
+
+
+def version_line() -> str:
+    """memfit's version and the installed libraries whose behaviour its estimates model (read without importing
+    them), beside the versions memfit has been checked with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"memfit {__version__} (" + "; ".join(
+        f"{name} {installed(name)}, checked with {checked}" for name, checked in CHECKED.items()) + ")"
+
+
 def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser, with the full flags of the command `argv` names (the others listed by name only), and the
     command parsers by name."""
     parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")
-    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     chosen = next((word for word in argv or () if not word.startswith("-")), None)
     commands: dict[str, argparse.ArgumentParser] = {}
