@@ -76,11 +76,20 @@ def version_line() -> str:
         f"{name} {installed(name)}, checked with {checked}" for name, checked in CHECKED.items()) + ")"
 
 
+class _Version(argparse.Action):
+    """--version, its line read only when asked for (the installed libraries' versions)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser, with the full flags of the command `argv` names (the others listed by name only), and the
     command parsers by name."""
     parser = _Parser(prog="memfit", description="Make large PyTorch models fit in GPU memory.")
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print memfit's version and the installed torch's and transformers', and exit")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     chosen = next((word for word in argv or () if not word.startswith("-")), None)
     commands: dict[str, argparse.ArgumentParser] = {}

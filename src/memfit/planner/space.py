@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from memfit.techniques.distributed import LayoutTechnique
 
 FLOAT32_ROOM = 4   # float32 is searched on a GPU with bf16 when its model states fit this many times over
-AXES = SEARCH_AXES   # the axes a technique can be a value of (techniques/base.py), in the order a plan lists them
 DEFAULTS = Workload.__dataclass_fields__
 
 
@@ -73,32 +72,30 @@ def searched(request: PlanRequest, base: ResolvedWorkload) -> dict[str, list[str
     """Each axis's values: the configurations the registered techniques declare for this request (lossy ones only
     under --allow lossy, none the request excludes), in the canonical order; an axis of a technique the request
     requires holds that configuration alone."""
-    values: dict[str, list[str]] = {axis: [] for axis in AXES + ("allocator",)}
+    values: dict[str, list[str]] = {axis: [] for axis in SEARCH_AXES + ("allocator",)}
     for technique in ordered(cls() for cls in REGISTRY.values()):
         if technique.search_axis is None or technique.name in request.exclude:
             continue
         for spec in technique.search_values(request, base):
             if request.allow == "lossy" or parse_technique(spec).risk != "lossy":
                 values[technique.search_axis].append(spec)
-    for axis, specs in required_axes(request).items():
-        values[axis] = specs
+    values.update(required(request)[0])
     return values
 
 
-def required_axes(request: PlanRequest) -> dict[str, list[str]]:
-    """The axes the request's required techniques are values of, with those configurations (`-t lora:rank=8`
-    replaces the searched LoRA configurations, and a plan without LoRA)."""
+def required(request: PlanRequest) -> tuple[dict[str, list[str]], tuple[str, ...]]:
+    """The request's required techniques: by the axis each is a value of (`-t lora:rank=8` replaces the searched
+    LoRA configurations, and a plan without LoRA), and those the planner does not search (no axis), which every
+    candidate gets."""
     axes: dict[str, list[str]] = {}
+    unsearched = []
     for spec in request.techniques:
         axis = parse_technique(spec).search_axis
-        if axis is not None:
+        if axis is None:
+            unsearched.append(spec)
+        else:
             axes.setdefault(axis, []).append(spec)
-    return axes
-
-
-def unsearched_required(request: PlanRequest) -> tuple[str, ...]:
-    """Required techniques the planner does not search (they declare no axis): added to every candidate."""
-    return tuple(spec for spec in request.techniques if parse_technique(spec).search_axis is None)
+    return axes, tuple(unsearched)
 
 
 def _precisions(request: PlanRequest, values: list[str], base: ResolvedWorkload) -> list[str]:
@@ -151,19 +148,18 @@ def _layouts(request: PlanRequest, techniques: list[str]) -> list[Candidate]:
 def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     """Every combination to consider, before the rules are checked (the search builds each Workload)."""
     values = searched(request, base)
-    required = required_axes(request)
+    required_on, extra = required(request)
     default_optimizer = cast(str, DEFAULTS["optimizer"].default)
     if request.optimizer is not None:
         optimizers = [request.optimizer]
     else:
         optimizers = [o for o in [default_optimizer] + values["optimizer"] if o not in request.exclude]
-    rest = [values[axis] if axis in required else [None] + values[axis] for axis in AXES[3:]]
-    extra = unsearched_required(request)
+    rest = [values[axis] if axis in required_on else [None] + values[axis] for axis in SEARCH_AXES[3:]]
     required_lossy = any(parse_technique(spec).risk == "lossy" for spec in request.techniques) or (
         request.optimizer is not None and _lossy(request.optimizer))
     layouts = _layouts(request, values["layout"])
-    if "layout" in required:   # only the layouts that use the required one
-        layouts = [layout for layout in layouts if set(required["layout"]) <= set(layout.techniques)]
+    if "layout" in required_on:   # only the layouts that use the required one
+        layouts = [layout for layout in layouts if set(required_on["layout"]) <= set(layout.techniques)]
     out = []
     analytic = "analytic" in methods_for(base)   # the only estimator of DeepSpeed's engine
     for layout, precision in itertools.product(layouts, _precisions(request, values["precision"], base)):
