@@ -7,9 +7,10 @@ from statistics import median_high as median
 
 import torch
 
+from memfit.core.dtypes import dtype_name
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.kernels import ATTENTION_BACKWARD, kernel_profile
-from memfit.planner.cost import LINK_EFFICIENCY, CostModel, dtype_key
+from memfit.planner.cost import LINK_EFFICIENCY, CostModel
 from memfit.specs.hardware import CPU_KERNELS, GPU
 from memfit.specs.workload import Workload
 from memfit.steps.host import host_copy
@@ -180,11 +181,11 @@ def calibrate(gpu: GPU, model: str, seq_len: int, micro_batches: list[int]) -> C
     return CostModel(mfu=mfu, tokens_half=int(half), launch_s=0.0,
                      host_op_s=host_seconds_per_kernel(model), host_overlaps=False, comm_overlap=0.0,
                      copy_overlap=0.0,
-                     optimizer_s_per_param=tuple((f"{o}:{dtype_key(d)}", per_param(o, d)) for o in OPTIMIZERS
+                     optimizer_s_per_param=tuple((f"{o}:{dtype_name(d)}", per_param(o, d)) for o in OPTIMIZERS
                                                  for d in DTYPES),
-                     batched_tflops=tuple((dtype_key(d), batched(d)) for d in DTYPES),
-                     attention_tflops=tuple((dtype_key(d), attention(d)) for d in DTYPES),
-                     pointwise_s_per_element=tuple((dtype_key(d), pointwise(d)) for d in DTYPES),
+                     batched_tflops=tuple((dtype_name(d), batched(d)) for d in DTYPES),
+                     attention_tflops=tuple((dtype_name(d), attention(d)) for d in DTYPES),
+                     pointwise_s_per_element=tuple((dtype_name(d), pointwise(d)) for d in DTYPES),
                      random_s_per_element=random_draw(),
                      optimizer_call_s=per_call(),
                      source="measured on this CPU (benchmarks/planner_oracle.py)")

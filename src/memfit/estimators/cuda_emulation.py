@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from memfit.core.dtypes import dtype_name
 from memfit.estimators.sdpa_backend import FLASH, MATH, backward_scratch, cuda_backend, enabled_backends
 
 _LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
@@ -200,7 +201,7 @@ class _FusedAttention(torch.autograd.Function):
         b, heads, length, head_dim = q.shape
         scratch = [torch.empty(numel, dtype=getattr(torch, dtype), device=q.device) for numel, dtype in
                    backward_scratch(ctx.kernel, batch=b, heads=heads, q_len=length, head_dim=head_dim,
-                                    dtype=str(q.dtype).removeprefix("torch."))]
+                                    dtype=dtype_name(q.dtype))]
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del scratch
         mask = saved[5] if len(saved) > 5 else None
@@ -211,7 +212,7 @@ class _FusedAttention(torch.autograd.Function):
 def _sdpa(capability, forced, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    kernel = cuda_backend(capability, str(query.dtype).removeprefix("torch."), query.shape[-1],
+    kernel = cuda_backend(capability, dtype_name(query.dtype), query.shape[-1],
                           mask=attn_mask is not None, causal_unequal=is_causal and query.shape[-2] != key.shape[-2],
                           needs_grad=needs_grad, grouped=query.shape[-3] != key.shape[-3], forced=forced,
                           enabled=enabled_backends())

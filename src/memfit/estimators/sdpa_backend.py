@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.core.dtypes import dtype_name
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
 
@@ -82,7 +83,7 @@ def grouped_math_note(workload, capability: tuple[int, int]) -> str | None:
     if source.eager_attention or source.attention_kernel or not heads or kv_heads == heads:
         return None   # eager, or a kernel that always runs (FlashAttention-2, flex): SDPA does not choose
     precision = PRECISIONS[workload.precision]
-    dtype = str(precision.compute_dtype).removeprefix("torch.")
+    dtype = dtype_name(precision.compute_dtype)
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
     checks = dict(mask=False, causal_unequal=False, needs_grad=workload.task == "train")
     if cuda_backend(capability, dtype, head_dim, grouped=True, **checks) != MATH or \

@@ -16,11 +16,11 @@ import functools
 
 import torch
 
+from memfit.core.weight_formats import BNB_BLOCK
 from memfit.steps.fusion import fused
 from memfit.steps.host import note_category
 from memfit.steps.stand_ins import register_stand_in
 from memfit.techniques.optimizer_states import BLOCK_4BIT, MIN_QUANTIZED_NUMEL, QMAP_4BIT
-from memfit.techniques.quantization import BLOCK
 
 PEFT_ADAPTERS, TORCHAO_ADAMW4BIT, BNB_4BIT_WEIGHT = "peft-adapters", "torchao-adamw4bit", "bnb-4bit-weight"
 DDP_TRACE, INDUCTOR_TRACE, PRUNE_ORDER = "ddp-trace", "inductor-trace", "prune-order"
@@ -92,7 +92,7 @@ def bnb_4bit_weight(linear, weight: torch.Tensor, *, quant_type: str, double_qua
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():   # bitsandbytes caches its code books per device: real ones
-        probe = torch.ones(2, BLOCK, device=weight.device)
+        probe = torch.ones(2, BNB_BLOCK, device=weight.device)
         dequantize_4bit(*quantize_4bit(probe, compress_statistics=double_quant, quant_type=quant_type))
     codes, state = quantize_4bit(weight.data, compress_statistics=double_quant, quant_type=quant_type)
     linear.weight = torch.nn.Parameter(codes, requires_grad=False)

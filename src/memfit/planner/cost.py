@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit.core.dtypes import BYTES, dtype_name
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic import offload_host_bytes
 from memfit.estimators.analytic.families import registry
@@ -92,7 +93,7 @@ class CostModel:
     def optimizer_seconds_per_param(self, optimizer: str, dtype: torch.dtype) -> float | None:
         """The measured seconds per parameter of `optimizer` stepping `dtype` states (None: not measured)."""
         measured = dict(self.optimizer_s_per_param)
-        return measured.get(f"{optimizer}:{dtype_key(dtype)}", measured.get(optimizer))
+        return measured.get(f"{optimizer}:{dtype_name(dtype)}", measured.get(optimizer))
 
     @property
     def seconds_per_optimizer_call(self) -> float:
@@ -116,7 +117,7 @@ class ModelShape:
     active_params: int
     causal: bool
     expert_params: int = 0   # a mixture of experts: the experts' parameters, all layers
-    expert_bytes: int = 0    # and the bytes they are stored in (int8 experts: codes and each row's scale and zero)
+    expert_bytes: int = 0    # and the bytes they are stored in (their weight format's codes and state, if any)
     experts: int = 0
     top_k: int = 0
     counted_flops_per_token: float = 0.0   # a custom model: its forward's FLOPs counted on a fake copy (no shape)
@@ -135,11 +136,15 @@ class ModelShape:
         num_layers = workload.source.num_layers
         assert num_layers is not None   # every analytic family's config counts its layers
         if experts:   # only top_k of the experts run per token
-            expert_params = num_layers * experts * 3 * hidden * spec.intermediate
+            matrices = ((experts, 2 * spec.intermediate, hidden), (experts, hidden, spec.intermediate))
+            expert_params = num_layers * sum(e * rows * inputs for e, rows, inputs in matrices)
             active -= expert_params * (experts - spec.top_k) // experts
-            expert_bytes = expert_params * get_precision(workload.precision).param_dtype.itemsize
-            if workload.with_trait("int8-experts"):   # a float32 scale and an int8 zero point per row
-                expert_bytes = expert_params + 5 * num_layers * experts * (2 * spec.intermediate + hidden)
+            fmt = workload.weight_format
+            dtype = dtype_name(get_precision(workload.precision).param_dtype)
+            if fmt is not None and fmt.experts:   # stored in the technique's weight format
+                expert_bytes = num_layers * sum(fmt.stored_bytes(shape, dtype) for shape in matrices)
+            else:
+                expert_bytes = expert_params * BYTES[dtype]
         layers = num_layers + getattr(spec, "decoder_layers", 0)
         return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
                    active_params=active, causal=spec.causal,
@@ -307,11 +312,6 @@ class Step:
         self.parts[part] = self.parts.get(part, 0.0) + seconds
 
 
-def dtype_key(dtype: torch.dtype) -> str:
-    """How CostModel keys a dtype ("float32", "bfloat16")."""
-    return str(dtype).removeprefix("torch.")
-
-
 def _compute_dtype(precision: str) -> torch.dtype:
     compute = get_precision(precision)
     return compute.autocast_dtype or compute.param_dtype
@@ -342,7 +342,7 @@ def _phase_s(phase: Phase, step: Step) -> float:
 def _phase_parts(phase: Phase, step: Step) -> tuple[float, float]:
     """(the phase's seconds, its matmuls' share of them)."""
     w, gpu, cost, fused = step.workload, step.gpu, step.cost, step.compute.fused
-    dtype = dtype_key(_compute_dtype(w.precision))
+    dtype = dtype_name(_compute_dtype(w.precision))
     batched_tflops = dict(cost.batched_tflops).get(dtype)
     if batched_tflops:
         gemm = (_compute_s(phase.gemm_flops - phase.batched_flops, gpu, w.precision, step.compute.tokens, cost)

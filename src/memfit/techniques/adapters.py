@@ -33,13 +33,21 @@ from typing import ClassVar
 
 import torch
 
+from memfit.core.dtypes import dtype_name
 from memfit.core.errors import MemfitError, require_choice, require_positive_int
 from memfit.core.precision import get_precision
+from memfit.core.weight_formats import WeightFormat
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Examples, Export, Technique, register
 from memfit.techniques.contracts import AnalyticProgram, CostCompute, PlanQuery
-from memfit.techniques.quantization import FOUR_BIT_CONFLICTS, check_4bit_model, check_format, quantize_4bit_
+from memfit.techniques.quantization import (
+    FOUR_BIT_CONFLICTS,
+    bnb_4bit_format,
+    check_4bit_model,
+    check_format,
+    quantize_4bit_,
+)
 
 # The adapted linears of Llama-style models when `targets` is not given (peft's default for them)
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -171,7 +179,7 @@ class Qlora(Lora):
         """LoRA's, and transformers' BitsAndBytesConfig for the 4-bit base (from_pretrained's quantization_config)."""
         lora = super().export(tool, workload)
         assert lora.how is not None   # Lora.export says how for every tool
-        compute = str(get_precision(workload.precision).compute_dtype).removeprefix("torch.")
+        compute = dtype_name(get_precision(workload.precision).compute_dtype)
         quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": self.format,
                         "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": compute}
         return Export({**lora.settings, "quantization_config": quantization},
@@ -182,9 +190,12 @@ class Qlora(Lora):
         super().cost_compute(compute)
         compute.factor *= QLORA_DEQUANT
 
+    def weight_format(self) -> WeightFormat:
+        return bnb_4bit_format(self.double_quant)
+
     def analytic_weights(self, program: AnalyticProgram) -> None:
         # the base's linears as 4-bit codes, then the adapters
-        program.quantize_linears("4bit", double_quant=self.double_quant)
+        program.quantize_linears(self.weight_format())
         super().analytic_weights(program)
 
     def check(self, workload) -> None:

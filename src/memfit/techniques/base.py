@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from memfit.core.errors import MemfitError, closest
+from memfit.core.weight_formats import WeightFormat
 from memfit.specs.hardware import AllocatorSettings
 from memfit.specs.workload import Workload
 from memfit.steps.setup import StepSetup
@@ -65,8 +66,6 @@ TRAITS = {
                        "for (it takes the offload over)",
     "subclass-weights": "turns weights into tensor subclasses (quantized codes)",
     "quantized-linears": "quantizes (or fake-quantizes) the linear layers' weights",
-    "int8-experts": "stores a mixture of experts' expert weights as int8 codes too (a float32 scale and an int8 zero "
-                    "point per row)",
     "adapters": "freezes the base and trains low-rank adapters beside it",
     "replaces-loss": "computes the step's loss itself",
     "shapes-batch": "changes the batch memfit's step feeds the model (truncates it or splits it into windows)",
@@ -174,8 +173,17 @@ class Technique:
     def analytic_model(self, program: AnalyticProgram) -> None:
         """Declare the model itself, when the technique changes what is declared (Program.declare_teacher)."""
 
+    def weight_format(self) -> WeightFormat | None:
+        """How the technique stores the linears' weights (core/weight_formats.py: the estimators and the cost model
+        read it); None: as they are."""
+        return None
+
     def analytic_weights(self, program: AnalyticProgram) -> None:
-        """Change the declared weights (Program: quantize_linears, add_adapters, keep_stage, ...)."""
+        """Change the declared weights (Program: quantize_linears, add_adapters, keep_stage, ...); by default, store
+        the linears in the technique's weight format."""
+        fmt = self.weight_format()
+        if fmt is not None:
+            program.quantize_linears(fmt)
 
     def analytic_windows(self, windows, workload: Workload):
         """What the step's forwards see of each sequence (analytic/program.py `Windows`)."""

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from memfit.core.dtypes import dtype_name
 from memfit.core.errors import ImpossibleCombination, MemfitError
 from memfit.core.precision import Precision, get_precision
 from memfit.steps.host import note_category, note_host
@@ -207,7 +208,7 @@ class Fsdp2(LayoutTechnique):
         policy: dict[str, bool | str | None] = {"fsdp": True, "fsdp_reshard": self.reshard}
         gathered = self.mixed_dtype(get_precision(workload.precision))
         if gathered is not None:   # the program computes in the gathered dtype, with no autocast
-            policy.update(param_dtype=str(gathered).removeprefix("torch."), autocast_dtype=None,
+            policy.update(param_dtype=dtype_name(gathered), autocast_dtype=None,
                           state_dtype="float32")
         return policy
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.core.dtypes import dtype_name
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.steps.master_weights import over_masters
@@ -42,7 +43,7 @@ class _Precision(Technique):
 
     def export(self, tool, workload) -> Export | None:
         precision = get_precision(self.name)
-        half = str(precision.compute_dtype).removeprefix("torch.")
+        half = dtype_name(precision.compute_dtype)
         key = {"bfloat16": "bf16", "float16": "fp16"}[half]
         mixed = precision.autocast_dtype is not None
         if tool == "lightning":   # "-true" converts the weights: pure half precision, as memfit's

@@ -58,6 +58,14 @@ import torch
 
 from memfit.core.errors import MemfitError, require_choice
 from memfit.core.precision import get_precision, precision_names, precision_of_dtype
+from memfit.core.weight_formats import (
+    BNB_4BIT,
+    BNB_4BIT_DOUBLE,
+    TORCHAO_INT4,
+    TORCHAO_INT8,
+    TORCHAO_INT8_DYNAMIC,
+    WeightFormat,
+)
 from memfit.steps.setup import StepSetup
 from memfit.steps.stand_ins import stand_in
 from memfit.techniques.base import Technique, register
@@ -89,7 +97,7 @@ class Int8WeightOnly(Technique):
     stage = "quantize"
     summary = ("torchao int8 weight-only: every nn.Linear weight (and a mixture's expert weights) as int8 codes with "
                "a float32 scale per row")
-    traits = frozenset({"subclass-weights", "quantized-linears", "int8-experts"})
+    traits = frozenset({"subclass-weights", "quantized-linears"})
     conflicts_with = ONE_QUANTIZATION
     oom_fixes: ClassVar[tuple[str, ...]] = ("int8-weight-only",)
     search_axis = "weights"
@@ -107,10 +115,8 @@ class Int8WeightOnly(Technique):
                               f"{precision_names(autocast=False, master=False)}, not {workload.precision}.")
         refuse_conv1d(self.name, workload)
 
-    kernel = "int8_weight"   # how the analytic estimator runs its linears (estimators/analytic/ops.py)
-
-    def analytic_weights(self, program: AnalyticProgram) -> None:
-        program.quantize_linears(self.kernel)
+    def weight_format(self) -> WeightFormat:
+        return TORCHAO_INT8
 
     def torchao_config(self):
         from torchao.quantization import Int8WeightOnlyConfig
@@ -144,7 +150,9 @@ class Int8Dynamic(Int8WeightOnly):
     summary = "torchao int8 dynamic: int8 weights (scale per row) and each token's activations quantized per call"
     oom_fixes = ()
     time_factor = 1.2    # quantizing activations per call; the int8 matmul pays off on GPUs (assumed)
-    kernel = "int8_dynamic"
+
+    def weight_format(self) -> WeightFormat:
+        return TORCHAO_INT8_DYNAMIC
 
     def torchao_config(self):
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
@@ -242,8 +250,8 @@ class Int4WeightOnly(Technique):
                 f"{workload.precision} runs on a CPU): use --precision {precision_of_dtype(torch.bfloat16).name} "
                 "there"]
 
-    def analytic_weights(self, program: AnalyticProgram) -> None:
-        program.quantize_linears("int4_weight", group_size=self.group_size)
+    def weight_format(self) -> WeightFormat:
+        return TORCHAO_INT4.with_group_size(self.group_size)
 
     def apply_(self, setup: StepSetup) -> None:
         os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -273,7 +281,11 @@ class Int4WeightOnly(Technique):
 
 
 FORMATS = ("nf4", "fp4")
-BLOCK = 64   # bitsandbytes' 4-bit block: one scale per 64 weights
+
+
+def bnb_4bit_format(double_quant: bool) -> WeightFormat:
+    """bitsandbytes' 4-bit layout (NF4 and FP4 store alike), with or without double quantization."""
+    return BNB_4BIT_DOUBLE if double_quant else BNB_4BIT
 
 
 @register
@@ -305,8 +317,8 @@ class Bnb4bit(Technique):
                               f"-t qlora (4-bit base + LoRA).")
         check_4bit_model(self.name, workload)
 
-    def analytic_weights(self, program: AnalyticProgram) -> None:
-        program.quantize_linears("4bit", double_quant=self.double_quant)
+    def weight_format(self) -> WeightFormat:
+        return bnb_4bit_format(self.double_quant)
 
     def apply_(self, setup: StepSetup) -> None:
         quantize_4bit_(setup, self.name, self.format, self.double_quant)

@@ -27,6 +27,7 @@ from memfit.techniques.base import REGISTRY, Technique, parse_technique
 from memfit.techniques.rules import check_rules, ordered, parse_all
 
 if TYPE_CHECKING:
+    from memfit.core.weight_formats import WeightFormat
     from memfit.techniques.optimizer_states import _Optimizer
 
 
@@ -75,6 +76,12 @@ class ResolvedWorkload(Workload):
         """The implementation the step runs: the required one, else PyTorch's default on the device (foreach on
         CUDA, the for-loop elsewhere)."""
         return self.required_optimizer_impl or device_default_impl(on_cuda)
+
+    @property
+    def weight_format(self) -> WeightFormat | None:
+        """How the linears' weights are stored (the technique that quantizes them says: core/weight_formats.py);
+        None: as the precision leaves them."""
+        return next((fmt for t in self.technique_configs if (fmt := t.weight_format()) is not None), None)
 
     def with_trait(self, trait: str) -> Technique | None:
         """The first technique (in the canonical order) that declares `trait`, or None."""

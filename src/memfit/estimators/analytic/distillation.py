@@ -4,6 +4,7 @@ logits; the student trains on the cross-entropy plus KL(teacher || student), whi
 exp(target) * (target - input), summed (every term vocabulary-sized)."""
 from __future__ import annotations
 
+from memfit.core.weight_formats import TORCHAO_INT8
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Param, Sym
@@ -16,7 +17,7 @@ def declare_teacher_and_student(e: Engine, family, teacher_spec, spec, num_layer
     (in `e.params`: `spec`, narrower than the teacher's when pruning narrows the student)."""
     family.declare_params(e, teacher_spec, num_layers)
     if int8_teacher:
-        quantize_linears(e, family, teacher_spec, "int8_weight")
+        quantize_linears(e, family, teacher_spec, TORCHAO_INT8)
     teacher, e.params = e.params, {}
     for param in teacher.values():
         param.grad, param.frozen = False, True

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from memfit.core.categories import CATEGORIES, zero_categories
+from memfit.core.kv_caches import KVCacheKind, kv_cache_kind
 from memfit.estimators.analytic import recompute
 from memfit.estimators.analytic.blocks import Gathers, block_numels, block_of
 from memfit.estimators.analytic.recompute import RecomputeDone, Region
@@ -52,6 +53,11 @@ class Policy:
     #                                   its states and temporaries in it
     grad_bucket: int = 0        # DeepSpeed ZeRO-1/2: a reduction bucket of this many elements, allocated when
     #                             the first gradient arrives and kept
+    kv_cache: str = "dynamic"   # how decoding caches keys and values: a KV-cache kind (core/kv_caches.py)
+
+    @property
+    def kv_cache_kind(self) -> KVCacheKind:
+        return kv_cache_kind(self.kv_cache)
 
 
 @dataclass

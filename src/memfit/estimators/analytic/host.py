@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, cast
 
+from memfit.core.dtypes import dtype_name
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
-from memfit.estimators.analytic.simulate import engine_dtype, one_process_host_optimizer
+from memfit.estimators.analytic.simulate import one_process_host_optimizer
 from memfit.techniques.resolve import ResolvedWorkload
 
 
@@ -26,7 +27,7 @@ def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
     if not workload.with_trait("host-optimizer") or workload.task != "train":
         return 0, 0
     family, spec = registry.family_of(workload.source)
-    model_dtype = engine_dtype(get_precision(workload.precision).param_dtype)
+    model_dtype = dtype_name(get_precision(workload.precision).param_dtype)
     one_process = one_process_host_optimizer(workload)
     if not one_process:   # the sharding wrapper's shards of what this rank holds (on a 2-D mesh: its split)
         for technique in workload.technique_configs:

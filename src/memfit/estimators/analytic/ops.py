@@ -6,10 +6,12 @@ backend runs (see also estimators/cuda_emulation.py, which makes the traced esti
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from memfit.core.weight_formats import BNB_BLOCK
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Alias, Param, Sym, View
 from memfit.estimators.sdpa_backend import FLASH, MATH, backward_scratch, cuda_backend, logsumexp_length
-from memfit.techniques.quantization import BLOCK
 
 HALF = ("bfloat16", "float16")
 _LOWER = {"linear", "matmul", "sdpa", "conv"}
@@ -64,13 +66,24 @@ def _saves(a: Sym, b: Sym) -> list[Sym]:
     return ([b] if a.grad else []) + ([a] if b.grad else [])
 
 
+LinearKernel = Callable[[Engine, Sym, Param, int, "Param | None"], Sym]
+# how a linear on a quantized weight runs, by the name its weight format gives (core/weight_formats.py `kernel`)
+LINEAR_KERNELS: dict[str, LinearKernel] = {}
+
+
+def linear_kernel(name: str) -> Callable[[LinearKernel], LinearKernel]:
+    """Register the function below as the linear kernel `name` (a weight format names it)."""
+    def register(kernel: LinearKernel) -> LinearKernel:
+        if LINEAR_KERNELS.get(name, kernel) is not kernel:
+            raise ValueError(f"linear kernel {name} is already registered")
+        LINEAR_KERNELS[name] = kernel
+        return kernel
+    return register
+
+
 def linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None = None) -> Sym:
-    if w.quant is not None and w.quant[0] != "4bit":
-        kernel = {"int8_weight": int8_linear, "int8_dynamic": int8_dynamic_linear, "int4_weight": int4_linear,
-                  "fake_quant": qat_linear}
-        return kernel[w.quant[0]](e, x, w, out_features, bias)
-    if w.quant is not None:   # peft's LoRA layer for 4-bit linears clones the base output first
-        out = linear_4bit(e, x, w, out_features, bias)
+    if w.quant is not None:   # peft's LoRA layer on a quantized base clones the base output first
+        out = LINEAR_KERNELS[w.quant.kernel](e, x, w, out_features, bias)
         return out if w.lora is None else _add_lora(e, x, w, copy(e, out), out_features)
     x_in = autocast_input(e, x, "linear")
     w_in = weight(e, w)
@@ -90,6 +103,7 @@ def _add_lora(e: Engine, x: Sym, w: Param, out: Sym, out_features: int) -> Sym:
     return add(e, out, scalar_op(e, linear(e, low, b, out_features)))
 
 
+@linear_kernel("int8_weight")
 def int8_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
     """torchao's int8 weight-only linear (inference): the codes converted to x's dtype, x @ that, then the
     row scales (and the bias) applied out of place."""
@@ -104,6 +118,7 @@ def int8_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     return out
 
 
+@linear_kernel("int4_weight")
 def int4_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
     """torchao's int4 weight-only linear (inference): one kernel on the packed codes, its output the only tensor
     (the bias added in place). CUDA's path also pads a bf16 copy of the input to a multiple of 1024 inputs (none
@@ -111,6 +126,7 @@ def int4_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | No
     return e.new(x.numel // w.shape[1] * out_features, x.dtype)
 
 
+@linear_kernel("fake_quant")
 def qat_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
     """torchao's FakeQuantizedLinear (qat): the input and the weight each fake-quantized, then x @ w."""
     x_q, w_q = fake_quantize(e, x), fake_quantize(e, w)
@@ -137,6 +153,7 @@ def fake_quantize(e: Engine, t: Sym) -> Sym:
     return e.record(out, [t], [shifted], scratch=[(t.numel, t.dtype), (t.numel, "bool"), (t.numel, "bool")])
 
 
+@linear_kernel("int8_dynamic")
 def int8_dynamic_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
     """torchao's int8 dynamic-activation int8-weight linear (inference), as its CPU path runs: each token's
     activations quantized (x / scale, round, + zero point, clamp: x-sized, two alive at a time, then int8),
@@ -164,18 +181,19 @@ def int8_dynamic_linear(e: Engine, x: Sym, w: Param, out_features: int, bias: Pa
     return out
 
 
+@linear_kernel("bnb_4bit")
 def linear_4bit(e: Engine, x: Sym, w: Param, out_features: int, bias: Param | None) -> Sym:
     """bitsandbytes' Linear4bit: x cast to the compute dtype (the autocast dtype, else the weight's), the
     block scales dequantized (double quantization: float32, once plus once with the offset added), the
     whole weight dequantized to the compute dtype, x @ that; the output cast back to x's dtype. Nothing
     is saved for backward, which dequantizes the weight again in its original dtype and casts it to the
     gradient's."""
-    assert w.quant is not None   # linear calls this only for a quantized weight
-    _, original, _, double_quant = w.quant
+    assert w.quant is not None and w.quant.format is not None   # linear calls this only for a stored format
+    original, double_quant = w.quant.original, w.quant.format.nested_scales
     compute = e.policy.autocast_dtype or original
     x_in = cast(e, x, compute)
     numel = w.shape[0] * w.shape[1]
-    tokens, blocks = x.numel // w.shape[1], -(-numel // BLOCK)
+    tokens, blocks = x.numel // w.shape[1], -(-numel // BNB_BLOCK)
     scales = e.new(blocks, "float32") if double_quant else None
     if scales is not None:
         scales = e.new(blocks, "float32")    # + offset, out of place; the dequantized codes are freed

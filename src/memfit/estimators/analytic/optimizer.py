@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from memfit.core.dtypes import BYTES
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.symbols import DTYPE_BYTES, Param, Sym
+from memfit.estimators.analytic.symbols import Param, Sym
 from memfit.techniques import REGISTRY
 from memfit.techniques.resolve import ResolvedWorkload
 
@@ -34,7 +35,7 @@ def create_states(e: Engine, workload: ResolvedWorkload) -> list[Sym]:
         layout = technique.analytic_states(params)
         if e.policy.backend == "cuda":   # unified memory, outside the allocator; a CPU has none (ordinary tensors)
             paged = Counter(technique.analytic_paged_states(params))
-            e.paged_bytes += sum(numel * DTYPE_BYTES[dtype] * count for (numel, dtype), count in paged.items())
+            e.paged_bytes += sum(numel * BYTES[dtype] * count for (numel, dtype), count in paged.items())
             layout = [state for state in layout if not _take(paged, state)]
     elif optimizer in ("adam", "adamw"):
         layout = [(n, dt) for p in params for n, dt in ((p.numel, p.dtype), (p.numel, p.dtype), (1, "float32"))]
@@ -57,7 +58,7 @@ class Shard:
 
     def __init__(self, p: Param, shards: int, master_dtype: str | None = None) -> None:
         self.numel, self.dtype, self.shape = -(-p.numel // shards), master_dtype or p.state_dtype, p.shape
-        self.nbytes = p.nbytes // shards if master_dtype is None else self.numel * DTYPE_BYTES[master_dtype]
+        self.nbytes = p.nbytes // shards if master_dtype is None else self.numel * BYTES[master_dtype]
 
 
 def step_temporaries(e: Engine, workload: ResolvedWorkload, impl: str, shards: int = 1) -> None:

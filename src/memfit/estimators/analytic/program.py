@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
+from memfit.core.weight_formats import WeightFormat
 from memfit.estimators.analytic import weights
 from memfit.estimators.analytic.distillation import declare_teacher_and_student, distillation_loss
 from memfit.estimators.analytic.engine import Engine
@@ -68,9 +69,9 @@ class Program:
                                                    self.num_layers, student_layers, int8)
         self.student_layers, self.declared = student_layers, True
 
-    def quantize_linears(self, kernel: str, *, double_quant: bool = False, group_size: int = 0) -> None:
-        weights.quantize_linears(self.engine, self.family, self.spec, kernel, double_quant=double_quant,
-                                 group_size=group_size)
+    def quantize_linears(self, fmt: WeightFormat) -> None:
+        """Store the linears' weights in `fmt` (the ones it stores: core/weight_formats.py)."""
+        weights.quantize_linears(self.engine, self.family, self.spec, fmt)
 
     def fake_quantize_linears(self) -> None:
         weights.fake_quantize_linears(self.engine, self.family)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from memfit.core.dtypes import dtype_name
 from memfit.core.errors import ImpossibleCombination
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
@@ -24,11 +25,6 @@ from memfit.specs.hardware import GPU
 from memfit.techniques.resolve import ResolvedWorkload
 
 
-def engine_dtype(dtype) -> str:
-    """A torch dtype as the symbolic engine names it ("float32", "bfloat16", ...)."""
-    return str(dtype).removeprefix("torch.")
-
-
 def one_process_host_optimizer(workload: ResolvedWorkload) -> bool:
     """The optimizer, its states and the gradients live on the host, in this process (not in a sharding
     wrapper that keeps its shards there itself)."""
@@ -38,16 +34,16 @@ def one_process_host_optimizer(workload: ResolvedWorkload) -> bool:
 def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
     precision = get_precision(workload.precision)
     deepspeed = workload.engine == "deepspeed"   # DeepSpeed casts the model to the half type, no autocast
-    autocast = engine_dtype(precision.autocast_dtype) if precision.autocast_dtype else None
+    autocast = dtype_name(precision.autocast_dtype) if precision.autocast_dtype else None
     fields: dict[str, Any] = dict(
-        param_dtype=autocast if deepspeed else engine_dtype(precision.param_dtype),
+        param_dtype=autocast if deepspeed else dtype_name(precision.param_dtype),
         autocast_dtype=None if deepspeed else autocast,
         backend="cuda" if gpu else "cpu", train=workload.task == "train",
         capability=gpu.compute_capability if gpu else (8, 0), attention_kernel=workload.source.attention_kernel,
         round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1,
         grads_leave=deepspeed,   # DeepSpeed copies each gradient into its reduction bucket and frees it
         grad_bucket=workload.reduce_bucket if deepspeed and workload.zero_stage < 3 else 0,
-        master_dtype=engine_dtype(precision.master_dtype) if precision.master_dtype else None,
+        master_dtype=dtype_name(precision.master_dtype) if precision.master_dtype else None,
     )
     writers: dict[str, str] = {}   # a setting two techniques set to different values: a combination the rules missed
     for technique in workload.hooked_techniques:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from memfit.core.dtypes import BYTES
+from memfit.core.weight_formats import WeightFormat
 
 if TYPE_CHECKING:
     from memfit.estimators.analytic.engine import Engine
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
 
 
 _serial = itertools.count()
@@ -33,7 +35,7 @@ class Sym:
 
     @property
     def nbytes(self) -> int:
-        return _allocated(self.eng, self.numel * DTYPE_BYTES[self.dtype])
+        return _allocated(self.eng, self.numel * BYTES[self.dtype])
 
     def __del__(self):
         if self.counted:
@@ -58,13 +60,21 @@ class Param(Sym):
         self.grad_sym: Sym | None = None
         self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
         self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
-        # how its linears run (analytic/weights.py): (the kernel: weights.KERNELS or "fake_quant", the weight's dtype
-        # before, the quantization state's parameters, double quantization)
-        self.quant: tuple[str, str, list[Param], bool] | None = None
+        self.quant: Quantized | None = None   # stored quantized, or fake-quantized (analytic/weights.py)
 
     @property
     def nbytes(self) -> int:
-        return _allocated(self.eng, self.numel * DTYPE_BYTES[self.state_dtype])
+        return _allocated(self.eng, self.numel * BYTES[self.state_dtype])
+
+
+@dataclass
+class Quantized:
+    """How a quantized (or fake-quantized) weight's linears run."""
+
+    kernel: str                  # ops.LINEAR_KERNELS' key
+    original: str                # the weight's dtype before
+    state: list[Param]           # its quantization state's parameters
+    format: WeightFormat | None  # None: fake quantization (the weight stays as it was)
 
 
 class View(Sym):
@@ -98,7 +108,7 @@ class Offloaded:
 
     def __init__(self, sym: Sym) -> None:
         self.eng, self.numel, self.dtype = sym.eng, sym.numel, sym.dtype
-        self.nbytes = sym.numel * DTYPE_BYTES[sym.dtype]
+        self.nbytes = sym.numel * BYTES[sym.dtype]
         self.eng._host(+self.nbytes)
 
     def __del__(self):

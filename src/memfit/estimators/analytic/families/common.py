@@ -1,4 +1,4 @@
-"""Pieces every family shares: the LM head and loss, DynamicCache growth, the generation driver."""
+"""Pieces every family shares: the LM head and loss, the KV cache (as its kind stores it), the generation driver."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -109,16 +109,61 @@ def dense(e: Engine, x: Sym, name: str, out_features: int) -> Sym:
     return ops.linear(e, x, e.params[name + ".w"], out_features, e.params[name + ".b"])
 
 
-def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, tokens_per_row: int) -> tuple[Sym, Sym]:
-    """DynamicLayer.update: keys = cat([keys, k]) then values = cat([values, v]); each old tensor is
-    freed when its attribute is rebound."""
-    old_k, old_v = cache.pop(key, (None, None))
-    new_k = e.new(tokens_per_row, k.dtype, category="kv_cache")
-    del old_k
-    new_v = e.new(tokens_per_row, v.dtype, category="kv_cache")
-    del old_v
-    cache[key] = (new_k, new_v)
-    return new_k, new_v
+class CachedKV:
+    """One layer's cached keys and values: each a list of tensors (the codes first, then their state), stored as the
+    engine policy's KV-cache kind says (core/kv_caches.py): `tokens` tokens of `width` elements, computed in
+    `dtypes` (the keys', the values': under autocast, rotary leaves the keys float32 and the values half)."""
+
+    __slots__ = ("dtypes", "k", "tokens", "v", "width")
+
+    def __init__(self, width: int, tokens: int, dtypes: tuple[str, str]) -> None:
+        self.width, self.tokens, self.dtypes = width, tokens, dtypes
+        self.k: list[Sym] = []
+        self.v: list[Sym] = []
+
+    def stored(self, e: Engine, dtype: str) -> list[Sym]:
+        """The tensors its keys (or values), computed in `dtype`, are stored in: codes, then their quantization
+        state."""
+        kind = e.policy.kv_cache_kind
+        elements = self.width * kind.stored_tokens(self.tokens)
+        codes = e.new(elements, kind.dtype or dtype, category="kv_cache")
+        return [codes] + [e.new(n, state, category="kv_cache") for _, n, state in kind.state_elements(elements)]
+
+    def store(self, e: Engine, old: CachedKV | None = None) -> None:
+        """Allocate the keys, then the values; each of `old`'s freed after its new one (a cat, then the rebind)."""
+        self.k = self.stored(e, self.dtypes[0])
+        if old is not None:
+            old.k = []
+        self.v = self.stored(e, self.dtypes[1])
+        if old is not None:
+            old.v = []
+
+    def for_attention(self, e: Engine) -> tuple[Sym, Sym]:
+        """What attention reads: the cached keys and values, or (a kind that stores codes) a copy of each
+        dequantized to its compute dtype, alive while attention runs."""
+        if not e.policy.kv_cache_kind.dequantizes:
+            return self.k[0], self.v[0]
+        numel = self.width * self.tokens
+        return e.new(numel, self.dtypes[0]), e.new(numel, self.dtypes[1])
+
+
+def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, width: int, tokens: int) -> tuple[Sym, Sym]:
+    """DynamicLayer.update: keys = cat([keys, k]) then values = cat([values, v]), to `tokens` tokens of `width`
+    elements; each old tensor is freed when its attribute is rebound. Returns what attention reads."""
+    old = cache.pop(key, None)
+    new = cache[key] = CachedKV(width, tokens, (k.dtype, v.dtype))
+    new.store(e, old)
+    del old
+    return new.for_attention(e)
+
+
+def replace_cache(e: Engine, cache: dict, tokens: dict) -> None:
+    """Swap each entry for one of `tokens[key]` tokens, one entry at a time."""
+    for key, count in tokens.items():
+        width, dtypes = cache[key].width, cache[key].dtypes
+        cache[key] = None
+        new = cache[key] = CachedKV(width, count, dtypes)
+        new.store(e)
 
 
 def generate(e: Engine, forward: Callable, *, batch: int, seq: int, new_tokens: int,
@@ -141,11 +186,3 @@ def generate(e: Engine, forward: Callable, *, batch: int, seq: int, new_tokens: 
         logits = forward(cache, 1, seq + new_tokens, 0)
         del logits
     del token, cache
-
-
-def replace_cache(e: Engine, cache: dict, sizes: dict) -> None:
-    """Swap each cached (k, v) for tensors of `sizes[key]` elements, one entry at a time."""
-    for key, numel in sizes.items():
-        k_dtype, v_dtype = cache[key][0].dtype, cache[key][1].dtype
-        cache[key] = None
-        cache[key] = (e.new(numel, k_dtype, category="kv_cache"), e.new(numel, v_dtype, category="kv_cache"))

@@ -14,6 +14,7 @@ from typing import ClassVar, cast
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.families.common import (
+    CachedKV,
     asks_for_eager,
     chunked_lm_loss,
     generate,
@@ -219,25 +220,21 @@ def _cache_update(e: Engine, cache: dict, layer: int, k: Sym, v: Sym, d: Decoder
     """DynamicCache: keys = cat([keys, new]) allocates the grown cache; the old one is then freed.
     A sliding-window layer keeps a view of its last window - 1 tokens, so after the prefill its
     cache stops growing: each step allocates window tokens."""
+    width = batch * d.kv_heads * d.head_dim
     if not _is_sliding(d, layer):
-        return grow_cache(e, cache, layer, k, v, batch * d.kv_heads * d.head_dim * kv_len)
-    old_k, old_v = cache.pop(layer, (None, None))   # both cats first, then the views replace the old tensors
-    tokens = _tokens(k, d, batch)
-    if old_k is not None:
-        tokens += min(_tokens(old_k, d, batch), cast(int, d.sliding_window) - 1)   # sliding: a window is set
-    full = batch * d.kv_heads * d.head_dim * tokens
-    new_k, new_v = e.new(full, k.dtype, category="kv_cache"), e.new(full, v.dtype, category="kv_cache")
-    del old_k, old_v
-    cache[layer] = (new_k, new_v)
-    return new_k, new_v
+        return grow_cache(e, cache, layer, k, v, width, kv_len)
+    old = cache.pop(layer, None)   # both cats first, then the views replace the old tensors
+    tokens = k.numel // width
+    if old is not None:
+        tokens += min(old.tokens, cast(int, d.sliding_window) - 1)   # sliding: a window is set
+    new = cache[layer] = CachedKV(width, tokens, (k.dtype, v.dtype))
+    new.store(e)
+    del old
+    return new.for_attention(e)
 
 
 def _is_sliding(d: DecoderSpec, layer: int) -> bool:
     return bool(d.sliding_window) and d.sliding_pattern[layer % d.period]
-
-
-def _tokens(kv: Sym, d: DecoderSpec, batch: int) -> int:
-    return kv.numel // (batch * d.kv_heads * d.head_dim)
 
 
 def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
@@ -395,8 +392,7 @@ def inference(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, 
 
     def resize(cache, tokens):
         # a sliding-window layer holds the storage of the previous step's cat: its window plus one token
-        replace_cache(e, cache, {layer: batch * d.kv_heads * d.head_dim
-                                 * (min(tokens - 1, d.sliding_window - 1) + 1 if _is_sliding(d, layer) else tokens)
+        replace_cache(e, cache, {layer: min(tokens - 1, d.sliding_window - 1) + 1 if _is_sliding(d, layer) else tokens
                                  for layer in range(num_layers)})
 
     generate(e, run, batch=batch, seq=seq, new_tokens=new_tokens, resize_cache=resize)

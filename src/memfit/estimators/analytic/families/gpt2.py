@@ -96,7 +96,7 @@ def attention(e: Engine, x: Sym, d: GPT2Spec, i: int, batch: int, q_len: int, ca
     q, k, v = (View(qkv, qkv.numel // 3) for _ in range(3))
     del qkv
     if cache is not None:
-        k, v = grow_cache(e, cache, i, k, v, batch * d.hidden * kv_len)
+        k, v = grow_cache(e, cache, i, k, v, batch * d.hidden, kv_len)
     shape: dict[str, Any] = dict(batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.hidden // d.heads,
                  dropout_p=d.attn_pdrop if e.policy.train else 0.0)
     weights = None
@@ -175,6 +175,6 @@ def inference(e: Engine, d: GPT2Spec, num_layers: int, batch: int, seq: int, new
                        logits_to_keep=keep)
 
     def resize(cache, tokens):
-        replace_cache(e, cache, {i: batch * d.hidden * tokens for i in range(num_layers)})
+        replace_cache(e, cache, dict.fromkeys(range(num_layers), tokens))
 
     generate(e, run, batch=batch, seq=seq, new_tokens=new_tokens, resize_cache=resize)

@@ -113,12 +113,12 @@ def attention(e: Engine, x: Sym, source: Sym, d: T5Spec, p: str, *, batch: int, 
     """T5Attention; `causal_mask`: eager attention's float causal mask (decoder self-attention), else None."""
     q = ops.linear(e, x, e.params[p + "q"], d.inner)
     if cache is not None and cache_key[0] == "cross" and cache_key in cache:
-        k, v = cache[cache_key]
+        k, v = cache[cache_key].for_attention(e)
     else:
         k = ops.linear(e, source, e.params[p + "k"], d.inner)
         v = ops.linear(e, source, e.params[p + "v"], d.inner)
         if cache is not None:
-            k, v = grow_cache(e, cache, cache_key, k, v, batch * d.inner * kv_len)
+            k, v = grow_cache(e, cache, cache_key, k, v, batch * d.inner, kv_len)
     fresh = bias is None
     if bias is None:
         if (p + "bias") in e.params:
@@ -233,6 +233,6 @@ def inference(e: Engine, d: T5Spec, num_layers: int, batch: int, seq: int, new_t
         logits = decode(2)
         del logits
         if new_tokens > 1:
-            replace_cache(e, cache, {("self", i): batch * d.inner * new_tokens for i in range(num_layers)})
+            replace_cache(e, cache, {("self", i): new_tokens for i in range(num_layers)})
             logits = decode(new_tokens + 1)
             del logits
