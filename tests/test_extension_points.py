@@ -18,7 +18,7 @@ from memfit.core.weight_formats import WEIGHT_FORMATS, State, WeightFormat, regi
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic.ops import LINEAR_KERNELS, linear_kernel
 from memfit.planner import PlanRequest, plan
-from memfit.planner.cost import ModelShape, timing
+from memfit.planner.cost import StepShape, timing
 from memfit.specs.model_source import resolve_source
 from memfit.techniques import REGISTRY, Technique, register
 from memfit.techniques.resolve import ResolvedWorkload
@@ -112,7 +112,7 @@ def test_the_cost_model_reads_a_toy_format_for_experts_and_for_a_decode_steps_by
     moe = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=512, new_tokens=64,
                            precision="bf16", techniques=("toy-int6",))
     config = moe.source.config()
-    shape = ModelShape.of(moe, 46_702_792_704)
+    shape = StepShape.of(moe, 46_702_792_704)
     e, h, i, layers = (config.num_local_experts, config.hidden_size, config.intermediate_size,
                        config.num_hidden_layers)
     expected = layers * (TOY_FORMAT.stored_bytes((e, 2 * i, h), "bfloat16")

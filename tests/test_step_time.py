@@ -38,24 +38,24 @@ def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_are_route
     """Mixtral's decode step at batch 1 reads the shared weights and 2 of 8 experts per layer; a prefill of many
     tokens reads them all; a dense model reads everything. With int8 experts (int8-weight-only quantizes them, as
     gpt-fast does) an expert is a byte a weight, and the shared weights' share of what a step reads grows."""
-    from memfit.planner.cost import ModelShape
+    from memfit.planner.cost import StepShape
 
     moe = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8,
                            precision="bf16")
     n = analytic_estimate(moe).num_parameters
-    shape = ModelShape.of(moe, n)
+    shape = StepShape.of(moe, n)
     assert shape.expert_bytes == 2 * shape.expert_params
     assert shape.weights_read(1, 2 * n) == pytest.approx(2 * n - shape.expert_bytes * 6 / 8)
     assert shape.weights_read(4096, 2 * n) == pytest.approx(2 * n)
     assert 0.25 * 2 * n < shape.weights_read(1, 2 * n) < shape.weights_read(8, 2 * n) < 2 * n
     dense = ResolvedWorkload(model="llama-3.1-8b", task="inference", batch_size=1, seq_len=16, new_tokens=8)
-    assert ModelShape.of(dense, 8_000_000_000).weights_read(1, 16_000_000_000) == 16_000_000_000
+    assert StepShape.of(dense, 8_000_000_000).weights_read(1, 16_000_000_000) == 16_000_000_000
 
     int8 = ResolvedWorkload(model="mixtral-8x7b", task="inference", batch_size=1, seq_len=16, new_tokens=8,
                             precision="bf16", techniques=("int8-weight-only",))
     estimate = analytic_estimate(int8)
     stored = estimate.model_state_bytes["parameters"]
-    quantized = ModelShape.of(int8, estimate.num_parameters)
+    quantized = StepShape.of(int8, estimate.num_parameters)
     assert quantized.expert_params < quantized.expert_bytes < 1.01 * quantized.expert_params
     assert 0.9 * stored < quantized.expert_bytes < stored   # the experts are almost all of the int8 model
     # two experts of eight per layer, and every shared weight: attention's int8 codes, bf16 embeddings and norms

@@ -77,14 +77,13 @@ def grouped_math_note(workload, capability: tuple[int, int]) -> str | None:
     """What to tell a user whose GPU step runs SDPA's math kernel only because its attention is grouped (fewer
     key/value heads than query heads): a memory cliff nothing else in the estimate explains. None otherwise."""
     source = workload.source
-    config = source.config_fields
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
-    if source.eager_attention or source.attention_kernel or not heads or kv_heads == heads:
+    if not source.is_hf or source.eager_attention or source.attention_kernel:
         return None   # eager, or a kernel that always runs (FlashAttention-2, flex): SDPA does not choose
+    heads, kv_heads, head_dim = source.shape.heads, source.shape.kv_heads, source.shape.head_dim
+    if kv_heads == heads:
+        return None
     precision = PRECISIONS[workload.precision]
     dtype = dtype_name(precision.compute_dtype)
-    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
     checks = dict(mask=False, causal_unequal=False, needs_grad=workload.task == "train")
     if cuda_backend(capability, dtype, head_dim, grouped=True, **checks) != MATH or \
             cuda_backend(capability, dtype, head_dim, **checks) == MATH:

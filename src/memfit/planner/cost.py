@@ -36,7 +36,6 @@ import torch
 from memfit.core.dtypes import BYTES, dtype_name
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic import offload_host_bytes
-from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.kernels import KernelProfile, Phase, forward_flops_per_token, kernel_profile
 from memfit.specs.hardware import GPU
@@ -109,7 +108,9 @@ ASSUMED = CostModel()
 
 
 @dataclass
-class ModelShape:
+class StepShape:
+    """What the step-time model computes with: the model's shape (`ModelSource.shape`) and its active parameters."""
+
     layers: int
     hidden: int
     attn_width: int
@@ -123,33 +124,25 @@ class ModelShape:
     counted_flops_per_token: float = 0.0   # a custom model: its forward's FLOPs counted on a fake copy (no shape)
 
     @classmethod
-    def of(cls, workload: ResolvedWorkload, num_parameters: int) -> ModelShape:
+    def of(cls, workload: ResolvedWorkload, num_parameters: int) -> StepShape:
         if not workload.source.is_hf:   # a custom model: what PyTorch's FLOP counter counts
             return cls(layers=0, hidden=0, attn_width=0, vocab=0, active_params=num_parameters, causal=False,
                        counted_flops_per_token=forward_flops_per_token(workload))
-        _, spec = registry.family_of(workload.source)
-        hidden = getattr(spec, "hidden", None) or spec.d_model
-        heads = spec.heads
-        head_dim = getattr(spec, "head_dim", None) or getattr(spec, "d_kv", None) or hidden // heads
+        m = workload.source.shape
         active, expert_params, expert_bytes = num_parameters, 0, 0
-        experts = getattr(spec, "experts", 0)
-        num_layers = workload.source.num_layers
-        assert num_layers is not None   # every analytic family's config counts its layers
-        if experts:   # only top_k of the experts run per token
-            matrices = ((experts, 2 * spec.intermediate, hidden), (experts, hidden, spec.intermediate))
-            expert_params = num_layers * sum(e * rows * inputs for e, rows, inputs in matrices)
-            active -= expert_params * (experts - spec.top_k) // experts
+        if m.experts:   # only top_k of the experts run per token
+            matrices = ((m.experts, 2 * m.intermediate, m.hidden), (m.experts, m.hidden, m.intermediate))
+            expert_params = m.layers * sum(e * rows * inputs for e, rows, inputs in matrices)
+            active -= expert_params * (m.experts - m.top_k) // m.experts
             fmt = workload.weight_format
             dtype = dtype_name(get_precision(workload.precision).param_dtype)
             if fmt is not None and fmt.experts:   # stored in the technique's weight format
-                expert_bytes = num_layers * sum(fmt.stored_bytes(shape, dtype) for shape in matrices)
+                expert_bytes = m.layers * sum(fmt.stored_bytes(shape, dtype) for shape in matrices)
             else:
                 expert_bytes = expert_params * BYTES[dtype]
-        layers = num_layers + getattr(spec, "decoder_layers", 0)
-        return cls(layers=layers, hidden=hidden, attn_width=heads * head_dim, vocab=getattr(spec, "vocab", 0),
-                   active_params=active, causal=spec.causal,
-                   expert_params=expert_params, expert_bytes=expert_bytes, experts=experts,
-                   top_k=getattr(spec, "top_k", 0))
+        return cls(layers=m.layers, hidden=m.hidden, attn_width=m.attn_width, vocab=m.vocab, active_params=active,
+                   causal=m.causal, expert_params=expert_params, expert_bytes=expert_bytes, experts=m.experts,
+                   top_k=m.top_k)
 
     def weights_read(self, tokens: int, parameter_bytes: int) -> float:
         """The bytes of weights one forward over `tokens` tokens reads: all of a dense model's; of a mixture of
@@ -180,7 +173,7 @@ class Compute:
 
     forward: float
     backward: float
-    shape: ModelShape
+    shape: StepShape
     tokens: int
     world_size: int
     recompute: float = 0.0
@@ -374,7 +367,7 @@ def step_time(workload: ResolvedWorkload, estimate: MemoryEstimate, gpu: GPU, *,
     """Seconds per optimizer step (train) or per served batch (inference) of `workload` repeated
     `grad_accum` times on each of its ranks. `estimate` (analytic, for the target GPU) gives the bytes the
     step moves; an estimate without bytes counts FLOPs only (a lower bound: search.lower_bound_estimate)."""
-    shape = ModelShape.of(workload, estimate.num_parameters)
+    shape = StepShape.of(workload, estimate.num_parameters)
     seq, batch = workload.effective_seq_len, workload.batch_size
     forward = shape.forward_flops(batch, seq)
     compute = Compute(forward=forward, backward=2 * forward, shape=shape, tokens=batch * seq,

@@ -11,7 +11,7 @@ import copy
 import json
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from typing import Any, cast
 
@@ -22,6 +22,7 @@ from memfit.core.errors import MemfitError, closest
 from memfit.specs.blocks import alike_lists
 from memfit.specs.hub import hub_config, looks_like_hub_id
 from memfit.specs.live import batch_like, is_live, lookup, meta_copy
+from memfit.specs.model_shape import ModelShape
 from memfit.specs.user_code import cache_key, call_user, import_callable, is_file_spec
 
 # The head a Hugging Face class carries decides the inputs and the loss.
@@ -115,6 +116,11 @@ class ModelSource:
         """The Hugging Face config's fields as the model is built: the techniques' overrides applied (the one place
         they are); {} for a custom module."""
         return {**self._hf_config, **self.overrides} if self.is_hf else {}
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        """The model's shape (heads, widths, layers, experts, windows, causality), read from its config once."""
+        return ModelShape.from_config(self.config(), causal=self.head == "causal-lm")
 
     @property
     def eager_attention(self) -> bool:

@@ -40,7 +40,7 @@ class AnalyticProgram(Protocol):
 class CostCompute(Protocol):
     forward: float
     backward: float
-    shape: Any               # planner/cost.py ModelShape: hidden, vocab
+    shape: Any               # planner/cost.py StepShape: layers, hidden, vocab
     tokens: int
     world_size: int
     recompute: float

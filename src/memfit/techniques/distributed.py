@@ -352,10 +352,8 @@ class TensorParallel(LayoutTechnique):
             raise MemfitError(f"-t {self.name} leaves the norms and embeddings plain tensors beside DTensor weights, "
                               f"and --optimizer-impl {workload.optimizer_impl} takes a list of one kind; use "
                               "--optimizer-impl for-loop.")
-        config = workload.source.config()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        self._check_split(heads, kv_heads, config.intermediate_size, t, MemfitError)
+        shape = workload.source.shape
+        self._check_split(shape.heads, shape.kv_heads, shape.intermediate, t, MemfitError)
 
     def _check_split(self, heads: int, kv_heads: int, intermediate: int, ranks: int, error: type[MemfitError],
                      left: str = "") -> None:
