@@ -180,3 +180,22 @@ def test_a_toy_technique_takes_part_everywhere_without_an_edit_to_memfit(toy, ca
                  "bf16-mixed", "--gpu", "a100-80gb", "--json"]) == 0
     fixes = {f["fix"]: f for f in json.loads(capsys.readouterr().out)["fixes"]}
     assert fixes["toy-half-mlp"]["saved_bytes"] > 0 and fixes["toy-half-mlp"]["basis"].startswith("analytic")
+
+
+def test_what_techniques_share_is_decided_before_any_applies():
+    """The mesh and who keeps offloaded states are decided once from the whole set (compose.decide_layout), so no
+    technique's apply_ depends on another's having run first."""
+    from memfit.core.precision import get_precision
+    from memfit.steps.setup import StepSetup
+    from memfit.techniques.compose import decide_layout
+
+    def decided(*specs: str, world_size: int = 4) -> StepSetup:
+        setup = StepSetup(model=None, precision=get_precision("fp32"), device_type="cpu")  # type: ignore[arg-type]
+        decide_layout(setup, [parse_technique(s) for s in specs], world_size)
+        return setup
+
+    assert decided("tensor-parallel:size=2", "fsdp2").mesh_axes == (("dp", 2), ("tp", 2))
+    assert decided("pipeline-parallel:stages=2", "fsdp2", world_size=8).mesh_axes == (("pp", 2), ("dp", 4))
+    assert decided("fsdp2").mesh_axes == ()
+    assert decided("cpu-offload", "fsdp2").layout_offloads and decided("fsdp2", "cpu-offload").layout_offloads
+    assert not decided("cpu-offload").layout_offloads and not decided("cpu-offload", "ddp").layout_offloads

@@ -61,14 +61,35 @@ class StepSetup:
     # a technique's optimizer around the given one: stepped in backward, or over float32 master weights
     optimizer_wrapper: OptimizerWrapper | None = None
     shard_optimizer: bool = False     # ZeRO-1 (--zero 1 with DDP): ZeroRedundancyOptimizer
-    # a 2-D device mesh ("dp", "tp") a technique that splits each block over part of the ranks built; a sharding
-    # technique shards over its "dp" axis (None: every layout runs over all the ranks)
-    mesh: Any = None
+    # Decided once, before any technique applies (techniques/compose.py `decide_layout`), and read by the techniques
+    # that share them: the device mesh's axes, outer first, when one technique splits each block (or the model into
+    # stages) over part of the ranks and a sharding layout shards over the rest (("dp", 2), ("tp", 4)); () : one axis
+    # over every rank. And whether the sharding layout keeps the offloaded shards, gradients and optimizer states in
+    # host RAM itself (FSDP2's CPUOffloadPolicy), so that the offload technique leaves the optimizer to it.
+    mesh_axes: tuple[tuple[str, int], ...] = ()
+    layout_offloads: bool = False
+    mesh: Any = None                  # the DeviceMesh over `mesh_axes`, built at its first use (device_mesh)
     pipeline: Any = None              # a pipeline schedule that runs each step's micro-batches itself
     scheduler: Any = None             # the user's LR scheduler, on `optimizer` (apply_)
     phase_callbacks: list[Callable[[str], None]] = field(default_factory=list)   # called as each phase starts
     # -t compile's torch.compile (its backend and mode), for code a technique runs beside the blocks (a loss)
     compile_fn: Callable[[Callable], Callable] | None = None
+
+    def device_mesh(self, axis: str | None = None):
+        """The step's device mesh (built once, over `mesh_axes`), or its `axis`; on a 1-D mesh every axis is the
+        whole mesh."""
+        if self.mesh is None:
+            import torch.distributed as dist
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.distributed.device_mesh import init_device_mesh
+
+            with unset_fake_temporarily():   # the mesh reads real values
+                if self.mesh_axes:
+                    self.mesh = init_device_mesh(self.device_type, tuple(size for _, size in self.mesh_axes),
+                                                 mesh_dim_names=tuple(name for name, _ in self.mesh_axes))
+                else:
+                    self.mesh = init_device_mesh(self.device_type, (dist.get_world_size(),))
+        return self.mesh[axis] if axis is not None and self.mesh_axes else self.mesh
 
     def autocast(self):
         return autocast_region(self.precision, self.device_type, self.autocast_fn)

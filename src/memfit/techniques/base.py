@@ -236,6 +236,11 @@ class Technique:
         one of its axes), so the rules between two layouts do not apply to them."""
         return False
 
+    def mesh_axes(self, world_size: int) -> tuple[tuple[str, int], ...]:
+        """The 2-D device mesh this configuration lays the model out on with a sharding layout ((name, size), outer
+        first: steps/setup.py `mesh_axes`), decided before any technique applies; () when it uses none."""
+        return ()
+
     def model_ranks(self, world_size: int) -> int:
         """Ranks one copy of the model is split over (tensor or pipeline parallel); 1 when each rank holds the
         whole model or a shard of all of it. The ranks divided by these are the data-parallel copies."""

@@ -28,6 +28,7 @@ def prepare_step(model: nn.Module, workload: ResolvedWorkload, *, device_type: s
                       optimizer_name=workload.optimizer,
                       optimizer_impl=workload.required_optimizer_impl or default_impl,
                       autocast_fn=autocast, shard_optimizer=workload.zero_stage == 1)
+    decide_layout(setup, workload.technique_configs, workload.world_size)
     for technique in ordered(workload.hooked_techniques):
         technique.apply_(setup)
     return setup
@@ -57,6 +58,7 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     setup = StepSetup(model=model, precision=precision_of_model(model), device_type=device_type or device.type,
                       optimizer=optimizer)
+    decide_layout(setup, configs, _world_size())
     for technique in configs:
         technique.apply_(setup)
     trainable = [p for p in setup.model.parameters() if p.requires_grad]
@@ -80,6 +82,23 @@ def apply_(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     if scheduler is not None:
         setup.scheduler = scheduler if setup.optimizer is optimizer else _rebound(scheduler, setup.optimizer)
     return setup
+
+
+def decide_layout(setup: StepSetup, techniques: Iterable[Technique], world_size: int) -> None:
+    """What techniques share, decided once before any of them applies (steps/setup.py): the device mesh's axes
+    (the technique that splits blocks or stages over part of the ranks declares them; the rules allow one), and
+    whether the sharding layout keeps offloaded states itself (offload asked for beside a layout that does)."""
+    techniques = list(techniques)
+    setup.mesh_axes = next((axes for t in techniques if (axes := t.mesh_axes(world_size))), ())
+    traits = set().union(*(t.traits for t in techniques))
+    setup.layout_offloads = {"host-optimizer", "offloads-shards"} <= traits
+
+
+def _world_size() -> int:
+    """The ranks of the process group a user's loop runs in (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # what a parameter group's settings mean to any optimizer (another kind has its own betas, eps, ...)

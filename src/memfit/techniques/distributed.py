@@ -222,25 +222,17 @@ class Fsdp2(LayoutTechnique):
             raise MemfitError(f"-t fsdp2 is ZeRO-3 already; drop --zero {workload.zero_stage}.")
 
     def apply_(self, setup: StepSetup) -> None:
-        import torch.distributed as dist
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         require_process_group(self.name)
-        if setup.mesh is not None:   # a 2-D mesh: shard over its data-parallel axis
-            mesh = setup.mesh["dp"]
-        else:
-            with unset_fake_temporarily():   # the mesh reads real values
-                mesh = init_device_mesh(setup.device_type, (dist.get_world_size(),))
-        options = {"mesh": mesh, "reshard_after_forward": self.reshard}
+        options = {"mesh": setup.device_mesh("dp"), "reshard_after_forward": self.reshard}   # 2-D: its "dp" axis
         gathered = self.mixed_dtype(setup.precision)
         if gathered is not None:   # bf16 all-gathers and compute, float32 gradient reduction: no autocast left
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
             setup.precision = dataclasses.replace(setup.precision, autocast_dtype=None)
-        if setup.host_optimizer is not None:   # offload asked for: shards, gradients and states in host RAM
+        if setup.layout_offloads:   # offload asked for: shards, gradients and states in host RAM
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=setup.device_type == "cuda")
-            setup.host_optimizer, setup.states_on_host = None, True
+            setup.states_on_host = True
         for _, block in repeated_blocks(setup.model):
             fully_shard(block, **options)
         fully_shard(setup.model, **options)
@@ -315,6 +307,10 @@ class TensorParallel(LayoutTechnique):
     def shares_mesh_with(self, other) -> bool:
         return self.size > 0 and "shards-on-mesh" in other.traits
 
+    def mesh_axes(self, world_size: int) -> tuple[tuple[str, int], ...]:
+        # groups of `size` consecutive ranks split each block; the sharding layout spans the groups
+        return (("dp", world_size // self.size), ("tp", self.size)) if self.size else ()
+
     def layout_shape(self, num_gpus: int) -> tuple[int, int, int]:
         return num_gpus, num_gpus // self.split(num_gpus), 1   # each group of `size` ranks sees its share of the batch
 
@@ -362,20 +358,10 @@ class TensorParallel(LayoutTechnique):
                 raise error(f"-t {self.name}: the {count} {what}{left} do not split over {ranks} ranks.")
 
     def apply_(self, setup: StepSetup) -> None:
-        import torch.distributed as dist
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         require_process_group(self.name)
-        n = dist.get_world_size()
-        with unset_fake_temporarily():   # the mesh reads real values
-            if self.size:   # groups of `size` consecutive ranks split each block; the sharding layout spans them
-                setup.mesh = init_device_mesh(setup.device_type, (n // self.size, self.size),
-                                              mesh_dim_names=("dp", "tp"))
-                mesh = setup.mesh["tp"]
-            else:
-                mesh = init_device_mesh(setup.device_type, (n,))
+        mesh = setup.device_mesh("tp")   # with `size`: groups of that many consecutive ranks; else every rank
         for _, block in repeated_blocks(setup.model):
             plan: dict[str, ParallelStyle] = {
                 name: ColwiseParallel() if name.rsplit(".", 1)[-1] in COLWISE else RowwiseParallel()

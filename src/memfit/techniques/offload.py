@@ -146,7 +146,8 @@ class CpuOffload(Technique):
                               f"{precision_names(autocast=True, loss_scaling=False)} with cpu-offload.")
 
     def apply_(self, setup: StepSetup) -> None:
-        setup.host_optimizer = HostOffloadOptimizer   # a sharding technique applied later may take it over
+        if not setup.layout_offloads:   # else the sharding layout keeps the states in host RAM itself
+            setup.host_optimizer = HostOffloadOptimizer
 
 
 @register

@@ -91,6 +91,10 @@ class PipelineParallel(LayoutTechnique):
     def shares_mesh_with(self, other) -> bool:
         return self.stages > 0 and "shards-on-mesh" in other.traits
 
+    def mesh_axes(self, world_size: int) -> tuple[tuple[str, int], ...]:
+        # torchtitan's layout: "pp" the outer axis, the sharding layout over "dp" within a stage
+        return (("pp", self.stages), ("dp", world_size // self.stages)) if self.stages else ()
+
     depth_linear = False   # each stage holds other blocks
 
     def analytic_layers(self, num_layers: int, rank: int, workload) -> int:
@@ -149,17 +153,8 @@ class PipelineParallel(LayoutTechnique):
                               f"({self.microbatches} < {n}); raise microbatches or use schedule=gpipe.")
 
     def apply_(self, setup: StepSetup) -> None:
-        import torch.distributed as dist
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.distributed.device_mesh import init_device_mesh
-
         require_process_group(self.name)
-        group = None   # every rank a stage: the default group
-        if self.stages:   # torchtitan's layout: "pp" the outer axis, the sharding layout over "dp" within a stage
-            with unset_fake_temporarily():   # the mesh reads real values
-                setup.mesh = init_device_mesh(setup.device_type, (self.stages, dist.get_world_size() // self.stages),
-                                              mesh_dim_names=("pp", "dp"))
-            group = setup.mesh["pp"].get_group()
+        group = setup.device_mesh("pp").get_group() if self.stages else None   # None: every rank a stage
         setup.pipeline = Pipeline(cast("PreTrainedModel", setup.model),   # check(): a Hugging Face causal LM
                                   microbatches=self.microbatches, schedule=self.schedule,
                                   device_type=setup.device_type, logits_dtype=setup.precision.autocast_dtype,
