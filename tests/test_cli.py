@@ -206,6 +206,16 @@ def test_version_names_the_installed_libraries_memfit_models(capsys):
     assert f"transformers {version('transformers')}, checked with" in out
 
 
+def test_an_estimate_says_when_a_library_is_outside_the_versions_its_rules_model():
+    from memfit.core.versions import version_notes
+
+    assert version_notes("estimate", {"torch": "2.12.1+cu126", "transformers": "5.20.0"}) == []
+    newer, older = version_notes("estimate", {"torch": "2.14.0", "transformers": "5.10.1"})
+    assert newer.startswith("torch 2.14.0 is installed") and "SDPA's kernel choice" in newer
+    assert "transformers 5.10.1" in older and "5.17 to 5.24" in older
+    assert "memory profiler" in version_notes("measure", {"torch": "2.11.0", "transformers": None})[0]
+
+
 def test_plan_constraints_hold_in_every_plan(capsys):
     """-t lora --precision bf16-mixed: every plan runs LoRA in bf16-mixed; --exclude keeps a technique out."""
     code, out, _ = run(capsys, "plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--seq-len", "1024", "--global-batch",

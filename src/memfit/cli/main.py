@@ -57,23 +57,14 @@ def _suggestion(message: str, parser: argparse.ArgumentParser) -> str:
     return ""
 
 
-# the versions memfit's runs have checked (the GPU run: torch 2.11, transformers 5.17; the suite: 2.13 and 5.24)
-CHECKED = {"torch": "2.11 to 2.13", "transformers": "5.17 to 5.24"}
-
-
 def version_line() -> str:
     """memfit's version and the installed libraries whose behaviour its estimates model (read without importing
-    them), beside the versions memfit has been checked with."""
-    from importlib.metadata import PackageNotFoundError, version
+    them), beside the versions memfit's rules were checked on (core/versions.py), and any rule outside them."""
+    from memfit.core.versions import LIBRARIES, checked_range, installed, version_notes
 
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return f"memfit {__version__} (" + "; ".join(
-        f"{name} {installed(name)}, checked with {checked}" for name, checked in CHECKED.items()) + ")"
+    line = f"memfit {__version__} (" + "; ".join(
+        f"{name} {installed(name) or 'not installed'}, checked with {checked_range(name)}" for name in LIBRARIES) + ")"
+    return "\n".join([line, *version_notes("estimate"), *version_notes("measure")])
 
 
 class _Version(argparse.Action):

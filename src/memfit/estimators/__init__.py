@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from memfit.core.errors import MemfitError, closest
+from memfit.core.versions import version_notes
 from memfit.estimators import stand_ins  # noqa: F401  (registers the trace stand-ins)
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic import count_parameters as analytic_parameters
@@ -89,4 +90,5 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         result.notes.append(note)
     if live is not None:
         result.notes.append("traced on a meta copy of the live model: the model and optimizer were not touched")
+    result.notes += version_notes("estimate")
     return result

@@ -15,6 +15,7 @@ from memfit.core.categories import CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.core.units import format_bytes
+from memfit.core.versions import version_notes
 from memfit.estimators import estimate as run_estimate
 from memfit.estimators import methods_for
 from memfit.estimators.breakdown import MemoryEstimate
@@ -150,7 +151,7 @@ def measure_run(workload: Workload, *, device: str | None = None, snapshot_path:
         host_bytes=max(trace.host_peaks().values()),
         sources={name: "measured" for name in CATEGORIES},
         notes=["peak from the " + ("CUDA caching allocator" if on_cuda else "CPU allocator (profiler events)")
-               + "; categories from tracking the same run's tensors"],
+               + "; categories from tracking the same run's tensors", *version_notes("measure")],
         extra=extra,
     )
     if setup.swap_folder:   # NVMe offload: what this process's swap files hold after the step

@@ -7,6 +7,7 @@ from rich.table import Table
 from memfit.core.categories import CATEGORIES
 from memfit.core.units import format_bytes
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.techniques import parse_technique
 
 
 def _fmt(value: int | None) -> str:
@@ -128,13 +129,14 @@ def print_estimate(estimate: MemoryEstimate, console: Console | None = None) -> 
 def savings_table(rows: list[dict]) -> Table:
     table = Table(title="what each technique saves here (peak without it − peak with all; "
                         f"{rows[0]['method']})", title_justify="left")
-    for column in ("technique", "saves", "host RAM", "step time ×", "risk"):
-        table.add_column(column, justify="left" if column in ("technique", "risk") else "right")
+    for column in ("technique", "saves", "host RAM", "step time ×", "changes"):
+        table.add_column(column, justify="left" if column in ("technique", "changes") else "right")
     for row in rows:   # host RAM: what the technique adds (+) or frees (−) there
         saved, host = row["saved_bytes"], row["host_bytes"]
         table.add_row(row["technique"], ("−" if saved < 0 else "") + format_bytes(abs(saved)),
                       ("−" if host < 0 else "+") + format_bytes(abs(host)) if host else "",
-                      f"{row['time_factor']:.2f} ({row['time_factor_source']})", row["risk"])
+                      f"{row['time_factor']:.2f} ({row['time_factor_source']})",
+                      parse_technique(row["technique"]).training_change())
     return table
 
 

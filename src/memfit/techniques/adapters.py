@@ -64,6 +64,7 @@ class Lora(Technique):
     name = "lora"
     examples: ClassVar[Examples] = (("lora", {}), ("lora:rank=8,targets=q_proj|v_proj", {}))
     risk = "lossy"       # only the adapters train: another model than a full fine-tune
+    changes = "adapters"   # ... beside the base weights as they are (pruning, a student, quantization change them)
     stage = "adapters"
     summary = "LoRA (peft): every weight frozen, low-rank adapters on the target linears train"
     time_factor = 0.75   # no weight gradients for the frozen matrices (assumed)
@@ -163,6 +164,7 @@ class Qlora(Lora):
     name = "qlora"
     examples = (("qlora", {}),)
     summary = "QLoRA: the base's linears frozen as bitsandbytes 4-bit codes (NF4), LoRA adapters train"
+    changes = "lossy"    # the base the adapters train beside is rounded to 4 bits
     time_factor = 0.9    # LoRA's saving, less a dequantization per linear in forward and backward (assumed)
     traits = frozenset({"adapters", "subclass-weights", "quantized-linears"})
     conflicts_with = {**Lora.conflicts_with, **FOUR_BIT_CONFLICTS}

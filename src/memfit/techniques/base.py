@@ -39,6 +39,7 @@ CHANGES = {
     "reduction-order": "sums in another order (different rounding, same arithmetic)",
     "mixed-precision": "computes in half precision over float32 weights",
     "reduced-precision": "keeps weights or optimizer states in fewer bits (no float32 master copy)",
+    "adapters": "trains low-rank adapters beside the frozen weights, which stay as they are",
     "lossy": "changes what is trained or how much of it",
 }
 
