@@ -3,6 +3,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -214,6 +215,20 @@ def test_an_estimate_says_when_a_library_is_outside_the_versions_its_rules_model
     assert newer.startswith("torch 2.14.0 is installed") and "SDPA's kernel choice" in newer
     assert "transformers 5.10.1" in older and "5.17 to 5.24" in older
     assert "memory profiler" in version_notes("measure", {"torch": "2.11.0", "transformers": None})[0]
+
+
+def test_the_package_accepts_the_oldest_versions_its_rules_were_checked_on():
+    """A user's training environment keeps its torch and transformers (pip resolves them as installed): the ranges
+    in pyproject.toml take the oldest versions core/versions.py was checked on."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    from memfit.core.versions import MODELLED
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    ranges = {r.name: r.specifier for r in map(Requirement, project["dependencies"])}
+    for rule in MODELLED:
+        assert ranges[rule.library].contains(rule.oldest + ".0") and ranges[rule.library].contains(rule.newest + ".0")
 
 
 def test_plan_constraints_hold_in_every_plan(capsys):
