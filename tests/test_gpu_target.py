@@ -211,3 +211,27 @@ def test_tensor_parallel_on_a_gpu_target_runs_the_for_loop_optimizer():
     assert abs(traced.peak_bytes - analytic.peak_bytes) <= 0.01 * analytic.peak_bytes
     with pytest.raises(MemfitError, match="--optimizer-impl for-loop"):
         estimate(Workload(**shape, optimizer_impl="foreach"), method="analytic", gpu=get_gpu("h100"))
+
+
+TINY_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def test_a_family_only_the_trace_models_estimates_and_plans_on_a_gpu(tmp_path):
+    """Qwen3 has no analytic program: the GPU target's estimate and plan are the trace's (issue 39)."""
+    from memfit.planner import PlanRequest, plan
+
+    config = tmp_path / "Qwen3-tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TINY_QWEN3))
+    gpu = get_gpu("h100")
+    for task in ("train", "inference"):
+        workload = Workload(model=str(config), task=task, batch_size=1, seq_len=32, precision="bf16-mixed",
+                            new_tokens=4 if task == "inference" else 0)
+        result = estimate(workload, gpu=gpu)
+        assert result.method == "traced" and result.fits and result.reserved_bytes > result.peak_bytes > 0
+    request = PlanRequest(model=str(config), gpu=gpu, seq_len=32, global_batch=4, precision="bf16-mixed",
+                          optimizer="adamw")
+    best = plan(request).plans[0]
+    assert best.estimate.method == "traced" and best.time.total_s > 0

@@ -9,6 +9,7 @@ from memfit.core.versions import version_notes
 from memfit.estimators import stand_ins  # noqa: F401  (registers the trace stand-ins)
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic import count_parameters as analytic_parameters
+from memfit.estimators.analytic.families.registry import has_family as has_analytic_family
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.sdpa_backend import grouped_math_note
 from memfit.estimators.traced import traced_estimate
@@ -24,11 +25,12 @@ METHODS = ("auto", "traced", "analytic")
 
 def methods_for(workload: Workload) -> tuple[str, ...]:
     """The estimators that model `workload`: the trace where it runs (PyTorch's engine), the analytic model for
-    transformer configs unless a technique (or the user's own --step) has no analytic model."""
+    the transformer families it has a program of, unless a technique (or the user's own --step) has none."""
     workload = resolve(workload)
+    analytic = has_analytic_family(workload.source)
     if workload.engine == "deepspeed":   # no trace of DeepSpeed's engine; a custom module has no analytic model
-        return ("analytic",) if workload.source.is_hf else ()
-    if not workload.source.is_hf or workload.with_trait("traced-only") or workload.step is not None:
+        return ("analytic",) if analytic else ()
+    if not analytic or workload.with_trait("traced-only") or workload.step is not None:
         return ("traced",)
     return ("traced", "analytic")
 
@@ -36,7 +38,7 @@ def methods_for(workload: Workload) -> tuple[str, ...]:
 def count_parameters(workload: Workload) -> int:
     """The parameters of the workload's model (from its config's closed forms, else built on the meta device)."""
     workload = resolve(workload)
-    if workload.source.is_hf:
+    if has_analytic_family(workload.source):
         return analytic_parameters(workload)
     return sum(p.numel() for p in workload.source.build(device="meta", dtype=torch.float32).parameters())
 

@@ -36,6 +36,7 @@ import torch
 from memfit.core.dtypes import BYTES, dtype_name
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic import offload_host_bytes
+from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.kernels import KernelProfile, Phase, forward_flops_per_token, kernel_profile
 from memfit.specs.hardware import GPU
@@ -290,10 +291,11 @@ class Step:
 
     def activation_host_bytes(self) -> int:
         """Host bytes the step's saved activations take (the host bytes beyond an offloaded optimizer's: its closed
-        form for a transformer config; for a custom model, float32 master weights, gradients and AdamW's two states,
-        16 bytes per parameter at most, this rank's shard of them when a sharding layout keeps them)."""
+        form for a transformer family the analytic model has; for any other model, float32 master weights, gradients
+        and AdamW's two states, 16 bytes per parameter at most, this rank's shard of them when a sharding layout keeps
+        them)."""
         w = self.workload
-        if w.source.is_hf:
+        if registry.has_family(w.source):
             held = sum(offload_host_bytes(w))
         elif w.with_trait("host-optimizer"):
             held = 16 * self.estimate.num_parameters // (w.data_parallel_size if w.with_trait("offloads-shards") else 1)

@@ -21,6 +21,11 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_FAMILIES))
 
 
+def has_family(source) -> bool:
+    """The analytic estimator has a program for this model source's family."""
+    return source.is_hf and source.model_type in _FAMILIES
+
+
 def family_of(source):
     """(family module, spec) for a model source; a spec is built once per distinct config."""
     entry = _FAMILIES.get(source.model_type)
