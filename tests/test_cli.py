@@ -97,6 +97,9 @@ def test_savings_fall_back_to_traced_where_the_analytic_model_has_no_program(cap
     (["estimate", "tiny-llama", "--precision", "fp4"], "unknown precision"),
     (["estimate", "tiny-llama", "--optimizer", "lion"], "unknown optimizer"),
     (["estimate", "tiny-llama", "--gpu", "h1000"], "unknown GPU"),
+    (["estimate", "tiny-llama", "--gpu", "a100"], "a100-40gb (39.39 GiB) or a100-80gb"),
+    (["estimate", "tiny-llama", "--gpu-memory", "20GiB"], "name one"),
+    (["estimate", "tiny-llama", "--gpu", "l4", "--gpu-memory", "20"], "give a unit"),
     (["estimate", "tiny-llama", "--zero", "2"], "world-size"),
     (["estimate", "gpt2", "--seq-len", "5000"], "allow-long-seq"),
     (["estimate", "mypkg.models:build_net"], "--inputs"),
@@ -205,6 +208,17 @@ def test_version_names_the_installed_libraries_memfit_models(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("memfit ") and f"torch {version('torch')}, checked with" in out
     assert f"transformers {version('transformers')}, checked with" in out
+
+
+def test_gpu_memory_sets_the_total_every_command_sizes_against(capsys):
+    """--gpu-memory: a MIG slice or another driver's total, in estimate, plan and explain-oom alike."""
+    common = ["llama-3.1-8b", "--task", "inference", "--seq-len", "1024", "--gpu", "a100-80gb", "--gpu-memory",
+              "9.75GiB", "--json"]
+    code, out, _ = run(capsys, "estimate", *common, "--method", "analytic")
+    data = json.loads(out)
+    assert code == 0 and data["device_memory_bytes"] == int(9.75 * 2**30) and data["fits"] is False
+    code, out, _ = run(capsys, "plan", *common)
+    assert code == 0 and json.loads(out)["request"]["gpu_memory_bytes"] == int(9.75 * 2**30)
 
 
 def test_an_estimate_says_when_a_library_is_outside_the_versions_its_rules_model():

@@ -190,9 +190,9 @@ def test_fused_attention_outside_sdpa_runs_as_the_flash_kernel(attention, tmp_pa
     shape = dict(task="train", batch_size=2, seq_len=128, precision="bf16-mixed")
     asked, sdpa = (ResolvedWorkload(model=str(configs[n]), **shape) for n in (attention, "sdpa"))
     for method in ("traced", "analytic"):
-        assert estimate(asked, method=method, gpu=get_gpu("a100")).peak_bytes == \
-            estimate(sdpa, method=method, gpu=get_gpu("a100")).peak_bytes
-    for gpu, precision in (("a100", "fp32"), ("t4", "fp16-mixed")):
+        assert estimate(asked, method=method, gpu=get_gpu("a100-80gb")).peak_bytes == \
+            estimate(sdpa, method=method, gpu=get_gpu("a100-80gb")).peak_bytes
+    for gpu, precision in (("a100-80gb", "fp32"), ("t4", "fp16-mixed")):
         workload = ResolvedWorkload(model=str(configs[attention]), **{**shape, "precision": precision})
         with pytest.raises(MemfitError, match=r"compute capability 8\.0"):
             estimate(workload, method="analytic", gpu=get_gpu(gpu))

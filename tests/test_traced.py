@@ -77,25 +77,38 @@ def _deep_config(tmp_path, model_type, **fields):
             "gemma2": dict(architectures=["Gemma2ForCausalLM"], hidden_size=64, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500, sliding_window=16,
                            max_position_embeddings=256, query_pre_attn_scalar=16),
-            "gpt2": dict(architectures=["GPT2LMHeadModel"], n_embd=64, n_head=4, vocab_size=500, n_positions=256)}
+            "gpt2": dict(architectures=["GPT2LMHeadModel"], n_embd=64, n_head=4, vocab_size=500, n_positions=256),
+            # per-layer windows: the depth-sampled trace cuts the list with the layers
+            "longformer": dict(architectures=["LongformerForMaskedLM"], hidden_size=64, num_attention_heads=4,
+                               intermediate_size=128, vocab_size=500, max_position_embeddings=258, type_vocab_size=1,
+                               pad_token_id=1, attention_window=[16] * fields.get("num_hidden_layers", 12))}
     path = tmp_path / f"{model_type}.json"
     path.write_text(json.dumps({"model_type": model_type, **base[model_type], **fields}))
     return str(path)
 
 
 @pytest.mark.parametrize("model_type, layers", [("llama", dict(num_hidden_layers=10)), ("t5", dict(num_layers=9)),
-                                                 ("gemma2", dict(num_hidden_layers=12)), ("gpt2", dict(n_layer=11))])
+                                                 ("gemma2", dict(num_hidden_layers=12)), ("gpt2", dict(n_layer=11)),
+                                                 ("longformer", dict(num_hidden_layers=6))])
 @pytest.mark.parametrize("task", ["train", "inference"])
 def test_extrapolated_trace_equals_the_full_trace(tmp_path, model_type, layers, task):
     """Trace 2, 3, 4 layers (4, 6, 8 for alternating layers) and extrapolate: the same bytes as tracing all."""
     config = _deep_config(tmp_path, model_type, **layers)
-    extra = {"new_tokens": 2} if task == "inference" and model_type != "bert" else {}
+    extra = {"new_tokens": 2} if task == "inference" and model_type not in ("bert", "longformer") else {}
     workload = ResolvedWorkload(model=config, task=task, batch_size=4, seq_len=48, **extra)
     short = traced_estimate(workload)
     full = traced_estimate(workload, full_trace=True)
     assert "extrapolated" in " ".join(short.notes)
     assert short.at_peak == full.at_peak and short.peak_phase == full.peak_phase
     assert short.component_peaks == full.component_peaks
+
+
+def test_longformer_deeper_than_the_trace_matches_a_real_cpu_step(tmp_path):
+    """Longformer's attention_window is a per-layer list: the trace of 2-4 layers cuts it (issue 39)."""
+    workload = ResolvedWorkload(model=_deep_config(tmp_path, "longformer", num_hidden_layers=6), batch_size=2,
+                                seq_len=64)
+    measured = measure(workload, estimates=("traced",))
+    assert rel(measured.extra["estimates"]["traced"]["peak_bytes"], measured.peak_bytes) < 0.02
 
 
 def test_large_vocabulary_backward_peak_crosses_over(tmp_path):

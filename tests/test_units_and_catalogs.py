@@ -54,7 +54,12 @@ def test_analytic_parameter_count_equals_the_built_model(name):
 def test_gpu_catalog():
     assert set(REQUIRED_GPUS) <= set(gpu_catalog())
     assert get_gpu("H100").name == "h100-sxm-80gb"
-    assert get_gpu("4090").memory_bytes == 24564 * MiB
+    assert get_gpu("4090").memory_bytes == round(23.65 * 2**30)   # as CUDA reports it, not nvidia-smi's 24564 MiB
+    assert get_gpu("a100-40gb").memory_bytes == 42298834944            # deviceQuery's bytes
+    for gpu in gpu_catalog().values():   # every figure says where it comes from
+        assert gpu.memory_source and gpu.rates_source, gpu.name
+    with pytest.raises(MemfitError, match=r"a100-40gb .* or a100-80gb"):
+        get_gpu("a100")   # an alias never picks one memory size over another
     assert get_gpu("t4").bf16_tflops is None
     with pytest.raises(MemfitError, match="h100"):
         get_gpu("h1000")

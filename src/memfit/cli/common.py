@@ -11,6 +11,7 @@ from rich.console import Console
 
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
+from memfit.core.units import parse_bytes
 from memfit.planner import load_plan
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.workload import DEEPSPEED_REDUCE_BUCKET, ENGINES, OPTIMIZER_IMPLS, TASKS, Workload
@@ -100,13 +101,26 @@ def workload_from(args: argparse.Namespace) -> ResolvedWorkload:
     return resolve(Workload(model=args.model, inputs=args.inputs, step=args.step, **given))
 
 
-def gpu_from(name: str | None, args: argparse.Namespace | None = None) -> GPU | None:
-    """The --gpu named, else the target GPU of a --plan file, else None."""
-    if name:
-        return get_gpu(name)
-    if args is not None and getattr(args, "plan", None):
-        return load_plan(args.plan, args.plan_index)[1]
-    return None
+def add_gpu_arguments(parser: argparse.ArgumentParser, gpu_help: str) -> None:
+    parser.add_argument("--gpu", help=gpu_help)
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="the GPU's total memory as CUDA reports it, e.g. 39.4GiB (a MIG slice, ECC, another "
+                             "driver); default: the catalog's")
+
+
+def gpu_from(args: argparse.Namespace, fallback: GPU | None = None) -> GPU | None:
+    """The --gpu named, else the target GPU of a --plan file, else `fallback`; with --gpu-memory's total."""
+    if args.gpu:
+        gpu: GPU | None = get_gpu(args.gpu)
+    elif getattr(args, "plan", None):
+        gpu = load_plan(args.plan, args.plan_index)[1]
+    else:
+        gpu = fallback
+    if args.gpu_memory is None:
+        return gpu
+    if gpu is None:
+        raise MemfitError("--gpu-memory gives the total of the GPU --gpu names; name one (memfit gpus).")
+    return gpu.with_memory(parse_bytes(args.gpu_memory, "--gpu-memory"))
 
 
 def command_line(workload: ResolvedWorkload) -> str:

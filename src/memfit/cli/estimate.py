@@ -6,6 +6,7 @@ import argparse
 from rich.console import Console
 
 from memfit.cli.common import (
+    add_gpu_arguments,
     add_workload_arguments,
     check_output_path,
     gpu_from,
@@ -23,7 +24,7 @@ from memfit.report.tables import print_estimate, workload_line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument("--gpu", help="target GPU (memfit gpus); without it, the device `measure` would use here")
+    add_gpu_arguments(parser, "target GPU (memfit gpus); without it, the device `measure` would use here")
     parser.add_argument("--method", default="auto", help=f"one of {', '.join(METHODS)} (default auto: traced "
                                                           "where it can run)")
     parser.add_argument("--modules", action="store_true", help="add the top modules by memory (traced)")
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.timeline, (".png", ".svg", ".pdf", ".json"), "--timeline")
     workload = workload_from(args)
-    gpu = gpu_from(args.gpu, args)
+    gpu = gpu_from(args)
     options = {}
     if args.method != "analytic" and workload.engine == "pytorch":
         options = {"modules": args.modules, "timeline": bool(args.timeline), "full_trace": args.full_trace}

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from memfit.cli.common import (
+    add_gpu_arguments,
     add_workload_arguments,
     given_workload_flags,
     gpu_from,
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(torch.cuda.memory._dump_snapshot), or - for stdin (default)")
     parser.add_argument("--snapshot", metavar="FILE.pickle", help="a memory snapshot besides the message")
     add_workload_arguments(parser, model_flag=True)
-    parser.add_argument("--gpu", help="the GPU it ran on (memfit gpus), for the workload's estimate")
+    add_gpu_arguments(parser, "the GPU it ran on (memfit gpus), for the workload's estimate")
     parser.set_defaults(run=run)
 
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         workload = workload_from(args)
     elif given_workload_flags(args) or args.step or args.inputs:
         raise MemfitError("the workload flags describe the workload that failed: pass --model (or --plan) with them.")
-    analysis = analyze(message, snapshot, workload, gpu_from(args.gpu, args))
+    analysis = analyze(message, snapshot, workload, gpu_from(args))
     if args.json:
         print_json(to_json(analysis))
     else:

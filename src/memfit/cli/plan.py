@@ -9,11 +9,13 @@ from typing import cast
 from rich.console import Console
 
 from memfit.cli.common import (
+    add_gpu_arguments,
     add_workload_arguments,
     check_output_path,
     command_line,
     flag_of,
     given_workload_flags,
+    gpu_from,
     output_console,
     print_json,
 )
@@ -24,13 +26,13 @@ from memfit.planner.export import EXPORTS, export
 from memfit.planner.instances import plan_on_instances
 from memfit.planner.request import ALLOW, DEFAULT_MARGIN, DEFAULT_SPEED_MARGIN, OBJECTIVES, parse_fraction
 from memfit.report.plan_report import print_instance_ranking, print_plans, write_pareto_plot
-from memfit.specs.hardware import get_gpu
+from memfit.specs.hardware import GPU
 from memfit.specs.instances import Instance, get_instance, instance_catalog, parse_price, priced
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument("--gpu", help="target GPU (memfit gpus); --instance implies it")
+    add_gpu_arguments(parser, "target GPU (memfit gpus); --instance implies it")
     parser.add_argument("--instance", help="a machine from `memfit instances` (its GPUs, host RAM and price), or "
                                            "any: every priced machine, cheapest per million tokens first")
     parser.add_argument("--price", action="append", default=[], metavar="NAME=USD",
@@ -94,7 +96,7 @@ def request_from(args: argparse.Namespace, instance: Instance | None = None) -> 
     if "batch_size" in given and task == "train":
         raise MemfitError("--batch-size is the served batch of --task inference; for training give --global-batch "
                           "(sequences per optimizer step) and the planner chooses the micro-batch.")
-    gpu = get_gpu(args.gpu) if args.gpu else cast(Instance, instance).gpu   # no --gpu: an instance (checked above)
+    gpu = cast(GPU, gpu_from(args, instance.gpu if instance else None))   # no --gpu: an instance (checked above)
     gpus = given.get("world_size")
     return PlanRequest(
         model=args.model, inputs=args.inputs, step=args.step, gpu=gpu, task=task, seq_len=given.get("seq_len"),
@@ -173,9 +175,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_on_instances(args: argparse.Namespace, instances: list[Instance]) -> int:
-    for flag in ("export", "plot", "verify"):
+    for flag in ("export", "plot", "verify", "gpu_memory"):
         if getattr(args, flag):
-            raise MemfitError(f"--{flag} takes one machine: plan it with --instance NAME.")
+            raise MemfitError(f"--{flag.replace('_', '-')} takes one machine: plan it with --instance NAME.")
     with Console(stderr=True).status(f"planning {args.model} on {len(instances)} instances ...") as status:
         ranking = plan_on_instances(lambda instance: request_from(args, instance), instances, progress=status.update)
     data = ranking.to_json()

@@ -167,7 +167,7 @@ class PlanRequest:
 
     def to_json(self) -> dict:
         return {"model": self.model, "inputs": self.inputs, "step": self.step, "gpu": self.gpu.name,
-                "task": self.task, "seq_len": self.seq_len,
+                "gpu_memory_bytes": self.gpu.memory_bytes, "task": self.task, "seq_len": self.seq_len,
                 "instance": self.instance.name if self.instance else None,
                 "global_batch": self.sequences if self.task == "train" else None, "batch_size": self.batch_size,
                 "new_tokens": self.new_tokens, "num_gpus": self.num_gpus, "host_ram_bytes": self.host_ram_bytes,

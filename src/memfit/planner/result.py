@@ -111,4 +111,7 @@ def load_plan(path: str, index: int = 0) -> tuple[Workload, GPU]:
         raise MemfitError(f"--plan {path!r} has no plan that fits ({data.get('reason')}).")
     if not 0 <= index < len(plans):
         raise MemfitError(f"--plan-index {index}: {path!r} holds plans 0 to {len(plans) - 1}.")
-    return Workload.from_json(plans[index]["workload"]), get_gpu(plans[index].get("gpu") or data["request"]["gpu"])
+    gpu = get_gpu(plans[index].get("gpu") or data["request"]["gpu"])
+    memory = data["request"].get("gpu_memory_bytes")   # the total planned for (--gpu-memory), where recorded
+    return Workload.from_json(plans[index]["workload"]), gpu if memory in (None, gpu.memory_bytes) else \
+        gpu.with_memory(memory)

@@ -100,10 +100,15 @@ class ModelSource:
         if fields.get("attn_implementation") in FUSED_OUTSIDE_SDPA:
             fields["attn_implementation"] = "sdpa"
         if num_layers is not None:
-            fields[_layer_key(self._hf_config)] = num_layers
+            key = _layer_key(self._hf_config)
+            depth = fields.get(key) if key else None
+            fields[key] = num_layers
             if "num_decoder_layers" in fields:
                 fields["num_decoder_layers"] = num_layers
-            fields.pop("layer_types", None)
+            fields.pop("layer_types", None)   # transformers fills it in again for the depth
+            for name, value in list(fields.items()):   # every other per-layer list (Longformer's attention_window)
+                if isinstance(value, list) and depth and len(value) == depth:
+                    fields[name] = value[:num_layers]
         try:
             config = AutoConfig.for_model(self.model_type, **fields)
         except (ValueError, KeyError, TypeError) as exc:
