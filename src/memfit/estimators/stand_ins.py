@@ -152,8 +152,15 @@ def compile_for_trace(function):
 
 def _recompiled_as_needed(call, *args, **kwargs):
     """A compiled block in a trace, compiled again whenever its guards fail (a KV cache's layer index, a new decode
-    length) rather than run eager past Dynamo's recompile_limit of 8: a trace is the compiled step, not the fallback."""
-    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024 * 64):
+    length) rather than run eager past Dynamo's recompile_limit of 8: a trace is the compiled step, not the fallback.
+    Inside DistributedDataParallel's forward, Dynamo's DDPOptimizer would split each compiled graph at the gradient
+    buckets' boundaries, compiling the pieces on fake tensors of a mode of its own, which the trace's cannot enter
+    (an InternalTorchDynamoError): the trace compiles each block whole (optimize_ddp off), which splits nothing a
+    block smaller than a bucket (25 MiB of gradients) would; a bigger block's split is not modelled. Each shape gets
+    graphs of its own (no automatic dynamic shapes): a process that estimates many shapes (the planner, a notebook)
+    traces each as a fresh process would, where symbolic sizes through DTensor recursed without end."""
+    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024 * 64, optimize_ddp=False,
+                                    automatic_dynamic_shapes=False):
         return call(*args, **kwargs)
 
 
@@ -168,7 +175,15 @@ def _traced_backend():
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
-    return aot_autograd(fw_compiler=_run_fused, bw_compiler=_run_fused, partition_fn=partition_fn,
+    def partition(joint, joint_inputs, **kwargs):
+        # Inductor's passes (dropout's random seeds: replace_random) read the fake mode compile_fx would install
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return partition_fn(joint, joint_inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=_run_fused, bw_compiler=_run_fused, partition_fn=partition,
                         decompositions=select_decomp_table())
 
 
