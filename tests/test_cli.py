@@ -221,6 +221,26 @@ def test_gpu_memory_sets_the_total_every_command_sizes_against(capsys):
     assert code == 0 and json.loads(out)["request"]["gpu_memory_bytes"] == int(9.75 * 2**30)
 
 
+def test_a_library_failure_is_one_line_naming_the_library_and_the_command(capsys, monkeypatch):
+    import torch
+
+    from memfit.cli import estimate as estimate_command
+
+    def fails(args):
+        return torch.functional.split(torch.zeros(2), [5])   # raises inside torch's own Python code
+
+    monkeypatch.setattr(estimate_command, "run", fails)
+    monkeypatch.delenv("MEMFIT_DEBUG", raising=False)
+    code = main(["estimate", "tiny-llama"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("memfit: error: torch failed (RuntimeError:")
+    assert "`memfit estimate tiny-llama`" in lines[0]
+    monkeypatch.setenv("MEMFIT_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        main(["estimate", "tiny-llama"])
+
+
 def test_an_estimate_says_when_a_library_is_outside_the_versions_its_rules_model():
     from memfit.core.versions import version_notes
 

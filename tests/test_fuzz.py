@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -100,9 +101,10 @@ class _RunsACommand:
 
 def cli(*argv: str) -> tuple[int, str, str]:
     """memfit's exit code, stdout and stderr; any exception but the ones the CLI turns into exit codes escapes
-    (a crash, which fails the test with its traceback)."""
+    (a crash, which fails the test with its traceback: MEMFIT_DEBUG keeps it)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            mock.patch.dict(os.environ, {"MEMFIT_DEBUG": "1"}):
         try:
             code = main(list(argv))
         except SystemExit as exc:   # argparse's own errors

@@ -121,6 +121,33 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:   # a library failing inside memfit's own work on a combination memfit accepted
+        if os.environ.get("MEMFIT_DEBUG"):
+            raise
+        print(f"memfit: error: {library_failure(exc, argv if argv is not None else sys.argv[1:])}", file=sys.stderr)
+        return 1
+
+
+LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "deepspeed", "torch_pruning", "accelerate")
+
+
+def library_failure(exc: BaseException, argv: list[str]) -> str:
+    """One line for an unexpected failure: the library whose code raised it (else memfit), the exception, and the
+    command line, which is what a report needs; MEMFIT_DEBUG=1 shows the traceback."""
+    import traceback
+
+    where = "memfit"
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        parts = frame.filename.replace("\\", "/").split("/")
+        found = next((p for p in parts if p in LIBRARIES), None)
+        if found:
+            where = found
+            break
+        if "memfit" in parts:
+            break
+    message = one_line(str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+    return (f"{where} failed ({type(exc).__name__}: {message[:200]}) on `memfit {' '.join(argv)}`: memfit accepted "
+            "this combination, so this is a bug to report; MEMFIT_DEBUG=1 shows the traceback.")
 
 
 if __name__ == "__main__":
