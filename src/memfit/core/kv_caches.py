@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.dtypes import dtype_bytes
-from memfit.core.errors import require_choice
+from memfit.core.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -64,20 +64,9 @@ class KVCacheKind:
                 + sum(n * dtype_bytes(dtype) for _, n, dtype in self.state_elements(elements)))
 
 
-KV_CACHE_KINDS: dict[str, KVCacheKind] = {}
-
-
-def register_kv_cache_kind(kind: KVCacheKind) -> KVCacheKind:
-    if kind.name in KV_CACHE_KINDS and KV_CACHE_KINDS[kind.name] != kind:
-        raise ValueError(f"KV-cache kind {kind.name} is already registered")
-    KV_CACHE_KINDS[kind.name] = kind
-    return kind
-
-
-def kv_cache_kind(name: str) -> KVCacheKind:
-    if name not in KV_CACHE_KINDS:
-        require_choice(name, KV_CACHE_KINDS, "KV-cache kind")
-    return KV_CACHE_KINDS[name]
+KV_CACHE_KINDS: Registry[KVCacheKind] = Registry("KV-cache kind")
+register_kv_cache_kind = KV_CACHE_KINDS.add
+kv_cache_kind = KV_CACHE_KINDS.named
 
 
 DYNAMIC = register_kv_cache_kind(KVCacheKind(

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from memfit.core.dtypes import dtype_bytes
-from memfit.core.errors import require_choice
+from memfit.core.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -87,19 +87,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return numel
 
 
-WEIGHT_FORMATS: dict[str, WeightFormat] = {}
-
-
-def register_weight_format(fmt: WeightFormat) -> WeightFormat:
-    if fmt.name in WEIGHT_FORMATS and WEIGHT_FORMATS[fmt.name] != fmt:
-        raise ValueError(f"weight format {fmt.name} is already registered")
-    WEIGHT_FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def weight_format(name: str) -> WeightFormat:
-    require_choice(name, WEIGHT_FORMATS, "weight format")
-    return WEIGHT_FORMATS[name]
+WEIGHT_FORMATS: Registry[WeightFormat] = Registry("weight format")
+register_weight_format = WEIGHT_FORMATS.add
+weight_format = WEIGHT_FORMATS.named
 
 
 BNB_BLOCK = 64            # bitsandbytes' 4-bit block: one scale per 64 weights
