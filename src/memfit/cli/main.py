@@ -135,10 +135,11 @@ def library_failure(exc: BaseException, argv: list[str]) -> str:
     """One line for an unexpected failure: the library whose code raised it (else memfit), the exception, and the
     command line, which is what a report needs; MEMFIT_DEBUG=1 shows the traceback."""
     import traceback
+    from pathlib import PurePath
 
     where = "memfit"
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        parts = frame.filename.replace("\\", "/").split("/")
+        parts = PurePath(frame.filename).parts
         found = next((p for p in parts if p in LIBRARIES), None)
         if found:
             where = found

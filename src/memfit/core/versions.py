@@ -25,7 +25,7 @@ class Modelled:
 
     @property
     def versions(self) -> str:
-        return self.oldest if self.oldest == self.newest else f"{self.oldest} to {self.newest}"
+        return _span(self.oldest, self.newest)
 
     def covers(self, installed: str) -> bool:
         return _minor(self.oldest) <= _minor(installed) <= _minor(self.newest)
@@ -64,7 +64,11 @@ def checked_range(library: str, used_in: str = "estimate") -> str:
     rules = [m for m in MODELLED if m.library == library and m.used_in == used_in]
     oldest = max((m.oldest for m in rules), key=_minor)
     newest = min((m.newest for m in rules), key=_minor)
-    return Modelled("", library, oldest, newest, "").versions
+    return _span(oldest, newest)
+
+
+def _span(oldest: str, newest: str) -> str:
+    return oldest if oldest == newest else f"{oldest} to {newest}"
 
 
 def version_notes(used_in: str = "estimate", versions: dict[str, str | None] | None = None) -> list[str]:

@@ -66,8 +66,14 @@ class AllocatorSettings:
 
 
 @lru_cache(maxsize=1)
+def _document() -> dict:
+    """The bundled gpus.json, read once."""
+    return json.loads(resources.files("memfit.specs").joinpath("gpus.json").read_text())
+
+
+@lru_cache(maxsize=1)
 def gpu_catalog() -> dict[str, GPU]:
-    raw = json.loads(resources.files("memfit.specs").joinpath("gpus.json").read_text())
+    raw = _document()
     catalog = {}
     for entry in raw["gpus"]:
         catalog[entry["name"]] = GPU(
@@ -86,8 +92,7 @@ def gpu_catalog() -> dict[str, GPU]:
 @lru_cache(maxsize=1)
 def ambiguous_names() -> dict[str, tuple[str, ...]]:
     """Names that fit several catalog GPUs of different memory sizes ("a100": the 40 GB and the 80 GB card)."""
-    raw = json.loads(resources.files("memfit.specs").joinpath("gpus.json").read_text())
-    return {name: tuple(gpus) for name, gpus in raw.get("ambiguous", {}).items()}
+    return {name: tuple(gpus) for name, gpus in _document().get("ambiguous", {}).items()}
 
 
 def get_gpu(name: str) -> GPU:
