@@ -6,7 +6,7 @@ import argparse
 from rich.table import Table
 
 from memfit.cli.common import output_console, print_json
-from memfit.estimators.analytic import count_parameters
+from memfit.estimators import count_parameters
 from memfit.specs.model_source import catalog, resolve_source
 from memfit.specs.workload import Workload
 

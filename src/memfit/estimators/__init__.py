@@ -84,6 +84,8 @@ def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto"
         result = traced_estimate(workload, gpu, **options)
     else:
         result = analytic_estimate(workload, gpu, **{k: v for k, v in options.items() if k == "modules"})
+    if workload.source.note:
+        result.notes.insert(0, workload.source.note)
     result.notes += [note for technique in workload.hooked_techniques
                      for note in technique.estimate_notes(workload)]
     if workload.step is not None:

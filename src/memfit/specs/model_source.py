@@ -75,6 +75,7 @@ class ModelSource:
     reference: str | None = None
     published_num_parameters: int | None = None
     overrides: dict = field(default_factory=dict)   # config fields changed by memfit (e.g. longer positions)
+    note: str | None = None                     # what memfit took the model the user named to be
 
     # ---- what kind of model -------------------------------------------------------------
     @property
@@ -334,17 +335,36 @@ def _hf_source(name: str, hf_config, where: str) -> ModelSource:
     return source
 
 
+# words in a hub id that name a post-trained (or the base) variant of the same shapes: "-Instruct", "-it", "-Base"...
+_VARIANT_WORDS = frozenset({"instruct", "it", "pt", "base", "chat"})
+
+
+def _base_id(hub_id: str) -> str:
+    """A hub id, lower-cased, without the words that name a post-trained variant (Llama-3.2-1B-Instruct ->
+    llama-3.2-1b, gemma-3-1b-it -> gemma-3-1b, Mistral-Small-24B-Instruct-2501 -> mistral-small-24b-2501)."""
+    org, _, name = hub_id.lower().rpartition("/")
+    return f"{org}/" + "-".join(word for word in name.split("-") if word not in _VARIANT_WORDS)
+
+
 def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line MemfitError."""
     spec = spec.strip()
     docs = catalog()
     by_hub_id = {doc["reference"].lower(): name for name, doc in docs.items() if doc.get("reference")}
-    spec = by_hub_id.get(spec.lower(), spec)   # a bundled model named by its Hugging Face hub id
+    by_base_id = {_base_id(doc["reference"]): name for name, doc in docs.items() if "/" in (doc.get("reference") or "")}
+    note = None
+    if spec.lower() in by_hub_id:   # a bundled model named by its Hugging Face hub id
+        spec = by_hub_id[spec.lower()]
+    elif looks_like_hub_id(spec) and _base_id(spec) in by_base_id:
+        base = by_base_id[_base_id(spec)]
+        note = (f"{spec} is not bundled: memfit took the shapes of {base} ({docs[base]['reference']}), the same "
+                "model before or after post-training")
+        spec = base
     if spec in docs:
         doc = docs[spec]
         return ModelSource(name=spec, kind="catalog", hf_config=copy.deepcopy(doc["hf_config"]),
                            reference=doc.get("reference"),
-                           published_num_parameters=doc.get("published_num_parameters"))
+                           published_num_parameters=doc.get("published_num_parameters"), note=note)
     if looks_like_hub_id(spec):
         try:
             hf_config = hub_config(spec)

@@ -355,8 +355,9 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     if mask is not None and mask.dtype == "bool":
         mask = e.new(mask.numel, q.dtype)
     extra = []
-    if e.policy.backend == "cpu" and isinstance(v, View):
-        extra.append(copy(e, v))   # the CPU kernel also keeps a contiguous copy of a strided value
+    if e.policy.backend == "cpu" and isinstance(v, View) and v.numel <= v.base.numel:
+        extra.append(copy(e, v))   # the CPU kernel also keeps a contiguous copy of a strided value (a slice; an
+        #                            expanded one, as repeat_kv leaves a single key/value head, stays as it is)
     rows = batch * heads * q_len
     if e.policy.backend == "cuda":
         kernel = cuda_backend(e.policy.capability, q.dtype, head_dim, mask=mask is not None,

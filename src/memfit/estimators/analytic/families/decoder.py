@@ -7,7 +7,7 @@ and Hugging Face's causal-LM loss.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import ClassVar, cast
 
@@ -22,32 +22,40 @@ from memfit.estimators.analytic.families.common import (
     lm_head,
     replace_cache,
 )
-from memfit.estimators.analytic.families.moe import experts
+from memfit.estimators.analytic.families.moe import Router, experts
 from memfit.estimators.analytic.symbols import Sym, View
 
 
 @dataclass(frozen=True)
 class Variant:
-    """How an architecture's decoder differs from Llama's (transformers' modeling_<model_type>.py)."""
+    """How an architecture's decoder differs from Llama's (transformers' modeling_<model_type>.py). Which layers slide
+    their window is the config's `layer_types` (Gemma 2 and 3, Qwen2 and 3), else every layer when it sets one."""
 
     fused_projections: bool = False   # q/k/v in one qkv_proj, gate/up in one gate_up_proj; rotary copies (Phi-3)
     qkv_bias: bool = False            # q, k and v projections carry a bias, o does not (Qwen2)
-    window_opt_in: bool = False       # the sliding window applies only with use_sliding_window (Qwen2)
-    alternating_window: bool = False  # every other layer slides its window (Gemma-2)
-    sandwich_norms: bool = False      # a norm after attention and around the MLP too (Gemma-2)
-    unit_offset_norm: bool = False    # RMSNorm scales by (1 + weight) in float32, then casts (Gemma-2)
-    scaled_embeddings: bool = False   # embeddings * sqrt(hidden) (Gemma-2)
-    softcap: bool = False             # tanh soft-capping of attention scores and final logits (Gemma-2)
-    eager_only: bool = False          # soft-capped attention runs eagerly, with float masks (Gemma-2)
+    norms: str = "pre"                # RMSNorms: "pre" before attention and MLP (Llama); "sandwich" before and after
+    #                                   each (Gemma 2 and 3); "post" after each, none before (OLMo 2)
+    qk_norm: str = ""                 # RMSNorm of queries and keys: "head" over each head's width (Qwen3, Gemma 3),
+    #                                   "projection" over the projection's (OLMo 2)
+    unit_offset_norm: bool = False    # RMSNorm scales by (1 + weight) in float32, then casts (Gemma 2 and 3)
+    norm_casts_product: bool = False  # RMSNorm returns (weight * normed).to(dtype) (OLMo 2), not weight * normed.to()
+    float32_rotary: bool = False      # cos and sin stay float32, the rotated queries and keys are cast back (OLMo 2)
+    scaled_embeddings: bool = False   # embeddings * sqrt(hidden) (Gemma 2 and 3)
+    attention_softcap: bool = False   # tanh soft-capping of attention scores (Gemma 2)
+    eager_only: bool = False          # soft-capped attention runs eagerly, with float masks (Gemma 2)
+    rope_per_layer_type: bool = False  # sliding and full layers have rotary tables of their own (Gemma 3)
 
 
 # The model types this family runs, each with its variant (the families registry reads FAMILIES)
+_GEMMA = Variant(norms="sandwich", unit_offset_norm=True, scaled_embeddings=True)
 VARIANTS = {
     "llama": Variant(), "mistral": Variant(), "mixtral": Variant(),
-    "qwen2": Variant(qkv_bias=True, window_opt_in=True),
+    "qwen2": Variant(qkv_bias=True),
+    "qwen3": Variant(qk_norm="head"), "qwen3_moe": Variant(qk_norm="head"),
+    "olmo2": Variant(norms="post", qk_norm="projection", norm_casts_product=True, float32_rotary=True),
     "phi3": Variant(fused_projections=True),
-    "gemma2": Variant(alternating_window=True, sandwich_norms=True, unit_offset_norm=True, scaled_embeddings=True,
-                      softcap=True, eager_only=True),
+    "gemma2": replace(_GEMMA, attention_softcap=True, eager_only=True),
+    "gemma3_text": replace(_GEMMA, qk_norm="head", rope_per_layer_type=True),
 }
 FAMILIES = tuple(VARIANTS)
 # Hugging Face module names -> this program's parameter names (LoRA targets, techniques/adapters.py)
@@ -72,40 +80,58 @@ class DecoderSpec:
     mlp_bias: bool
     experts: int = 0
     top_k: int = 0
+    router: Router = field(default_factory=Router)
+    dense_intermediate: int = 0                    # a mixture's dense layers' MLP width (Qwen3-MoE's mlp_only_layers;
+    #                                                0: `intermediate`, a dense model's)
     sliding_window: int | None = None
-    sliding_pattern: tuple[bool, ...] = (False,)   # per layer in a period: uses the sliding window
+    # per layer in a period: uses the sliding window; runs the experts (a mixture: False for its dense layers)
+    sliding_pattern: tuple[bool, ...] = (False,)
+    experts_pattern: tuple[bool, ...] = (True,)
     attn_dropout: float = 0.0
     eager: bool = False                            # eager attention (scores materialised) instead of SDPA
+    logit_softcap: bool = False                    # tanh soft-capping of the final logits (Gemma 2)
 
     @classmethod
     def from_config(cls, cfg) -> DecoderSpec:
         variant = VARIANTS[cfg.model_type]
-        heads = cfg.num_attention_heads
+        heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         window = getattr(cfg, "sliding_window", None)
-        if variant.window_opt_in and not getattr(cfg, "use_sliding_window", False):
-            window = None
-        pattern: tuple[bool, ...] = (False,)
-        if variant.alternating_window:
-            pattern = (True, False)
-        elif window:
-            pattern = (True,)
+        kinds = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers
+        sliding = [bool(window) and kind == "sliding_attention" for kind in kinds[:layers]]
+        window = window if any(sliding) else None
+        experts = getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0) or 0
+        sparse_step, dense_layers = getattr(cfg, "decoder_sparse_step", 1) or 1, getattr(cfg, "mlp_only_layers", ())
+        runs_experts = [bool(experts) and i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(layers)]
+        sliding_pattern, experts_pattern = _periodic(sliding, runs_experts)
         bias = getattr(cfg, "attention_bias", False)
         return cls(
-            variant=variant, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
+            variant=variant, hidden=cfg.hidden_size, layers=layers, heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, tied=bool(cfg.tie_word_embeddings),
+            intermediate=(getattr(cfg, "moe_intermediate_size", None) if experts else None) or cfg.intermediate_size,
+            dense_intermediate=cfg.intermediate_size if experts else 0, vocab=cfg.vocab_size,
+            tied=bool(cfg.tie_word_embeddings),
             qkv_bias=bias or variant.qkv_bias, o_bias=bias and not variant.qkv_bias,
             mlp_bias=getattr(cfg, "mlp_bias", False),
-            experts=getattr(cfg, "num_local_experts", 0) or 0, top_k=getattr(cfg, "num_experts_per_tok", 0) or 0,
-            sliding_window=window, sliding_pattern=pattern,
+            experts=experts, top_k=(getattr(cfg, "num_experts_per_tok", 0) or 0) if experts else 0,
+            router=Router.of(cfg),
+            sliding_window=window, sliding_pattern=sliding_pattern, experts_pattern=experts_pattern,
             attn_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
             eager=variant.eager_only or asks_for_eager(cfg),
+            logit_softcap=bool(getattr(cfg, "final_logit_softcapping", None)),
         )
 
     @property
     def period(self) -> int:
         return len(self.sliding_pattern)
+
+
+def _periodic(*per_layer: list[bool]) -> tuple[tuple[bool, ...], ...]:
+    """Per-layer lists cut to their shortest common period (the whole stack when none repeats): the depth
+    extrapolation samples whole periods."""
+    layers = list(zip(*per_layer))
+    period = next(p for p in range(1, len(layers) + 1) if all(layers[i] == layers[i % p] for i in range(len(layers))))
+    return tuple(tuple(column) for column in zip(*layers[:period]))
 
 
 # ---- parameters -------------------------------------------------------------------------------
@@ -125,19 +151,25 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
         e.param(p + "o", (h, q))
         if d.o_bias:
             e.param(p + "o.bias", (h,))
-        if d.experts:
-            e.param(p + "router", (d.experts, h))
-            e.param(p + "experts.gate_up", (d.experts, 2 * d.intermediate, h))
-            e.param(p + "experts.down", (d.experts, h, d.intermediate))
+        if d.variant.qk_norm:
+            e.param(p + "q_norm", (d.head_dim if d.variant.qk_norm == "head" else q,))
+            e.param(p + "k_norm", (d.head_dim if d.variant.qk_norm == "head" else kv,))
+        if _runs_experts(d, i):
+            experts_params = (("experts.gate_up", (d.experts, 2 * d.intermediate, h)),
+                              ("experts.down", (d.experts, h, d.intermediate)))
+            router = (("router", (d.experts, h)),)
+            for name, shape in experts_params + router if d.router.declared_last else router + experts_params:
+                e.param(p + name, shape)
         elif d.variant.fused_projections:
             e.param(p + "gate_up", (2 * d.intermediate, h))
             e.param(p + "down", (h, d.intermediate))
         else:
-            e.param(p + "gate", (d.intermediate, h))
-            e.param(p + "up", (d.intermediate, h))
-            e.param(p + "down", (h, d.intermediate))
+            inter = d.dense_intermediate or d.intermediate
+            e.param(p + "gate", (inter, h))
+            e.param(p + "up", (inter, h))
+            e.param(p + "down", (h, inter))
             if d.mlp_bias:
-                for name, size in (("gate.bias", d.intermediate), ("up.bias", d.intermediate), ("down.bias", h)):
+                for name, size in (("gate.bias", inter), ("up.bias", inter), ("down.bias", h)):
                     e.param(p + name, (size,))
         for norm in _norm_names(d):
             e.param(p + norm, (h,))
@@ -147,22 +179,29 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
 
 
 def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
-    if d.variant.sandwich_norms:
-        return ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")
-    return ("input_norm", "post_attn_norm")
+    return {"pre": ("input_norm", "post_attn_norm"), "post": ("post_attn_norm", "post_ff_norm"),
+            "sandwich": ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")}[d.variant.norms]
+
+
+def _runs_experts(d: DecoderSpec, layer: int) -> bool:
+    return bool(d.experts) and d.experts_pattern[layer % d.period]
 
 
 # ---- building blocks ----------------------------------------------------------------------------
-def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec) -> Sym:
-    """x.float() * rsqrt(mean(x.float() ** 2) + eps), then weight * normed.to(x.dtype); Gemma-2 scales by
-    (1 + weight.float()) and casts back afterwards."""
+def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec, width: int | None = None) -> Sym:
+    """x.float() * rsqrt(mean(x.float() ** 2) + eps), then weight * normed.to(x.dtype) over the last `width`
+    (default: hidden) elements; Gemma scales by (1 + weight.float()) and casts back afterwards, OLMo 2 casts
+    weight * normed."""
     x32 = ops.cast(e, x, "float32")
-    r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), d.hidden)), "rsqrt")
+    r = ops.unary_saving_output(e, ops.shift(e, ops.reduce_last(e, ops.pow_scalar(e, x32), width or d.hidden)),
+                                "rsqrt")
     normed = ops.mul(e, x32, r)
     del r, x32
     if d.variant.unit_offset_norm:
         scale = ops.shift(e, ops.cast(e, w, "float32"))
         return ops.cast(e, ops.mul(e, normed, scale), x.dtype)
+    if d.variant.norm_casts_product:
+        return ops.cast(e, ops.mul(e, w, normed), x.dtype)
     return ops.mul(e, w, ops.cast(e, normed, x.dtype))
 
 
@@ -195,8 +234,15 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
         k = ops.linear(e, x, e.params[p + "k"], kv_size, e.params.get(p + "k.bias"))
         v = ops.linear(e, x, e.params[p + "v"], kv_size, e.params.get(p + "v.bias"))
         del x
+    if d.variant.qk_norm:
+        per_head = d.variant.qk_norm == "head"
+        q = rms_norm(e, q, e.params[p + "q_norm"], d, d.head_dim if per_head else q_size)
+        k = rms_norm(e, k, e.params[p + "k_norm"], d, d.head_dim if per_head else kv_size)
+    q_dtype, k_dtype = q.dtype, k.dtype
     q = rotary(e, q, cos, sin, d.variant.fused_projections)
     k = rotary(e, k, cos, sin, d.variant.fused_projections)
+    if d.variant.float32_rotary:
+        q, k = ops.cast(e, q, q_dtype), ops.cast(e, k, k_dtype)
     if cache is not None:
         k, v = _cache_update(e, cache, layer, k, v, d, batch, kv_len)
     mask = masks.get("sliding" if _is_sliding(d, layer) else "full")
@@ -207,8 +253,10 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
     else:
         kv_heads = d.kv_heads
         if d.kv_heads != d.heads and (masked or d.head_dim > 256) and q_len > 1:
-            k = ops.copy(e, View(k, k.numel * (d.heads // d.kv_heads)))   # repeat_kv
-            v = ops.copy(e, View(v, v.numel * (d.heads // d.kv_heads)))
+            # repeat_kv: expand, then reshape, which copies unless a single key/value head lets it stay a view
+            repeat = (lambda t: View(t, t.numel * d.heads)) if d.kv_heads == 1 else (
+                lambda t: ops.copy(e, View(t, t.numel * (d.heads // d.kv_heads))))
+            k, v = repeat(k), repeat(v)
             kv_heads = d.heads
         out = ops.sdpa(e, q, k, v, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=d.head_dim,
                        dropout_p=d.attn_dropout if e.policy.train else 0.0, mask=mask, kv_heads=kv_heads)
@@ -249,7 +297,7 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
     scores = ops.matmul(e, q, k_t, rows * kv_len)
     del k_t
     scores = ops.scalar_op(e, scores)           # * scaling
-    if d.variant.softcap:
+    if d.variant.attention_softcap:
         scores = ops.scalar_op(e, scores)           # / softcap
         scores = ops.unary_saving_output(e, scores, "tanh")
         scores = ops.scalar_op(e, scores)           # * softcap
@@ -264,7 +312,7 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
 
 def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
     p = f"layers.{layer}."
-    if d.experts:
+    if _runs_experts(d, layer):
         return experts(e, x, d, layer, tokens)
     if d.variant.fused_projections:
         gate_up = ops.linear(e, x, e.params[p + "gate_up"], 2 * d.intermediate)
@@ -273,30 +321,35 @@ def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
         hidden = ops.mul(e, View(gate_up, gate_up.numel // 2), act)
         del act, gate_up
     else:
-        gate = ops.linear(e, x, e.params[p + "gate"], d.intermediate, e.params.get(p + "gate.bias"))
+        inter = d.dense_intermediate or d.intermediate
+        gate = ops.linear(e, x, e.params[p + "gate"], inter, e.params.get(p + "gate.bias"))
         act = ops.unary_saving_input(e, gate)
         del gate
-        up = ops.linear(e, x, e.params[p + "up"], d.intermediate, e.params.get(p + "up.bias"))
+        up = ops.linear(e, x, e.params[p + "up"], inter, e.params.get(p + "up.bias"))
         del x
         hidden = ops.mul(e, act, up)
         del act, up
     return ops.linear(e, hidden, e.params[p + "down"], d.hidden, e.params.get(p + "down.bias"))
 
 
-def decoder_layer(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int, batch: int, q_len: int,
+def decoder_layer(e: Engine, x: Sym, rope: dict, d: DecoderSpec, layer: int, batch: int, q_len: int,
                   cache: dict | None, kv_len: int, masks: dict) -> Sym:
+    """Llama's pre-norm layer, Gemma's sandwich of norms, or OLMo 2's norms after attention and MLP only."""
     p = f"layers.{layer}."
+    norms = d.variant.norms
+    cos, sin = rope["sliding" if d.variant.rope_per_layer_type and _is_sliding(d, layer) else "full"]
     residual = x
-    h = rms_norm(e, x, e.params[p + "input_norm"], d)
+    h = x if norms == "post" else rms_norm(e, x, e.params[p + "input_norm"], d)
     del x
     h, _weights = attention(e, h, cos, sin, d, layer, batch, q_len, cache, kv_len, masks)  # held till return
-    if d.variant.sandwich_norms:
+    if norms != "pre":
         h = rms_norm(e, h, e.params[p + "post_attn_norm"], d)
     h = ops.add(e, residual, h)
     residual = h
-    h = rms_norm(e, h, e.params[p + ("pre_ff_norm" if d.variant.sandwich_norms else "post_attn_norm")], d)
+    if norms != "post":
+        h = rms_norm(e, h, e.params[p + ("pre_ff_norm" if norms == "sandwich" else "post_attn_norm")], d)
     h = mlp(e, h, d, layer, batch * q_len)
-    if d.variant.sandwich_norms:
+    if norms != "pre":
         h = rms_norm(e, h, e.params[p + "post_ff_norm"], d)
     return ops.add(e, residual, h)
 
@@ -334,26 +387,29 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
         x = ops.scalar_op(e, x)   # embeddings * sqrt(hidden)
     inputs_embeds = x              # the model's forward keeps its embeddings until it returns
     compute = x.dtype
-    cos, sin = e.new(q_len * d.head_dim, compute), e.new(q_len * d.head_dim, compute)
     masks = attention_masks(e, d, batch, q_len, kv_len, compute)
+    # cos and sin, per layer type where each has its own rotary table (Gemma 3 computes the full layers' first)
+    rope_dtype = "float32" if d.variant.float32_rotary else compute
+    rope = {kind: (e.new(q_len * d.head_dim, rope_dtype), e.new(q_len * d.head_dim, rope_dtype))
+            for kind in _rope_kinds(d)}
     for layer in range(num_layers):
         e.segment = (0, layer)
-        x = e.block(layer, partial(decoder_layer, e, cos=cos, sin=sin, d=d, layer=layer, batch=batch, q_len=q_len,
+        x = e.block(layer, partial(decoder_layer, e, rope=rope, d=d, layer=layer, batch=batch, q_len=q_len,
                                    cache=cache, kv_len=kv_len, masks=masks), x)
     e.segment = "post"
     if not last:
         return x
     hidden = rms_norm(e, x, e.params["norm"], d)
-    del x, cos, sin, masks, inputs_embeds
+    del x, rope, masks, inputs_embeds
     if labels and e.policy.loss_chunks:
         e.input(batch * q_len, "int64")   # labels
         loss = chunked_lm_loss(e, hidden, _head(e), d.vocab, batch=batch, seq=q_len,
-                               chunks=e.policy.loss_chunks, softcap=d.variant.softcap)
+                               chunks=e.policy.loss_chunks, softcap=d.logit_softcap)
         del hidden
         return loss
     logits = lm_head(e, hidden, _head(e), d.vocab, batch=batch, q_len=q_len,
                      logits_to_keep=logits_to_keep)
-    if d.variant.softcap:   # final logit soft-capping: / cap, tanh, * cap
+    if d.logit_softcap:   # final logit soft-capping: / cap, tanh, * cap
         logits = ops.scalar_op(e, logits)
         logits = ops.unary_saving_output(e, logits, "tanh")
         logits = ops.scalar_op(e, logits)
@@ -372,9 +428,13 @@ def _head(e: Engine):
     return e.params["lm_head"] if "lm_head" in e.params else e.params["embed"]
 
 
+def _rope_kinds(d: DecoderSpec) -> tuple[str, ...]:
+    return ("full", "sliding") if d.variant.rope_per_layer_type else ("full",)
+
+
 def declare_buffers(e: Engine, d: DecoderSpec) -> list[Sym]:
-    # rotary inv_freq and original_inv_freq: head_dim / 2 floats each
-    return [e.new(d.head_dim // 2, "float32", category="buffers") for _ in range(2)]
+    # rotary inv_freq and original_inv_freq (per layer type where each has its own): head_dim / 2 floats each
+    return [e.new(d.head_dim // 2, "float32", category="buffers") for _ in range(2 * len(_rope_kinds(d)))]
 
 
 def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, *, first: bool = True,

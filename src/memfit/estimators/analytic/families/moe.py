@@ -1,13 +1,31 @@
-"""Mixture-of-experts MLPs (Mixtral): the router's softmax and top-k, then transformers' grouped_mm experts, or, with
-int8 expert weights (torchao has no grouped matmul for them), its eager loop over the experts."""
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE): the router's softmax and top-k, then transformers' grouped_mm
+experts, or, with int8 expert weights (torchao has no grouped matmul for them), its eager loop over the experts."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import cast
 
 from memfit.estimators.analytic import ops
 from memfit.estimators.analytic.engine import Engine
 from memfit.estimators.analytic.symbols import Param, Sym, View
+
+
+@dataclass(frozen=True)
+class Router:
+    """How a mixture's top-k router differs from Mixtral's (softmax of the logits cast to float32, the top-k
+    weights divided by their sum, kept in float32; declared before the experts)."""
+
+    softmax_dtype: bool = False     # softmax(logits, dtype=float32): no separate cast of the logits (Qwen3-MoE)
+    normalizes: bool = True         # top-k weights divided by their sum (Qwen3-MoE: norm_topk_prob)
+    casts_back: bool = False        # the weights cast to the logits' dtype (Qwen3-MoE)
+    declared_last: bool = False     # its weight comes after the experts' in the layer's parameters (Qwen3-MoE)
+
+    @classmethod
+    def of(cls, cfg) -> Router:
+        if cfg.model_type == "qwen3_moe":
+            return cls(softmax_dtype=True, normalizes=bool(cfg.norm_topk_prob), casts_back=True, declared_last=True)
+        return cls()
 
 
 def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
@@ -21,13 +39,19 @@ def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
 
 
 def _router(e: Engine, x: Sym, d, layer: int, tokens: int):
-    k = d.top_k
+    k, how = d.top_k, d.router
     router_logits = ops.linear(e, x, e.params[f"layers.{layer}.router"], d.experts)
-    probs = ops.softmax(e, ops.cast(e, router_logits, "float32"), "softmax")
+    if how.softmax_dtype:
+        probs = ops.softmax(e, router_logits, "softmax", dtype="float32")
+    else:
+        probs = ops.softmax(e, ops.cast(e, router_logits, "float32"), "softmax")
     top_values, top_index = e.new(tokens * k, probs.dtype), e.new(tokens * k, "int64")
     top_values = e.record(top_values, [probs], [top_index])          # topk saves the indices
-    denom = ops.reduce_last(e, top_values, k)
-    weights = ops.mul(e, top_values, denom)                          # top_values /= sum (autograd: a new version)
+    denom = ops.reduce_last(e, top_values, k) if how.normalizes else None
+    # top_values /= sum (autograd: a new version)
+    weights = ops.mul(e, top_values, denom) if denom is not None else top_values
+    if how.casts_back:
+        weights = ops.cast(e, weights, router_logits.dtype)
     del probs, denom, top_values
     return router_logits, weights, top_index
 
