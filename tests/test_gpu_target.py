@@ -213,18 +213,19 @@ def test_tensor_parallel_on_a_gpu_target_runs_the_for_loop_optimizer():
         estimate(Workload(**shape, optimizer_impl="foreach"), method="analytic", gpu=get_gpu("h100"))
 
 
-TINY_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-                  max_position_embeddings=256, tie_word_embeddings=False)
+TINY_GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=64, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                    max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                    tie_word_embeddings=False)
 
 
 def test_a_family_only_the_trace_models_estimates_and_plans_on_a_gpu(tmp_path):
-    """Qwen3 has no analytic program: the GPU target's estimate and plan are the trace's (issue 39)."""
+    """gpt-oss has no analytic program: the GPU target's estimate and plan are the trace's (issue 39)."""
     from memfit.planner import PlanRequest, plan
 
-    config = tmp_path / "Qwen3-tiny" / "config.json"
+    config = tmp_path / "gpt-oss-tiny" / "config.json"
     config.parent.mkdir()
-    config.write_text(json.dumps(TINY_QWEN3))
+    config.write_text(json.dumps(TINY_GPT_OSS))
     gpu = get_gpu("h100")
     for task in ("train", "inference"):
         workload = Workload(model=str(config), task=task, batch_size=1, seq_len=32, precision="bf16-mixed",

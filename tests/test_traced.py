@@ -61,6 +61,26 @@ def test_traced_matches_the_measured_cpu_run(name, setting):
     assert rel(real_peak_in_traced_phase, measured.peak_bytes) < 0.001
 
 
+@pytest.mark.parametrize("name, seq, new_tokens, precision, target", [
+    ("tiny-llama", 64, 12, "fp32", None), ("tiny-t5", 32, 10, "fp32", None),
+    ("tiny-mixtral", 32, 8, "bf16", "h100"), ("tiny-gemma2", 70, 9, "fp32", None)])
+def test_a_long_generation_traces_four_decode_steps_and_equals_the_full_trace(name, seq, new_tokens, precision, target):
+    """Issue 39: the steps after the fourth are read off the last three traced (the cache grows a token a step), so
+    an 8B model's 512-token generation estimates in seconds (benchmarks/estimate_speed.py); every component equals
+    the trace of every step (Gemma 2: sliding windows the prompt already fills)."""
+    workload = ResolvedWorkload(model=name, task="inference", batch_size=2, seq_len=seq, precision=precision,
+                                new_tokens=new_tokens)
+    gpu = get_gpu(target) if target else None
+    fast, full = traced_estimate(workload, gpu), traced_estimate(workload, gpu, full_trace=True)
+    assert any(f"4 of {new_tokens} decode steps" in note for note in fast.notes)
+    assert fast.peak_bytes == full.peak_bytes and fast.component_peaks == full.component_peaks
+
+
+def test_a_sliding_window_filling_up_mid_generation_traces_every_step():
+    workload = ResolvedWorkload(model="tiny-gemma3", task="inference", batch_size=2, seq_len=24, new_tokens=12)
+    assert not any("decode steps" in note for note in traced_estimate(workload).notes)   # window 32: filled at 32
+
+
 def test_cpu_kernel_scratch_is_probed():
     """oneDNN convolutions and LSTMs allocate inside the kernel, and the fake LSTM returns an empty
     workspace; without the probe the CNN and LSTM would be several percent low."""

@@ -60,12 +60,13 @@ def _runs(starts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]
 def region_bounds(trace: Trace, period: int) -> list[tuple[tuple[str, int], int, int]]:
     """[(key, first event, end event)], key = (phase, ordinal), in time order."""
     regions = []
+    ordinals: dict[str, int] = {}   # a phase that recurs (each decode step) numbers its regions on
     for phase, begin, end in trace.phase_spans():
         starts = sorted((e, s, layer) for e, p, s, layer, kind in trace.block_marks
                         if kind == "start" and begin <= e < end and p == phase)
         ends = {(s, layer): e for e, p, s, layer, kind in trace.block_marks
                 if kind == "end" and begin <= e <= end and p == phase}
-        cursor, ordinal = begin, 0
+        cursor, ordinal = begin, ordinals.get(phase, 0)
         for run in _runs(starts):
             run_end = max(ends.get((run[-1][1], run[-1][2]), run[-1][0]), run[-1][0])
             first_end = run[period][0] if len(run) > period else run_end
@@ -75,6 +76,7 @@ def region_bounds(trace: Trace, period: int) -> list[tuple[tuple[str, int], int,
             ordinal += 3
             cursor = run_end
         regions.append(((phase, ordinal), cursor, end))
+        ordinals[phase] = ordinal + 1
     return regions
 
 
@@ -130,6 +132,26 @@ def extrapolate(samples: dict[int, Regions], layers: int) -> Regions:
                          cast("Callable[[str], str]", lambda name, attr=attr, key=key: f"{attr}[{name}] in {key}"))
                    for attr in ("at_max", "category_max")]
         result[key] = RegionPeak(region.phase, vectors[0], vectors[1])
+    return result
+
+
+def extend_decode(regions: Regions, traced: int, steps: int) -> Regions:
+    """Region peaks of a generation traced for `traced` decode steps (each step its own regions, in order) as if it
+    ran `steps`: each region of the last three steps lies on a line in the step, as the cache grows by a token a step
+    (the middle step checks it); the last traced step's regions follow their line to step `steps`. The steps before
+    stay: on a line the highest is the first or the last."""
+    keys = sorted(key for key in regions if key[0] == "decode")
+    per_step = len(keys) // traced
+    if traced < 3 or per_step * traced != len(keys):
+        raise NotLinear("the decode steps differ in structure")
+    by_step = [keys[i * per_step:(i + 1) * per_step] for i in range(traced)]
+    result = dict(regions)
+    for j, last_key in enumerate(by_step[-1]):
+        samples = {step: regions[by_step[step - 1][j]] for step in range(traced - 2, traced + 1)}
+        vectors = [_line({step: getattr(r, attr) for step, r in samples.items()}, steps,
+                         cast("Callable[[str], str]", lambda name, attr=attr: f"{attr}[{name}] in decode step"))
+                   for attr in ("at_max", "category_max")]
+        result[last_key] = RegionPeak("decode", vectors[0], vectors[1])
     return result
 
 

@@ -32,6 +32,7 @@ from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 from memfit.estimators.extrapolate import (
     NotLinear,
     RegionPeak,
+    extend_decode,
     extend_roughly,
     extrapolate,
     extrapolate_host,
@@ -240,14 +241,44 @@ def older_objects_frozen():
         gc.unfreeze()
 
 
+DECODE_STEPS_TRACED = 4   # a longer generation traces this many decode steps and reads the rest off them
+
+
 def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: bool = False,
                     modules: bool = False, timeline: bool = False) -> MemoryEstimate:
+    workload = resolve(workload)
     with older_objects_frozen():
-        return _traced_estimate(resolve(workload), gpu, full_trace=full_trace, modules=modules, timeline=timeline)
+        if not (full_trace or timeline) and _decode_steps_linear(workload):
+            try:
+                return _traced_estimate(workload, gpu, full_trace=False, modules=modules, timeline=False,
+                                        decode_steps=DECODE_STEPS_TRACED)
+            except NotLinear as exc:
+                failed = f"the decode steps' extension failed ({exc}); traced every step instead"
+        else:
+            failed = None
+        estimate = _traced_estimate(workload, gpu, full_trace=full_trace, modules=modules, timeline=timeline)
+        if failed:
+            estimate.notes.insert(0, failed)
+        return estimate
+
+
+def _decode_steps_linear(workload: ResolvedWorkload) -> bool:
+    """A generation longer than the steps traced whose cache grows by a token every step: none of its sliding windows
+    fills up partway through (a window the prompt already fills stays as it is)."""
+    source = workload.source
+    if workload.task != "inference" or workload.new_tokens <= DECODE_STEPS_TRACED or not source.is_hf or (
+            source.head not in ("causal-lm", "seq2seq-lm")):
+        return False
+    prompt = workload.seq_len or 0
+    return not any(w and prompt < w <= prompt + workload.new_tokens for w in source.shape.windows)
 
 
 def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace: bool, modules: bool,
-                     timeline: bool) -> MemoryEstimate:
+                     timeline: bool, decode_steps: int | None = None) -> MemoryEstimate:
+    """`decode_steps`: trace that many of the generation's decode steps and extend them (extrapolate.extend_decode)."""
+    requested = workload
+    if decode_steps:
+        workload = resolve(replace(workload, new_tokens=decode_steps))
     if workload.engine != "pytorch":
         raise MemfitError("--method traced runs PyTorch's own step; --engine deepspeed is modelled by "
                           "--method analytic.")
@@ -313,12 +344,16 @@ def _traced_estimate(workload: ResolvedWorkload, gpu: GPU | None, *, full_trace:
         notes.append("CPU kernel scratch probed on real tensors of the same shapes: " + ", ".join(sorted(run.probed)))
     if run.skipped:
         notes.append("CPU kernel scratch not probed (operands over 1 GiB): " + ", ".join(sorted(run.skipped)))
+    if decode_steps:
+        regions = extend_decode(regions, decode_steps, requested.new_tokens)
+        notes.append(f"traced {decode_steps} of {requested.new_tokens} decode steps and extended the last to the "
+                     "longest cache (linear in the step, checked exactly on the middle one)")
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)
     full_model = source.build(device="meta", dtype=get_precision(workload.precision).param_dtype)
     estimate = MemoryEstimate(
-        model=source.name, num_parameters=count_parameters(full_model), workload=workload.to_json(),
+        model=source.name, num_parameters=count_parameters(full_model), workload=requested.to_json(),
         method="traced", device=gpu.name if gpu else "cpu", peak_bytes=sum(at_peak.values()),
         peak_phase=top.phase, at_peak=at_peak, component_peaks=component_peaks,
         model_state_bytes={k: component_peaks[k] for k in MODEL_STATE_CATEGORIES}, host_bytes=host_bytes,
