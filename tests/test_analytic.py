@@ -27,7 +27,7 @@ def _load_benchmark(name: str):
 points = _load_benchmark("analytic_vs_traced").points   # the benchmark's (batch, sequence) points per model
 
 TINY = ["tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-t5", "tiny-mixtral", "tiny-vit", "tiny-gemma2", "tiny-phi3",
-        "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-olmo2", "tiny-gemma3"]
+        "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-olmo2", "tiny-gemma3", "tiny-gpt-oss"]
 
 
 def assert_close(analytic, traced, peak_tol=0.05, component_tol=0.10):
@@ -54,7 +54,7 @@ def test_every_family_matches_the_trace(name, precision, target):
         assert_close(analytic_estimate(workload, gpu), traced_estimate(workload, gpu))
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-olmo2", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-olmo2", "tiny-gemma3", "tiny-gpt-oss"])
 def test_the_2025_families_match_a_real_cpu_step(name):
     """Issue 39's families against a real CPU step (the trace against it too: tests/test_traced.py): the analytic
     programs to the byte but for OLMo 2's bf16 inference (within 1.1 % of the trace, not run here)."""

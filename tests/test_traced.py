@@ -17,9 +17,10 @@ ZOO = {   # (model, inputs, seq_len): decoder, encoder, encoder-decoder, MoE, Vi
     "tiny-mixtral": ("tiny-mixtral", None, 64), "tiny-vit": ("tiny-vit", None, 64),
     "tiny-gpt2": ("tiny-gpt2", None, 64),
     # the 2025 families (issue 39): query/key norms, OLMo 2's norms after each sublayer, Gemma 3's sliding and global
-    # layers with one key/value head, Qwen3-MoE's router
+    # layers with one key/value head, Qwen3-MoE's router, gpt-oss's sinks and clamped experts, DeepSeek-V3's MLA
     "tiny-qwen3": ("tiny-qwen3", None, 64), "tiny-qwen3-moe": ("tiny-qwen3-moe", None, 64),
     "tiny-olmo2": ("tiny-olmo2", None, 64), "tiny-gemma3": ("tiny-gemma3", None, 64),
+    "tiny-gpt-oss": ("tiny-gpt-oss", None, 64), "tiny-deepseek-v3": ("tiny-deepseek-v3", None, 64),
     "convnet": (*EXAMPLES["convnet"], 64), "lstm": (*EXAMPLES["lstm"], 64),
 }
 SETTINGS = {"train-fp32": dict(task="train"), "train-bf16-mixed": dict(task="train", precision="bf16-mixed"),

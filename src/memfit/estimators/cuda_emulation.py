@@ -215,7 +215,7 @@ def _sdpa(capability, forced, query, key, value, attn_mask=None, dropout_p=0.0, 
     kernel = cuda_backend(capability, dtype_name(query.dtype), query.shape[-1],
                           mask=attn_mask is not None, causal_unequal=is_causal and query.shape[-2] != key.shape[-2],
                           needs_grad=needs_grad, grouped=query.shape[-3] != key.shape[-3], forced=forced,
-                          enabled=enabled_backends())
+                          enabled=enabled_backends(), value_head_dim=value.shape[-1])
     if attn_mask is not None and attn_mask.dtype == torch.bool:   # SDPA converts boolean masks for every backend
         attn_mask = torch.where(attn_mask.logical_not(), float("-inf"),
                                 torch.zeros((), dtype=query.dtype, device=query.device))   # convert_boolean_attn_mask

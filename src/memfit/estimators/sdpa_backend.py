@@ -47,9 +47,10 @@ def enabled_backends() -> frozenset[str]:
 
 def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask: bool, causal_unequal: bool,
                  needs_grad: bool, grouped: bool = False, forced: str | None = None,
-                 enabled: frozenset[str] = ALL_BACKENDS) -> str:
+                 enabled: frozenset[str] = ALL_BACKENDS, value_head_dim: int | None = None) -> str:
     """The backend SDPA runs on a GPU of `capability` for inputs of `dtype` (torch's name without the prefix).
-    `grouped`: fewer key/value heads than query heads (SDPA's enable_gqa).
+    `grouped`: fewer key/value heads than query heads (SDPA's enable_gqa). `value_head_dim`: the values' head size
+    where it differs from the queries' and keys' (DeepSeek's latent attention): flash takes only equal sizes.
     `forced`: "flash" for FlashAttention-2 or flex attention (ModelSource.attention_kernel), which run that kernel or
     fail. `enabled`: the backends the step allows (a `torch.nn.attention.sdpa_kernel` context narrows them)."""
     if forced == FLASH:
@@ -60,11 +61,13 @@ def cuda_backend(capability: tuple[int, int], dtype: str, head_dim: int, *, mask
                               f"{capability[0]}.{capability[1]} ({fix}).")
         return FLASH
     flash_head = head_dim <= (192 if capability in ((8, 6), (8, 9)) and needs_grad else 256)
-    if FLASH in enabled and dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal:
+    same_heads = value_head_dim in (None, head_dim)
+    if (FLASH in enabled and dtype in HALF and flash_head and capability >= (8, 0) and not mask and not causal_unequal
+            and same_heads):
         return FLASH
     efficient_dtypes = ("float16", "float32") + (("bfloat16",) if capability >= (8, 0) else ())
-    if (EFFICIENT in enabled and dtype in efficient_dtypes and head_dim % (8 if dtype in HALF else 4) == 0
-            and capability >= (5, 0) and not grouped):
+    aligned = all(size % (8 if dtype in HALF else 4) == 0 for size in (head_dim, value_head_dim or head_dim))
+    if EFFICIENT in enabled and dtype in efficient_dtypes and aligned and capability >= (5, 0) and not grouped:
         return EFFICIENT
     if MATH not in enabled:
         raise MemfitError(f"scaled_dot_product_attention: no enabled backend ({', '.join(sorted(enabled)) or 'none'}) "

@@ -22,8 +22,8 @@ from memfit.estimators.analytic.families.common import (
     lm_head,
     replace_cache,
 )
-from memfit.estimators.analytic.families.moe import Router, experts
-from memfit.estimators.analytic.symbols import Sym, View
+from memfit.estimators.analytic.families.moe import Router, expert_params, experts
+from memfit.estimators.analytic.symbols import Param, Sym, View
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class Variant:
     attention_softcap: bool = False   # tanh soft-capping of attention scores (Gemma 2)
     eager_only: bool = False          # soft-capped attention runs eagerly, with float masks (Gemma 2)
     rope_per_layer_type: bool = False  # sliding and full layers have rotary tables of their own (Gemma 3)
+    attention_sinks: bool = False     # a learned logit per head joins the eager softmax (gpt-oss)
+    rotary_halves: bool = False       # rotary tables of half the head; each half rotated on its own (gpt-oss)
 
 
 # The model types this family runs, each with its variant (the families registry reads FAMILIES)
@@ -56,6 +58,7 @@ VARIANTS = {
     "phi3": Variant(fused_projections=True),
     "gemma2": replace(_GEMMA, attention_softcap=True, eager_only=True),
     "gemma3_text": replace(_GEMMA, qk_norm="head", rope_per_layer_type=True),
+    "gpt_oss": Variant(norm_casts_product=True, attention_sinks=True, eager_only=True, rotary_halves=True),
 }
 FAMILIES = tuple(VARIANTS)
 # Hugging Face module names -> this program's parameter names (LoRA targets, techniques/adapters.py)
@@ -141,6 +144,8 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
     e.param("embed", (d.vocab, h))
     for i in range(num_layers):
         p = f"layers.{i}."
+        if d.variant.attention_sinks:
+            e.param(p + "sinks", (d.heads,))
         if d.variant.fused_projections:
             e.param(p + "qkv", (q + 2 * kv, h))
         else:
@@ -155,10 +160,7 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
             e.param(p + "q_norm", (d.head_dim if d.variant.qk_norm == "head" else q,))
             e.param(p + "k_norm", (d.head_dim if d.variant.qk_norm == "head" else kv,))
         if _runs_experts(d, i):
-            experts_params = (("experts.gate_up", (d.experts, 2 * d.intermediate, h)),
-                              ("experts.down", (d.experts, h, d.intermediate)))
-            router = (("router", (d.experts, h)),)
-            for name, shape in experts_params + router if d.router.declared_last else router + experts_params:
+            for name, shape in expert_params(d):
                 e.param(p + name, shape)
         elif d.variant.fused_projections:
             e.param(p + "gate_up", (2 * d.intermediate, h))
@@ -205,8 +207,14 @@ def rms_norm(e: Engine, x: Sym, w, d: DecoderSpec, width: int | None = None) -> 
     return ops.mul(e, w, ops.cast(e, normed, x.dtype))
 
 
-def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, passthrough: bool) -> Sym:
-    """q * cos + rotate_half(q) * sin; rotate_half is cat(-x[..., d/2:], x[..., :d/2])."""
+def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, passthrough: bool, halves: bool = False) -> Sym:
+    """q * cos + rotate_half(q) * sin; rotate_half is cat(-x[..., d/2:], x[..., :d/2]). `halves` (gpt-oss): tables of
+    half the head, cat(first * cos - second * sin, second * cos + first * sin)."""
+    if halves:
+        first, second = View(x, x.numel // 2), View(x, x.numel // 2)
+        out_first = ops.add(e, ops.mul(e, first, cos), ops.mul(e, second, sin))
+        out_second = ops.add(e, ops.mul(e, second, cos), ops.mul(e, first, sin))
+        return ops.cat(e, [out_first, out_second])
     with_cos = ops.mul(e, x, cos)
     rotated = ops.cat(e, [ops.scalar_op(e, View(x, x.numel // 2)), View(x, x.numel // 2)])
     with_sin = ops.mul(e, rotated, sin)
@@ -239,8 +247,8 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
         q = rms_norm(e, q, e.params[p + "q_norm"], d, d.head_dim if per_head else q_size)
         k = rms_norm(e, k, e.params[p + "k_norm"], d, d.head_dim if per_head else kv_size)
     q_dtype, k_dtype = q.dtype, k.dtype
-    q = rotary(e, q, cos, sin, d.variant.fused_projections)
-    k = rotary(e, k, cos, sin, d.variant.fused_projections)
+    q = rotary(e, q, cos, sin, d.variant.fused_projections, d.variant.rotary_halves)
+    k = rotary(e, k, cos, sin, d.variant.fused_projections, d.variant.rotary_halves)
     if d.variant.float32_rotary:
         q, k = ops.cast(e, q, q_dtype), ops.cast(e, k, k_dtype)
     if cache is not None:
@@ -249,7 +257,7 @@ def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int,
     masked = mask is not None
     weights = None
     if d.eager:
-        out, weights = _eager_attention(e, q, k, v, d, batch, q_len, kv_len, mask)
+        out, weights = _eager_attention(e, q, k, v, d, batch, q_len, kv_len, mask, e.params.get(p + "sinks"))
     else:
         kv_heads = d.kv_heads
         if d.kv_heads != d.heads and (masked or d.head_dim > 256) and q_len > 1:
@@ -286,9 +294,11 @@ def _is_sliding(d: DecoderSpec, layer: int) -> bool:
 
 
 def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
-                     mask: Sym | None) -> tuple[Sym, Sym]:
-    """transformers' eager attention: repeat_kv, scores (tanh soft-capped for Gemma-2), float32 softmax,
-    weights @ v. Returns (output, attention weights): the caller keeps the weights until its layer returns."""
+                     mask: Sym | None, sinks: Param | None = None) -> tuple[Sym, Sym]:
+    """transformers' eager attention: repeat_kv, scores (tanh soft-capped for Gemma-2), float32 softmax (gpt-oss:
+    the sinks joined as one more column, the row maximum subtracted, softmax in the logits' dtype, the sink column
+    dropped), weights @ v. Returns (output, attention weights): the caller keeps the weights until its layer
+    returns."""
     groups = d.heads // d.kv_heads
     k_r = ops.copy(e, View(k, k.numel * groups)) if groups > 1 else k
     v_r = ops.copy(e, View(v, v.numel * groups)) if groups > 1 else v
@@ -303,11 +313,31 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
         scores = ops.scalar_op(e, scores)           # * softcap
     if mask is not None:
         scores = ops.add(e, scores, mask)
-    weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="float32"), q.dtype)
+    logits = None   # gpt-oss's combined logits: a local variable until the function returns
+    if sinks is not None:
+        weights, logits = _softmax_with_sinks(e, scores, sinks, rows, kv_len, v.dtype)
+    else:
+        weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="float32"), q.dtype)
     del scores
     out = ops.matmul(e, weights, v_r, rows * d.head_dim)
     del v_r, k_r
-    return ops.copy(e, out), weights            # transpose(1, 2).contiguous()
+    out = ops.copy(e, out)                      # transpose(1, 2).contiguous()
+    del logits
+    return out, weights
+
+
+def _softmax_with_sinks(e: Engine, scores: Sym, sinks: Param, rows: int, kv_len: int, dtype: str) -> tuple[Sym, Sym]:
+    """gpt-oss: cat([scores, sinks expanded]) (promoted to the wider dtype), minus its row maximum, softmax in that
+    dtype, the sink column sliced off and cast to the values' dtype. Returns (weights, the shifted logits)."""
+    if e.autocast_on:   # autocast promotes cat's inputs to the widest first: the scores to the float32 sinks'
+        scores = ops.cast(e, scores, ops.promote(scores.dtype, sinks.dtype))
+    combined = ops.cat(e, [scores, View(sinks, rows)])
+    top, where = e.new(rows, combined.dtype), e.new(rows, "int64")
+    top = e.record(top, [combined], [where])                    # max(dim=-1).values: backward scatters to the index
+    shifted = ops.add(e, combined, top)                          # combined - max
+    del combined, top, where
+    probs = ops.softmax(e, shifted, "softmax", dtype=shifted.dtype)
+    return ops.cast(e, View(probs, rows * kv_len), dtype), shifted
 
 
 def mlp(e: Engine, x: Sym, d: DecoderSpec, layer: int, tokens: int) -> Sym:
@@ -390,8 +420,8 @@ def forward(e: Engine, d: DecoderSpec, num_layers: int, *, batch: int, q_len: in
     masks = attention_masks(e, d, batch, q_len, kv_len, compute)
     # cos and sin, per layer type where each has its own rotary table (Gemma 3 computes the full layers' first)
     rope_dtype = "float32" if d.variant.float32_rotary else compute
-    rope = {kind: (e.new(q_len * d.head_dim, rope_dtype), e.new(q_len * d.head_dim, rope_dtype))
-            for kind in _rope_kinds(d)}
+    width = d.head_dim // 2 if d.variant.rotary_halves else d.head_dim
+    rope = {kind: (e.new(q_len * width, rope_dtype), e.new(q_len * width, rope_dtype)) for kind in _rope_kinds(d)}
     for layer in range(num_layers):
         e.segment = (0, layer)
         x = e.block(layer, partial(decoder_layer, e, rope=rope, d=d, layer=layer, batch=batch, q_len=q_len,

@@ -13,19 +13,38 @@ from memfit.estimators.analytic.symbols import Param, Sym, View
 
 @dataclass(frozen=True)
 class Router:
-    """How a mixture's top-k router differs from Mixtral's (softmax of the logits cast to float32, the top-k
-    weights divided by their sum, kept in float32; declared before the experts)."""
+    """How a mixture's top-k router and experts differ from Mixtral's (softmax of the logits cast to float32, the
+    top-k weights divided by their sum, kept in float32; the router declared before the experts, whose gate and up
+    projections are stored (experts, 2 x inner, hidden) without biases, SwiGLU between them)."""
 
     softmax_dtype: bool = False     # softmax(logits, dtype=float32): no separate cast of the logits (Qwen3-MoE)
     normalizes: bool = True         # top-k weights divided by their sum (Qwen3-MoE: norm_topk_prob)
     casts_back: bool = False        # the weights cast to the logits' dtype (Qwen3-MoE)
     declared_last: bool = False     # its weight comes after the experts' in the layer's parameters (Qwen3-MoE)
+    top_k_first: bool = False       # top-k of the logits (with a bias), then softmax over those k (gpt-oss)
+    clamped_gate: bool = False      # experts stored (experts, hidden, 2 x inner) with biases, interleaved gate and
+    #                                 up clamped, gate * sigmoid(alpha * gate) * (up + 1) (gpt-oss)
 
     @classmethod
     def of(cls, cfg) -> Router:
         if cfg.model_type == "qwen3_moe":
             return cls(softmax_dtype=True, normalizes=bool(cfg.norm_topk_prob), casts_back=True, declared_last=True)
+        if cfg.model_type == "gpt_oss":
+            return cls(top_k_first=True, clamped_gate=True)
         return cls()
+
+
+def expert_params(d) -> list[tuple[str, tuple[int, ...]]]:
+    """A mixture layer's parameters in the model's order."""
+    h, inter, n = d.hidden, d.intermediate, d.experts
+    if d.router.clamped_gate:   # gpt-oss: router weight and bias, then each projection with its bias
+        return [("router", (n, h)), ("router.bias", (n,)), ("experts.gate_up", (n, h, 2 * inter)),
+                ("experts.gate_up.bias", (n, 2 * inter)), ("experts.down", (n, inter, h)),
+                ("experts.down.bias", (n, h))]
+    stored: list[tuple[str, tuple[int, ...]]] = [("experts.gate_up", (n, 2 * inter, h)),
+                                                 ("experts.down", (n, h, inter))]
+    router: list[tuple[str, tuple[int, ...]]] = [("router", (n, h))]
+    return stored + router if d.router.declared_last else router + stored
 
 
 def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
@@ -39,8 +58,14 @@ def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
 
 
 def _router(e: Engine, x: Sym, d, layer: int, tokens: int):
-    k, how = d.top_k, d.router
-    router_logits = ops.linear(e, x, e.params[f"layers.{layer}.router"], d.experts)
+    k, how, p = d.top_k, d.router, f"layers.{layer}."
+    router_logits = ops.linear(e, x, e.params[p + "router"], d.experts, e.params.get(p + "router.bias"))
+    if how.top_k_first:   # topk of the logits (saving the indices), softmax over the k kept
+        top_values, top_index = e.new(tokens * k, router_logits.dtype), e.new(tokens * k, "int64")
+        top_values = e.record(top_values, [router_logits], [top_index])
+        weights = ops.softmax(e, top_values, "softmax", dtype=top_values.dtype)
+        del top_values
+        return router_logits, weights, top_index
     if how.softmax_dtype:
         probs = ops.softmax(e, router_logits, "softmax", dtype="float32")
     else:
@@ -67,21 +92,53 @@ def _grouped_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int
     histc_input = e.new(tokens * k, "float32") if e.policy.backend == "cpu" else e.new(tokens * k, "int32")
     counts, offsets = e.new(d.experts, "float32"), e.new(d.experts, "int32")
     w_gate_up, w_down = e.params[p + "experts.gate_up"], e.params[p + "experts.down"]
+    biases = _gathered_bias(e, e.params.get(p + "experts.gate_up.bias"), sorted_ids, 2 * inter)
     # each operand saved when the other needs a gradient (frozen experts under LoRA keep no inputs)
     proj = e.record(e.op_output(tokens * k * 2 * inter, w_gate_up.dtype, "mm"), [gathered, w_gate_up],
                     ops._saves(gathered, w_gate_up))
-    act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
-    proj = ops.mul(e, act, View(proj, proj.numel // 2))
-    del act
+    if biases is not None:
+        proj = ops.add_(e, proj, biases)
+    if d.router.clamped_gate:
+        proj = _clamped_gate(e, proj)
+    else:
+        act = ops.unary_saving_input(e, View(proj, proj.numel // 2))
+        proj = ops.mul(e, act, View(proj, proj.numel // 2))
+        del act
+    biases = _gathered_bias(e, e.params.get(p + "experts.down.bias"), sorted_ids, h)   # replaces the first
     proj = e.record(e.op_output(tokens * k * h, w_down.dtype, "mm"), [proj, w_down], ops._saves(proj, w_down))
+    if biases is not None:
+        proj = ops.add_(e, proj, biases)
     weighted = ops.mul(e, proj, sample_w)
     inv_perm = e.new(tokens * k, "int64")
     positions = e.new(tokens * k, "int64")                                      # inv_perm[perm] = arange(...)
     del positions
     weighted = e.record(e.new(weighted.numel, weighted.dtype), [weighted], [inv_perm])
     summed = e.record(e.new(tokens * h, weighted.dtype), [weighted], [])
-    del sorted_ids, perm, gathered, sample_w, histc_input, counts, offsets, proj, weighted, inv_perm
+    del sorted_ids, perm, gathered, sample_w, histc_input, counts, offsets, proj, weighted, inv_perm, biases
     return ops.cast(e, summed, x.dtype)
+
+
+def _gathered_bias(e: Engine, bias: Param | None, expert_ids: Sym, width: int) -> Sym | None:
+    """`bias[expert_ids_g]`: each routed token's expert's bias (backward scatters into the bias by the ids)."""
+    if bias is None:
+        return None
+    return e.record(e.new(expert_ids.numel * width, bias.dtype), [bias], [expert_ids])
+
+
+def _clamped_gate(e: Engine, proj: Sym) -> Sym:
+    """gpt-oss's _apply_gate: gate = proj[..., ::2].clamp(max=limit), up = proj[..., 1::2].clamp(-limit, limit),
+    glu = gate * sigmoid(gate * alpha), (up + 1) * glu."""
+    half = proj.numel // 2
+    gate = ops.unary_saving_input(e, View(proj, half))      # clamp keeps its input for backward's mask
+    up = ops.unary_saving_input(e, View(proj, half))
+    scaled = ops.scalar_op(e, gate)
+    sig = ops.unary_saving_output(e, scaled, "sigmoid")
+    del scaled
+    glu = ops.mul(e, gate, sig)
+    del sig
+    out = ops.mul(e, ops.shift(e, up), glu)
+    del gate, up, glu   # local variables of _apply_gate until it returns
+    return out
 
 
 def _eager_experts(e: Engine, x: Sym, weights: Sym, d, layer: int, tokens: int) -> Sym:
