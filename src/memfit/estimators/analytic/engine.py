@@ -180,12 +180,13 @@ class Engine:
                 self._host(param.nbytes)
 
     # ---- creating symbols ------------------------------------------------------------------
-    def param(self, name: str, shape: tuple[int, ...], trainable: bool = True) -> Param:
+    def param(self, name: str, shape: tuple[int, ...], trainable: bool = True, dtype: str | None = None) -> Param:
+        """`dtype`: one the model keeps whatever the precision (DeepSeek's router weight: float32)."""
         if name not in self.params:
             numel = 1
             for size in shape:
                 numel *= size
-            param = Param(self, name, numel, self.policy.param_dtype, trainable and self.policy.train,
+            param = Param(self, name, numel, dtype or self.policy.param_dtype, trainable and self.policy.train,
                           self.policy.state_dtype)
             param.shape = tuple(shape)
             self.params[name] = param

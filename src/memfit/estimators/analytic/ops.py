@@ -346,10 +346,12 @@ def dropout(e: Engine, x: Sym, p: float) -> Sym:
 
 def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: int, kv_len: int,
          head_dim: int, dropout_p: float = 0.0, mask: Sym | None = None, causal: bool = False,
-         kv_heads: int | None = None) -> Sym:
+         kv_heads: int | None = None, value_head_dim: int | None = None) -> Sym:
     """F.scaled_dot_product_attention as the backend runs it; returns the output in (b, s, heads*d) layout.
     A boolean mask is first turned into a float one in q's dtype, by every backend. `kv_heads` below `heads`:
-    grouped-query attention (enable_gqa), k and v holding kv_heads heads."""
+    grouped-query attention (enable_gqa), k and v holding kv_heads heads. `value_head_dim`: the values' (and the
+    output's) head size where it differs from the queries' (DeepSeek's latent attention)."""
+    out_dim = value_head_dim or head_dim
     groups = heads // (kv_heads or heads)
     q, k, v = (autocast_input(e, t, "sdpa") for t in (q, k, v))
     if mask is not None and mask.dtype == "bool":
@@ -362,13 +364,13 @@ def sdpa(e: Engine, q: Sym, k: Sym, v: Sym, *, batch: int, heads: int, q_len: in
     if e.policy.backend == "cuda":
         kernel = cuda_backend(e.policy.capability, q.dtype, head_dim, mask=mask is not None,
                               causal_unequal=causal and q_len != kv_len, needs_grad=e.policy.train,
-                              grouped=groups > 1, forced=e.policy.attention_kernel)
-    else:   # the CPU's flash kernel, unless dropout is on in training
-        kernel = FLASH if (dropout_p == 0 or not e.policy.train) and head_dim <= 256 else MATH
+                              grouped=groups > 1, forced=e.policy.attention_kernel, value_head_dim=out_dim)
+    else:   # the CPU's flash kernel, unless dropout is on in training or the values' heads differ in size
+        kernel = FLASH if (dropout_p == 0 or not e.policy.train) and head_dim <= 256 and out_dim == head_dim else MATH
     if kernel == MATH:
-        return _sdpa_math(e, q, k, v, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+        return _sdpa_math(e, q, k, v, rows=rows, batch=batch, q_len=q_len, kv_len=kv_len, head_dim=out_dim,
                           dropout_p=dropout_p, mask=mask, causal=causal, groups=groups)
-    out = e.op_output(rows * head_dim, q.dtype, "attention")
+    out = e.op_output(rows * out_dim, q.dtype, "attention")
     lse = e.op_output(batch * heads * logsumexp_length(kernel, q_len), "float32", "attention")
     scratch = backward_scratch(kernel, batch=batch, heads=heads, q_len=q_len, head_dim=head_dim,
                                dtype=q.dtype) if e.policy.backend == "cuda" else []
@@ -398,6 +400,8 @@ def _sdpa_math_body(e: Engine, q: Sym, k: Sym, v: Sym, *, acc: str, rows: int, b
     the batched matmul copies them unless the batch is 1. Grouped k and v are repeated first (repeat_interleave:
     a contiguous copy, which then folds without another)."""
     fold = copy if batch > 1 else (lambda _e, x: x)
+    if not e.policy.train:   # half inputs: q, k and v converted first, each kept until the kernel returns
+        q, k, v = (cast(e, x, acc) for x in (q, k, v))
     causal_mask = [e.new(q_len * kv_len, "bool"), e.new(q_len * kv_len, acc)] if causal and mask is None else []
     q_s = fold(e, scalar_op(e, cast(e, q, acc)))       # q * sqrt(scale)
     if groups > 1:

@@ -114,27 +114,30 @@ class CachedKV:
     engine policy's KV-cache kind says (core/kv_caches.py): `tokens` tokens of `width` elements, computed in
     `dtypes` (the keys', the values': under autocast, rotary leaves the keys float32 and the values half)."""
 
-    __slots__ = ("dtypes", "k", "tokens", "v", "width")
+    __slots__ = ("dtypes", "k", "tokens", "v", "v_width", "width")
 
-    def __init__(self, width: int, tokens: int, dtypes: tuple[str, str]) -> None:
+    def __init__(self, width: int, tokens: int, dtypes: tuple[str, str], v_width: int | None = None) -> None:
+        """`v_width`: the values' width where it differs from the keys' (DeepSeek's latent cache: the compressed
+        latent as keys, the shared rotary key as values)."""
         self.width, self.tokens, self.dtypes = width, tokens, dtypes
+        self.v_width = v_width or width
         self.k: list[Sym] = []
         self.v: list[Sym] = []
 
-    def stored(self, e: Engine, dtype: str) -> list[Sym]:
-        """The tensors its keys (or values), computed in `dtype`, are stored in: codes, then their quantization
-        state."""
+    def stored(self, e: Engine, dtype: str, width: int) -> list[Sym]:
+        """The tensors its keys (or values), computed in `dtype`, `width` elements a token, are stored in: codes,
+        then their quantization state."""
         kind = e.policy.kv_cache_kind
-        elements = self.width * kind.stored_tokens(self.tokens)
+        elements = width * kind.stored_tokens(self.tokens)
         codes = e.new(elements, kind.dtype or dtype, category="kv_cache")
         return [codes] + [e.new(n, state, category="kv_cache") for _, n, state in kind.state_elements(elements)]
 
     def store(self, e: Engine, old: CachedKV | None = None) -> None:
         """Allocate the keys, then the values; each of `old`'s freed after its new one (a cat, then the rebind)."""
-        self.k = self.stored(e, self.dtypes[0])
+        self.k = self.stored(e, self.dtypes[0], self.width)
         if old is not None:
             old.k = []
-        self.v = self.stored(e, self.dtypes[1])
+        self.v = self.stored(e, self.dtypes[1], self.v_width)
         if old is not None:
             old.v = []
 
@@ -143,15 +146,16 @@ class CachedKV:
         dequantized to its compute dtype, alive while attention runs."""
         if not e.policy.kv_cache_kind.dequantizes:
             return self.k[0], self.v[0]
-        numel = self.width * self.tokens
-        return e.new(numel, self.dtypes[0]), e.new(numel, self.dtypes[1])
+        return e.new(self.width * self.tokens, self.dtypes[0]), e.new(self.v_width * self.tokens, self.dtypes[1])
 
 
-def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, width: int, tokens: int) -> tuple[Sym, Sym]:
+def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, width: int, tokens: int,
+               v_width: int | None = None) -> tuple[Sym, Sym]:
     """DynamicLayer.update: keys = cat([keys, k]) then values = cat([values, v]), to `tokens` tokens of `width`
-    elements; each old tensor is freed when its attribute is rebound. Returns what attention reads."""
+    (values: `v_width`) elements; each old tensor is freed when its attribute is rebound. Returns what attention
+    reads."""
     old = cache.pop(key, None)
-    new = cache[key] = CachedKV(width, tokens, (k.dtype, v.dtype))
+    new = cache[key] = CachedKV(width, tokens, (k.dtype, v.dtype), v_width)
     new.store(e, old)
     del old
     return new.for_attention(e)
@@ -160,9 +164,9 @@ def grow_cache(e: Engine, cache: dict, key, k: Sym, v: Sym, width: int, tokens: 
 def replace_cache(e: Engine, cache: dict, tokens: dict) -> None:
     """Swap each entry for one of `tokens[key]` tokens, one entry at a time."""
     for key, count in tokens.items():
-        width, dtypes = cache[key].width, cache[key].dtypes
+        width, dtypes, v_width = cache[key].width, cache[key].dtypes, cache[key].v_width
         cache[key] = None
-        new = cache[key] = CachedKV(width, count, dtypes)
+        new = cache[key] = CachedKV(width, count, dtypes, v_width)
         new.store(e)
 
 

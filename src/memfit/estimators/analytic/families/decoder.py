@@ -59,11 +59,38 @@ VARIANTS = {
     "gemma2": replace(_GEMMA, attention_softcap=True, eager_only=True),
     "gemma3_text": replace(_GEMMA, qk_norm="head", rope_per_layer_type=True),
     "gpt_oss": Variant(norm_casts_product=True, attention_sinks=True, eager_only=True, rotary_halves=True),
+    "deepseek_v3": Variant(),   # multi-head latent attention, shared experts: DecoderSpec.latent, .shared_experts
 }
 FAMILIES = tuple(VARIANTS)
 # Hugging Face module names -> this program's parameter names (LoRA targets, techniques/adapters.py)
 MODULE_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
                 "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+
+
+@dataclass(frozen=True)
+class Latent:
+    """DeepSeek's multi-head latent attention: queries through a rank-`q_rank` bottleneck (0: one projection), keys
+    and values expanded from a cached rank-`kv_rank` latent plus one shared rotary key of `rope` elements; each
+    head's key is `nope` + `rope` wide, its value `v_dim`."""
+
+    q_rank: int
+    kv_rank: int
+    nope: int
+    rope: int
+    v_dim: int
+    interleave: bool   # rotary over even/odd pairs (config.rope_interleave)
+
+    @property
+    def qk(self) -> int:
+        return self.nope + self.rope
+
+    @classmethod
+    def of(cls, cfg) -> Latent | None:
+        if not getattr(cfg, "kv_lora_rank", None):
+            return None
+        return cls(q_rank=cfg.q_lora_rank or 0, kv_rank=cfg.kv_lora_rank, nope=cfg.qk_nope_head_dim,
+                   rope=cfg.qk_rope_head_dim, v_dim=cfg.v_head_dim, interleave=bool(getattr(cfg, "rope_interleave",
+                                                                                          False)))
 
 
 @dataclass(frozen=True)
@@ -93,6 +120,10 @@ class DecoderSpec:
     attn_dropout: float = 0.0
     eager: bool = False                            # eager attention (scores materialised) instead of SDPA
     logit_softcap: bool = False                    # tanh soft-capping of the final logits (Gemma 2)
+    latent: Latent | None = None                   # multi-head latent attention (DeepSeek-V3)
+    shared_experts: int = 0                        # experts every token runs besides its routed ones (DeepSeek-V3)
+    router_groups: int = 1                         # DeepSeek-V3's router: expert groups, and how many it keeps
+    router_top_groups: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> DecoderSpec:
@@ -105,7 +136,9 @@ class DecoderSpec:
         window = window if any(sliding) else None
         experts = getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0) or 0
         sparse_step, dense_layers = getattr(cfg, "decoder_sparse_step", 1) or 1, getattr(cfg, "mlp_only_layers", ())
-        runs_experts = [bool(experts) and i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(layers)]
+        first_sparse = getattr(cfg, "first_k_dense_replace", 0) or 0   # DeepSeek's dense first layers
+        runs_experts = [bool(experts) and i not in dense_layers and (i + 1) % sparse_step == 0 and i >= first_sparse
+                        for i in range(layers)]
         sliding_pattern, experts_pattern = _periodic(sliding, runs_experts)
         bias = getattr(cfg, "attention_bias", False)
         return cls(
@@ -122,6 +155,8 @@ class DecoderSpec:
             attn_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
             eager=variant.eager_only or asks_for_eager(cfg),
             logit_softcap=bool(getattr(cfg, "final_logit_softcapping", None)),
+            latent=Latent.of(cfg), shared_experts=(getattr(cfg, "n_shared_experts", 0) or 0) if experts else 0,
+            router_groups=getattr(cfg, "n_group", 1) or 1, router_top_groups=getattr(cfg, "topk_group", 1) or 1,
         )
 
     @property
@@ -146,22 +181,25 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
         p = f"layers.{i}."
         if d.variant.attention_sinks:
             e.param(p + "sinks", (d.heads,))
-        if d.variant.fused_projections:
+        if d.latent:
+            _declare_latent(e, d, p, d.latent)
+        elif d.variant.fused_projections:
             e.param(p + "qkv", (q + 2 * kv, h))
         else:
             for name, size in (("q", q), ("k", kv), ("v", kv)):
                 e.param(p + name, (size, h))
                 if d.qkv_bias:
                     e.param(p + name + ".bias", (size,))
-        e.param(p + "o", (h, q))
+        if not d.latent:
+            e.param(p + "o", (h, q))
         if d.o_bias:
             e.param(p + "o.bias", (h,))
         if d.variant.qk_norm:
             e.param(p + "q_norm", (d.head_dim if d.variant.qk_norm == "head" else q,))
             e.param(p + "k_norm", (d.head_dim if d.variant.qk_norm == "head" else kv,))
         if _runs_experts(d, i):
-            for name, shape in expert_params(d):
-                e.param(p + name, shape)
+            for name, shape, dtype in expert_params(d):
+                e.param(p + name, shape, dtype=dtype)
         elif d.variant.fused_projections:
             e.param(p + "gate_up", (2 * d.intermediate, h))
             e.param(p + "down", (h, d.intermediate))
@@ -178,6 +216,24 @@ def declare_params(e: Engine, d: DecoderSpec, num_layers: int) -> None:
     e.param("norm", (h,))
     if not d.tied:
         e.param("lm_head", (d.vocab, h))
+
+
+def _declare_latent(e: Engine, d: DecoderSpec, p: str, lat: Latent) -> None:
+    h, bias = d.hidden, d.o_bias   # attention_bias: the down projections and o carry one
+    if lat.q_rank:
+        e.param(p + "q_a", (lat.q_rank, h))
+        if bias:
+            e.param(p + "q_a.bias", (lat.q_rank,))
+        e.param(p + "q_a_norm", (lat.q_rank,))
+        e.param(p + "q_b", (d.heads * lat.qk, lat.q_rank))
+    else:
+        e.param(p + "q", (d.heads * lat.qk, h))
+    e.param(p + "kv_a", (lat.kv_rank + lat.rope, h))
+    if bias:
+        e.param(p + "kv_a.bias", (lat.kv_rank + lat.rope,))
+    e.param(p + "kv_a_norm", (lat.kv_rank,))
+    e.param(p + "kv_b", (d.heads * (lat.nope + lat.v_dim), lat.kv_rank))
+    e.param(p + "o", (h, d.heads * lat.v_dim))
 
 
 def _norm_names(d: DecoderSpec) -> tuple[str, ...]:
@@ -225,9 +281,54 @@ def rotary(e: Engine, x: Sym, cos: Sym, sin: Sym, passthrough: bool, halves: boo
     return out
 
 
+def latent_attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, lat: Latent, layer: int, batch: int,
+                     q_len: int, cache: dict | None, kv_len: int, masks: dict) -> Sym:
+    """DeepseekV3Attention: queries through the rank-q bottleneck (its RMSNorm between), the latent and the shared
+    rotary key from one projection (the latent normed), rotary on the queries' and the key's rotary parts, the cache
+    updated with the compressed latent and rotary key, the query rebuilt by cat, keys and values expanded from the
+    whole cache (kv_b over every cached token, keys copied into a new tensor), SDPA with values narrower than keys,
+    then o."""
+    p = f"layers.{layer}."
+    tokens, width = batch * q_len, d.heads * lat.qk
+    if lat.q_rank:
+        a = ops.linear(e, x, e.params[p + "q_a"], lat.q_rank, e.params.get(p + "q_a.bias"))
+        a = rms_norm(e, a, e.params[p + "q_a_norm"], d, lat.q_rank)
+        q = ops.linear(e, a, e.params[p + "q_b"], width)
+        del a
+    else:
+        q = ops.linear(e, x, e.params[p + "q"], width)
+    compressed = ops.linear(e, x, e.params[p + "kv_a"], lat.kv_rank + lat.rope, e.params.get(p + "kv_a.bias"))
+    del x
+    latent = rms_norm(e, View(compressed, tokens * lat.kv_rank), e.params[p + "kv_a_norm"], d, lat.kv_rank)
+    q_rot = rotary(e, View(q, tokens * d.heads * lat.rope), cos, sin, False, lat.interleave)
+    k_rot = rotary(e, View(compressed, tokens * lat.rope), cos, sin, False, lat.interleave)
+    del compressed
+    if cache is not None:   # the cache holds the latent (keys) and the rotary key (values)
+        latent, k_rot = grow_cache(e, cache, layer, latent, k_rot, batch * lat.kv_rank, kv_len, batch * lat.rope)
+    query = ops.cat(e, [View(q, tokens * d.heads * lat.nope), q_rot])
+    del q, q_rot
+    cached = batch * kv_len
+    kv = ops.linear(e, latent, e.params[p + "kv_b"], d.heads * (lat.nope + lat.v_dim))
+    key = e.new(cached * width, kv.dtype, grad=True)             # new_empty, filled by copy_ of k_nope and k_rot
+    key = e.record(key, [kv, k_rot], [], passthrough=True)
+    value = View(kv, cached * d.heads * lat.v_dim)
+    del latent, k_rot, kv
+    if d.eager:
+        out, _weights = _eager_attention(e, query, key, value, d, batch, q_len, kv_len, masks.get("full"),
+                                         out_dim=lat.v_dim)
+    else:
+        out = ops.sdpa(e, query, key, value, batch=batch, heads=d.heads, q_len=q_len, kv_len=kv_len, head_dim=lat.qk,
+                       dropout_p=d.attn_dropout if e.policy.train else 0.0, causal=q_len > 1,
+                       value_head_dim=lat.v_dim)
+    del query, key, value
+    return ops.linear(e, out, e.params[p + "o"], d.hidden, e.params.get(p + "o.bias"))
+
+
 def attention(e: Engine, x: Sym, cos: Sym, sin: Sym, d: DecoderSpec, layer: int, batch: int, q_len: int,
               cache: dict | None, kv_len: int, masks: dict) -> tuple[Sym, Sym | None]:
     p = f"layers.{layer}."
+    if d.latent:
+        return latent_attention(e, x, cos, sin, d, d.latent, layer, batch, q_len, cache, kv_len, masks), None
     q_size, kv_size = d.heads * d.head_dim, d.kv_heads * d.head_dim
     q: Sym
     k: Sym
@@ -294,7 +395,7 @@ def _is_sliding(d: DecoderSpec, layer: int) -> bool:
 
 
 def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: int, q_len: int, kv_len: int,
-                     mask: Sym | None, sinks: Param | None = None) -> tuple[Sym, Sym]:
+                     mask: Sym | None, sinks: Param | None = None, out_dim: int | None = None) -> tuple[Sym, Sym]:
     """transformers' eager attention: repeat_kv, scores (tanh soft-capped for Gemma-2), float32 softmax (gpt-oss:
     the sinks joined as one more column, the row maximum subtracted, softmax in the logits' dtype, the sink column
     dropped), weights @ v. Returns (output, attention weights): the caller keeps the weights until its layer
@@ -319,7 +420,7 @@ def _eager_attention(e: Engine, q: Sym, k: Sym, v: Sym, d: DecoderSpec, batch: i
     else:
         weights = ops.cast(e, ops.softmax(e, scores, "softmax", dtype="float32"), q.dtype)
     del scores
-    out = ops.matmul(e, weights, v_r, rows * d.head_dim)
+    out = ops.matmul(e, weights, v_r, rows * (out_dim or d.head_dim))
     del v_r, k_r
     out = ops.copy(e, out)                      # transpose(1, 2).contiguous()
     del logits
@@ -463,8 +564,12 @@ def _rope_kinds(d: DecoderSpec) -> tuple[str, ...]:
 
 
 def declare_buffers(e: Engine, d: DecoderSpec) -> list[Sym]:
-    # rotary inv_freq and original_inv_freq (per layer type where each has its own): head_dim / 2 floats each
-    return [e.new(d.head_dim // 2, "float32", category="buffers") for _ in range(2 * len(_rope_kinds(d)))]
+    # rotary inv_freq and original_inv_freq (per layer type where each has its own): head_dim / 2 floats each;
+    # DeepSeek-V3's routers' e_score_correction_bias: a float per expert in each mixture layer
+    rotary = [e.new(d.head_dim // 2, "float32", category="buffers") for _ in range(2 * len(_rope_kinds(d)))]
+    routers = [e.new(d.experts, "float32", category="buffers") for layer in range(d.layers)
+               if d.router.grouped_sigmoid and _runs_experts(d, layer)]
+    return routers + rotary
 
 
 def train(e: Engine, d: DecoderSpec, num_layers: int, batch: int, seq: int, *, first: bool = True,

@@ -22,6 +22,8 @@ class Router:
     casts_back: bool = False        # the weights cast to the logits' dtype (Qwen3-MoE)
     declared_last: bool = False     # its weight comes after the experts' in the layer's parameters (Qwen3-MoE)
     top_k_first: bool = False       # top-k of the logits (with a bias), then softmax over those k (gpt-oss)
+    grouped_sigmoid: bool = False   # float32 logits, sigmoid, a correction bias, the best groups' experts only, the
+    #                                 weights gathered, renormalised and scaled; a float32 weight (DeepSeek-V3)
     clamped_gate: bool = False      # experts stored (experts, hidden, 2 x inner) with biases, interleaved gate and
     #                                 up clamped, gate * sigmoid(alpha * gate) * (up + 1) (gpt-oss)
 
@@ -31,30 +33,88 @@ class Router:
             return cls(softmax_dtype=True, normalizes=bool(cfg.norm_topk_prob), casts_back=True, declared_last=True)
         if cfg.model_type == "gpt_oss":
             return cls(top_k_first=True, clamped_gate=True)
+        if cfg.model_type == "deepseek_v3":
+            return cls(grouped_sigmoid=True, normalizes=bool(cfg.norm_topk_prob), declared_last=True)
         return cls()
 
 
-def expert_params(d) -> list[tuple[str, tuple[int, ...]]]:
-    """A mixture layer's parameters in the model's order."""
+def expert_params(d) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """A mixture layer's parameters in the model's order: (name, shape, a dtype the model keeps or None)."""
     h, inter, n = d.hidden, d.intermediate, d.experts
     if d.router.clamped_gate:   # gpt-oss: router weight and bias, then each projection with its bias
-        return [("router", (n, h)), ("router.bias", (n,)), ("experts.gate_up", (n, h, 2 * inter)),
-                ("experts.gate_up.bias", (n, 2 * inter)), ("experts.down", (n, inter, h)),
-                ("experts.down.bias", (n, h))]
-    stored: list[tuple[str, tuple[int, ...]]] = [("experts.gate_up", (n, 2 * inter, h)),
-                                                 ("experts.down", (n, h, inter))]
-    router: list[tuple[str, tuple[int, ...]]] = [("router", (n, h))]
-    return stored + router if d.router.declared_last else router + stored
+        return [("router", (n, h), None), ("router.bias", (n,), None), ("experts.gate_up", (n, h, 2 * inter), None),
+                ("experts.gate_up.bias", (n, 2 * inter), None), ("experts.down", (n, inter, h), None),
+                ("experts.down.bias", (n, h), None)]
+    stored: list[tuple[str, tuple[int, ...], str | None]] = [("experts.gate_up", (n, 2 * inter, h), None),
+                                                             ("experts.down", (n, h, inter), None)]
+    router: list[tuple[str, tuple[int, ...], str | None]] = [
+        ("router", (n, h), "float32" if d.router.grouped_sigmoid else None)]
+    shared = inter * d.shared_experts
+    always = [("shared.gate", (shared, h), None), ("shared.up", (shared, h), None),
+              ("shared.down", (h, shared), None)] if shared else []
+    return (stored + router if d.router.declared_last else router + stored) + always
 
 
 def experts(e: Engine, x: Sym, d, layer: int, tokens: int) -> Sym:
     """Mixtral: the router's softmax and top-k, then transformers' grouped_mm experts (local variables live until
-    the function returns, as in `grouped_mm_experts_forward`), or its eager loop when the experts are int8."""
-    router_logits, weights, top_index = _router(e, x, d, layer, tokens)
+    the function returns, as in `grouped_mm_experts_forward`), or its eager loop when the experts are int8; then
+    the shared experts (DeepSeek-V3) over the same input, added."""
+    router = _grouped_sigmoid_router if d.router.grouped_sigmoid else _router
+    router_logits, weights, top_index = router(e, x, d, layer, tokens)
     quantized = e.params[f"layers.{layer}.experts.gate_up"].quant is not None
     out = (_eager_experts if quantized else _grouped_experts)(e, x, weights, d, layer, tokens)
     del router_logits, weights, top_index
+    if d.shared_experts:
+        out = ops.add(e, out, _shared_experts(e, x, d, f"layers.{layer}.shared."))
     return out
+
+
+def _shared_experts(e: Engine, x: Sym, d, p: str) -> Sym:
+    inter = d.intermediate * d.shared_experts
+    gate = ops.linear(e, x, e.params[p + "gate"], inter)
+    act = ops.unary_saving_input(e, gate)
+    del gate
+    up = ops.linear(e, x, e.params[p + "up"], inter)
+    hidden = ops.mul(e, act, up)
+    del act, up
+    return ops.linear(e, hidden, e.params[p + "down"], d.hidden)
+
+
+def _grouped_sigmoid_router(e: Engine, x: Sym, d, layer: int, tokens: int):
+    """DeepseekV3TopkRouter: logits of the float32 input, sigmoid, + the correction bias, each group's best two
+    summed, the best groups kept (a mask built, expanded and inverted), top-k of the masked scores, the weights
+    gathered from the sigmoid, renormalised in place and scaled."""
+    n, k, groups = d.experts, d.top_k, d.router_groups
+    x32 = ops.cast(e, x, "float32")
+    logits = ops.linear(e, x32, e.params[f"layers.{layer}.router"], n)   # the weight is kept float32
+    del x32
+    scores = ops.unary_saving_output(e, logits, "sigmoid")
+    choice = e.new(tokens * n, ops.promote(scores.dtype, "float32"))           # scores + e_score_correction_bias
+    pairs, pair_index = e.new(tokens * groups * 2, choice.dtype), e.new(tokens * groups * 2, "int64")
+    group_scores = e.new(tokens * groups, choice.dtype)                         # .topk(2)[0].sum(-1)
+    del pairs, pair_index
+    best, best_index = e.new(tokens * d.router_top_groups, choice.dtype), e.new(tokens * d.router_top_groups, "int64")
+    group_mask = e.new(tokens * groups, choice.dtype)                           # zeros_like, scatter_
+    del best
+    score_mask = e.new(tokens * n, choice.dtype)                                # expand(...).reshape copies
+    as_bool = e.new(tokens * n, "bool")
+    inverted = e.new(tokens * n, "bool")
+    del as_bool
+    masked = e.new(tokens * n, choice.dtype)                                    # masked_fill
+    del inverted, choice
+    top, top_index = e.new(tokens * k, masked.dtype), e.new(tokens * k, "int64")
+    del top, masked
+    weights = e.record(e.new(tokens * k, scores.dtype), [scores], [top_index])   # scores.gather(1, index)
+    if d.router.normalizes:
+        denom = ops.shift(e, ops.reduce_last(e, weights, k))
+        weights = ops.mul(e, weights, denom)                                    # /= (autograd: a new version)
+        del denom
+    weights = ops.scalar_op(e, weights)                                         # * routed_scaling_factor
+    del group_scores, best_index, group_mask, score_mask, scores
+    return logits, weights, top_index
+
+
+
 
 
 def _router(e: Engine, x: Sym, d, layer: int, tokens: int):
