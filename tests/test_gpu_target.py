@@ -216,14 +216,18 @@ def test_tensor_parallel_on_a_gpu_target_runs_the_for_loop_optimizer():
         estimate(Workload(**shape, optimizer_impl="foreach"), method="analytic", gpu=get_gpu("h100"))
 
 
+TINY_NEOX = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidden_size=64, intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, vocab_size=512, max_position_embeddings=256,
+                 rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
+
+
 def test_a_family_only_the_trace_models_estimates_and_plans_on_a_gpu(tmp_path):
-    """DeepSeek-V3 (multi-head latent attention) has no analytic program: the GPU target's estimate and plan are the
-    trace's (issue 39)."""
+    """GPT-NeoX has no analytic program: the GPU target's estimate and plan are the trace's (issue 39)."""
     from memfit.planner import PlanRequest, plan
 
-    config = tmp_path / "DeepSeek-V3-tiny" / "config.json"
+    config = tmp_path / "gpt-neox-tiny" / "config.json"
     config.parent.mkdir()
-    config.write_text(json.dumps(catalog()["tiny-deepseek-v3"]["hf_config"]))
+    config.write_text(json.dumps(TINY_NEOX))
     gpu = get_gpu("h100")
     for task in ("train", "inference"):
         workload = Workload(model=str(config), task=task, batch_size=1, seq_len=32, precision="bf16-mixed",
