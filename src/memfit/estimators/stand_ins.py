@@ -156,11 +156,14 @@ def _recompiled_as_needed(call, *args, **kwargs):
     Inside DistributedDataParallel's forward, Dynamo's DDPOptimizer would split each compiled graph at the gradient
     buckets' boundaries, compiling the pieces on fake tensors of a mode of its own, which the trace's cannot enter
     (an InternalTorchDynamoError): the trace compiles each block whole (optimize_ddp off), which splits nothing a
-    block smaller than a bucket (25 MiB of gradients) would; a bigger block's split is not modelled. Each shape gets
-    graphs of its own (no automatic dynamic shapes): a process that estimates many shapes (the planner, a notebook)
-    traces each as a fresh process would, where symbolic sizes through DTensor recursed without end."""
+    block smaller than a bucket (25 MiB of gradients) would; a bigger block's split is not modelled. Under a process
+    group each shape gets graphs of its own (no automatic dynamic shapes): a process that estimates many shapes (the
+    planner, a notebook) traces each as a fresh process would, where symbolic sizes through DTensor recursed without
+    end. On one device Dynamo's default stands: a generation's decode steps share one graph dynamic in the cache's
+    length after the second (one static graph per step compiled a 100-token generation a hundred times)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024 * 64, optimize_ddp=False,
-                                    automatic_dynamic_shapes=False):
+                                    automatic_dynamic_shapes=not distributed):
         return call(*args, **kwargs)
 
 
