@@ -247,6 +247,7 @@ DECODE_STEPS_TRACED = 4   # a longer generation traces this many decode steps an
 def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: bool = False,
                     modules: bool = False, timeline: bool = False) -> MemoryEstimate:
     workload = resolve(workload)
+    failed = None
     with older_objects_frozen():
         if not (full_trace or timeline) and _decode_steps_linear(workload):
             try:
@@ -254,12 +255,9 @@ def traced_estimate(workload: Workload, gpu: GPU | None = None, *, full_trace: b
                                         decode_steps=DECODE_STEPS_TRACED)
             except NotLinear as exc:
                 failed = f"the decode steps' extension failed ({exc}); traced every step instead"
-        else:
-            failed = None
         estimate = _traced_estimate(workload, gpu, full_trace=full_trace, modules=modules, timeline=timeline)
-        if failed:
-            estimate.notes.insert(0, failed)
-        return estimate
+    estimate.notes[:0] = [failed] if failed else []
+    return estimate
 
 
 def _decode_steps_linear(workload: ResolvedWorkload) -> bool:

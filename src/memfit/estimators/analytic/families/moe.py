@@ -38,17 +38,19 @@ class Router:
         return cls()
 
 
-def expert_params(d) -> list[tuple[str, tuple[int, ...], str | None]]:
+ParamDeclaration = tuple[str, tuple[int, ...], str | None]   # name, shape, a dtype the model keeps (or None)
+
+
+def expert_params(d) -> list[ParamDeclaration]:
     """A mixture layer's parameters in the model's order: (name, shape, a dtype the model keeps or None)."""
     h, inter, n = d.hidden, d.intermediate, d.experts
     if d.router.clamped_gate:   # gpt-oss: router weight and bias, then each projection with its bias
         return [("router", (n, h), None), ("router.bias", (n,), None), ("experts.gate_up", (n, h, 2 * inter), None),
                 ("experts.gate_up.bias", (n, 2 * inter), None), ("experts.down", (n, inter, h), None),
                 ("experts.down.bias", (n, h), None)]
-    stored: list[tuple[str, tuple[int, ...], str | None]] = [("experts.gate_up", (n, 2 * inter, h), None),
-                                                             ("experts.down", (n, h, inter), None)]
-    router: list[tuple[str, tuple[int, ...], str | None]] = [
-        ("router", (n, h), "float32" if d.router.grouped_sigmoid else None)]
+    stored: list[ParamDeclaration] = [("experts.gate_up", (n, 2 * inter, h), None),
+                                      ("experts.down", (n, h, inter), None)]
+    router: list[ParamDeclaration] = [("router", (n, h), "float32" if d.router.grouped_sigmoid else None)]
     shared = inter * d.shared_experts
     always = [("shared.gate", (shared, h), None), ("shared.up", (shared, h), None),
               ("shared.down", (h, shared), None)] if shared else []
