@@ -7,7 +7,8 @@ import torch
 from memfit.core.errors import require_choice
 
 BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-         "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+         "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+         "complex64": 8, "complex128": 16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -10,6 +10,7 @@ from memfit.estimators import stand_ins  # noqa: F401  (registers the trace stan
 from memfit.estimators.analytic import analytic_estimate
 from memfit.estimators.analytic import count_parameters as analytic_parameters
 from memfit.estimators.analytic.families.registry import has_family as has_analytic_family
+from memfit.estimators.analytic.families.registry import has_program
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.sdpa_backend import grouped_math_note
 from memfit.estimators.traced import traced_estimate
@@ -27,7 +28,7 @@ def methods_for(workload: Workload) -> tuple[str, ...]:
     """The estimators that model `workload`: the trace where it runs (PyTorch's engine), the analytic model for
     the transformer families it has a program of, unless a technique (or the user's own --step) has none."""
     workload = resolve(workload)
-    analytic = has_analytic_family(workload.source)
+    analytic = has_program(workload)
     if workload.engine == "deepspeed":   # no trace of DeepSpeed's engine; a custom module has no analytic model
         return ("analytic",) if analytic else ()
     if not analytic or workload.with_trait("traced-only") or workload.step is not None:

@@ -199,7 +199,10 @@ def fake_process_group(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
-def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None) -> _Run:
+def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | None,
+                tracker: MemoryTracker | None = None) -> _Run:
+    """`tracker`: one that records more (graph_recording.GraphTracker: the autograd graph too), rounding as
+    `tracking_granularity(gpu)`."""
     source = workload.source
     precision = get_precision(workload.precision)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -207,7 +210,7 @@ def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | N
     with fake_mode:
         batch = source.make_batch(batch_size=workload.batch_size, seq_len=workload.effective_seq_len,
                                   task=workload.task, dtype=precision.param_dtype)
-        tracker = MemoryTracker(round_to=CUDA_ALLOCATION_ROUND_BYTES if gpu else 1)
+        tracker = tracker or MemoryTracker(round_to=tracking_granularity(gpu))
         tracker.watch_model(model)
         tracker.watch(tensors_in(batch), "inputs")
         # a rank that holds a run of the blocks drops the others: holding the whole stack would keep them alive
@@ -223,6 +226,11 @@ def _trace_rank(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int | N
                          before_measured_step=tracker.begin_measured_step, trace_safe=True)
     return _Run(tracker.trace(), model, stacks, getattr(device_kernels, "probed", set()),
                 getattr(device_kernels, "skipped", set()))
+
+
+def tracking_granularity(gpu: GPU | None) -> int:
+    """What a trace rounds each storage up to: the CUDA caching allocator's block on a GPU target."""
+    return CUDA_ALLOCATION_ROUND_BYTES if gpu else 1
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -27,6 +27,7 @@ from memfit.core.categories import zero_categories
 from memfit.core.errors import ImpossibleCombination, MemfitError, NotModelled
 from memfit.estimators import methods_for
 from memfit.estimators.analytic import analytic_estimate
+from memfit.estimators.analytic.families.registry import has_family
 from memfit.estimators.analytic.simulate import one_process_host_optimizer
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.traced import traced_estimate
@@ -88,7 +89,12 @@ def estimate_for(request: PlanRequest, workload: ResolvedWorkload) -> MemoryEsti
                           f"on {workload.model}; it takes {' or '.join(methods) or 'no estimator'}.")
     if request.method == "traced" or "analytic" not in methods:
         return traced_estimate(workload, gpu)
-    return analytic_estimate(workload, gpu)
+    try:
+        return analytic_estimate(workload, gpu)
+    except NotModelled:   # a program derived from the trace that missed its check (derived_program.py)
+        if request.method == "analytic" or has_family(workload.source):
+            raise
+        return traced_estimate(workload, gpu)
 
 
 def divisors(n: int) -> list[int]:

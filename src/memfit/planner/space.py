@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 from memfit.core.precision import get_precision
 from memfit.estimators import count_parameters, methods_for
+from memfit.estimators.analytic.families.registry import has_family
 from memfit.planner.request import PlanRequest
 from memfit.specs.workload import Workload
 from memfit.techniques import REGISTRY
@@ -161,7 +162,8 @@ def candidates(request: PlanRequest, base: ResolvedWorkload) -> list[Candidate]:
     if "layout" in required_on:   # only the layouts that use the required one
         layouts = [layout for layout in layouts if set(required_on["layout"]) <= set(layout.techniques)]
     out = []
-    analytic = "analytic" in methods_for(base)   # the only estimator of DeepSpeed's engine
+    # the only estimator of DeepSpeed's engine: a written family's program (a derived one runs PyTorch's step)
+    analytic = "analytic" in methods_for(base) and has_family(base.source)
     for layout, precision in itertools.product(layouts, _precisions(request, values["precision"], base)):
         if layout.engine == "deepspeed" and (get_precision(precision).autocast_dtype is None or not analytic):
             continue   # DeepSpeed's engine trains in mixed precision, and only the analytic model predicts it

@@ -71,6 +71,9 @@ TRAITS = {
     "replaces-loss": "computes the step's loss itself",
     "shapes-batch": "changes the batch memfit's step feeds the model (truncates it or splits it into windows)",
     "traced-only": "has no analytic model: only a trace (or a run) predicts it (the analytic estimator refuses it)",
+    "around-blocks": "changes what runs around the model's blocks (checkpoints, shards or offloads them, steps the "
+                     "optimizer otherwise), not what a block runs: a program derived from a block traced without it "
+                     "composes it",
     "allocator-only": "changes only how the caching allocator holds memory: the step's tensors, and so its trace, are "
                       "the same without it",
 }

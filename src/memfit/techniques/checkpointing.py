@@ -88,6 +88,7 @@ def selective_op_context():
 @dataclass(frozen=True, kw_only=True)
 class Checkpointing(Technique):
     name = "checkpointing"
+    traits = frozenset({"around-blocks"})
     examples = (("checkpointing", {}), ("checkpointing:mode=selective", {}), ("checkpointing:mode=offload", {}))
     risk = "lossless"
     stage = "activations"

@@ -106,7 +106,7 @@ class Ddp(LayoutTechnique):
     name = "ddp"
     examples = (("ddp:bucket_view=true", {"world_size": 2, "batch_size": 1, "seq_len": 16}),)
     risk = "numerical"     # gradients are averaged across ranks in buckets: a different summation order
-    traits = frozenset({"layout", "reduces-gradients", "wraps-forward"})
+    traits = frozenset({"layout", "reduces-gradients", "wraps-forward", "around-blocks"})
     summary = "DistributedDataParallel: a whole model per rank, gradients all-reduced in buckets"
     bucket_view: bool = False
 
@@ -171,7 +171,8 @@ class Fsdp2(LayoutTechnique):
     name = "fsdp2"
     examples = (("fsdp2", {"world_size": 2}),)
     risk = "numerical"
-    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward", "offloads-shards", "shards-on-mesh"})
+    traits = frozenset({"layout", "dtensor", "shards-weights", "wraps-forward", "offloads-shards", "shards-on-mesh",
+                        "around-blocks"})
     zero_stage = 3
     summary = ("fully_shard (ZeRO-3): parameters, gradients and optimizer states sharded over the ranks; "
                "reshard=false keeps each block gathered from its forward to its backward (ZeRO-2-like)")

@@ -74,7 +74,7 @@ class CpuOffload(Technique):
     name = "cpu-offload"
     examples = (("cpu-offload", {}),)
     risk = "lossless"
-    traits = frozenset({"host-optimizer"})
+    traits = frozenset({"host-optimizer", "around-blocks"})
     conflicts_with = {
         "reduces-gradients": ("{other} reduces each gradient in buckets as backward produces it, but cpu-offload takes "
                               "it off the device first", "shard the model instead (-t fsdp2 -t cpu-offload)"),

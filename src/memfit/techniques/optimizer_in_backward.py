@@ -35,7 +35,7 @@ class OptimizerInBackward(Technique):
     risk = "lossless"
     stage = "optimizer"
     summary = "each parameter's optimizer step runs in backward as its gradient is complete, and frees it"
-    traits = frozenset({"steps-in-backward"})
+    traits = frozenset({"steps-in-backward", "around-blocks"})
     search_axis = "optimizer-step"
     conflicts_with = {
         "fp16-mixed": ("GradScaler unscales every gradient and checks them for overflow before any step",

@@ -214,17 +214,21 @@ class Engine:
             output.grad = True
             dtypes = grad_dtypes or [x.dtype for x in needs]
             edges = [(x.uid, x.numel, dtype, x if isinstance(x, Param) else None) for x, dtype in zip(needs, dtypes)]
-            kept: list[Sym | Offloaded] = [s for s in saved if isinstance(s, Sym)]
-            if self.offloading is not None:   # the pack hook: a host copy of all but the parameters
-                kept = [s if is_parameter(s) else self.offloading.setdefault(s.uid, Offloaded(s))
-                        for s in cast("list[Sym]", kept)]   # only Syms so far
-            node = Node(output.uid, edges, kept, self.segment, scratch or [], passthrough, self.region)
-            self.tape.append(node)
-            if self.rerun_left is not None and node.saved:
-                self.rerun_left -= 1
-                if self.rerun_left == 0:
-                    raise RecomputeDone
+            self.add_node(output.uid, edges, saved, scratch or [], passthrough)
         return output
+
+    def add_node(self, output: int, edges: list, saved: list, scratch: list, passthrough: bool = False) -> None:
+        """A backward node with its edges given: (input uid, gradient numel, dtype, Param | None) each."""
+        kept: list[Sym | Offloaded] = [s for s in saved if isinstance(s, Sym)]
+        if self.offloading is not None:   # the pack hook: a host copy of all but the parameters
+            kept = [s if is_parameter(s) else self.offloading.setdefault(s.uid, Offloaded(s))
+                    for s in cast("list[Sym]", kept)]   # only Syms so far
+        node = Node(output, edges, kept, self.segment, scratch, passthrough, self.region)
+        self.tape.append(node)
+        if self.rerun_left is not None and node.saved:
+            self.rerun_left -= 1
+            if self.rerun_left == 0:
+                raise RecomputeDone
 
     def op_output(self, numel: int, dtype: str, kind: str) -> Sym:
         """The output of a matmul or attention kernel (`kind`: mm, addmm, bmm, attention, or quantized for a

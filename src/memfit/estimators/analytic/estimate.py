@@ -14,10 +14,10 @@ from typing import cast
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic.engine import Engine
-from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.host import deepspeed_states, offload_host_bytes, parameter_sizes
-from memfit.estimators.analytic.simulate import simulate
+from memfit.estimators.analytic.simulate import program_of, simulate
 from memfit.estimators.breakdown import MemoryEstimate
+from memfit.estimators.derived_program import DerivedProgram
 from memfit.estimators.extrapolate import (
     NotLinear,
     RegionPeak,
@@ -83,10 +83,12 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     traced_only = workload.with_trait("traced-only")
     if traced_only:
         raise MemfitError(f"-t {traced_only.name}: the analytic model has no program for it; use --method traced.")
-    _, spec = registry.family_of(source)
+    _, spec = program_of(workload, gpu)
     period = spec.period
     layers = cast(int, source.num_layers)   # a family's config names its depth
     weights, divisor, notes = state_weights(workload)
+    if isinstance(spec, DerivedProgram):
+        notes.append(spec.note)
     depths, failure, allocations = None, None, None
     if all(t.depth_linear for t in workload.technique_configs):
         # FSDP2 prefetches the next block's parameters, so in backward the second-to-last block differs from
@@ -124,8 +126,8 @@ def analytic_estimate(workload: Workload, gpu: GPU | None = None, *, modules: bo
     top, components, _ = peak_of(regions)
     at_peak = per_rank(top.at_max, divisor)
     component_peaks = per_rank(components, divisor)
-    num_parameters = count_parameters(workload)
-    held, step = offload_host_bytes(workload)   # the engine's host bytes (saved activations, streamed
+    num_parameters = sum(parameter_sizes(workload, gpu))
+    held, step = offload_host_bytes(workload, gpu)   # the engine's host bytes (saved activations, streamed
     # weights) are held outside the optimizer step
     drive, phase = 0, top.phase
     if workload.engine == "deepspeed":

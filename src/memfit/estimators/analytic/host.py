@@ -13,20 +13,19 @@ from typing import NamedTuple, cast
 from memfit.core.dtypes import dtype_name
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
-from memfit.estimators.analytic.families import registry
 from memfit.estimators.analytic.optimizer import create_states, step_temporaries
-from memfit.estimators.analytic.simulate import one_process_host_optimizer
+from memfit.estimators.analytic.simulate import one_process_host_optimizer, program_of
 from memfit.techniques.resolve import ResolvedWorkload
 
 
-def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
+def offload_host_bytes(workload: ResolvedWorkload, gpu=None) -> tuple[int, int]:
     """Host RAM of an optimizer offloaded to the host (techniques/offload.py), from the closed forms of the
     device's states: (held all step: float32 master weights, their gradients and the optimizer's states — with
     a sharding wrapper that keeps its shards on the host, the shards in the model's dtype, / N; held in the step
     only: the CPU step's temporaries and the cast back to a half-precision model)."""
     if not workload.with_trait("host-optimizer") or workload.task != "train":
         return 0, 0
-    family, spec = registry.family_of(workload.source)
+    family, spec = program_of(workload, gpu)
     model_dtype = dtype_name(get_precision(workload.precision).param_dtype)
     one_process = one_process_host_optimizer(workload)
     if not one_process:   # the sharding wrapper's shards of what this rank holds (on a 2-D mesh: its split)
@@ -49,8 +48,8 @@ def offload_host_bytes(workload: ResolvedWorkload) -> tuple[int, int]:
     return -(-persistent // ranks), -(-step // ranks)
 
 
-def parameter_sizes(workload: ResolvedWorkload) -> list[int]:
-    family, spec = registry.family_of(workload.source)
+def parameter_sizes(workload: ResolvedWorkload, gpu=None) -> list[int]:
+    family, spec = program_of(workload, gpu)
     e = Engine(Policy("float32", None, "cpu", False))
     family.declare_params(e, spec, workload.source.num_layers)
     return [p.numel for p in e.params.values()]

@@ -58,6 +58,14 @@ def policy_of(workload: ResolvedWorkload, gpu: GPU | None) -> Policy:
     return Policy(**fields)
 
 
+def program_of(workload: ResolvedWorkload, gpu: GPU | None):
+    """(family module, spec): the written family's, or the program derived from the model's trace, checked here."""
+    def peak_of(shaped: ResolvedWorkload) -> int:
+        return max(point.total for point in simulate(shaped, gpu, 1).peaks.values())
+
+    return registry.program_of(workload, gpu, peak_of)
+
+
 def sequence_windows(workload: ResolvedWorkload) -> Windows:
     """What the step's forwards see of each sequence, as the techniques leave it."""
     windows = Windows(sequence=workload.effective_seq_len)
@@ -84,7 +92,7 @@ def _program(workload: ResolvedWorkload, gpu: GPU | None, num_layers: int, weigh
              rank: int, record_allocations: bool) -> Program:
     """The model declared as the techniques leave it. A technique that narrows the model narrows the one that
     trains (a teacher keeps the model's own shape: the canonical order puts the student first)."""
-    family, spec = registry.family_of(workload.source)
+    family, spec = program_of(workload, gpu)
     teacher_spec = spec
     for technique in workload.hooked_techniques:
         spec = technique.analytic_spec(spec, workload)

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 _serial = itertools.count()
 
 
+def new_uid() -> int:
+    """A uid no symbol has (a derived program's backward nodes: analytic/families/derived.py)."""
+    return next(_serial)
+
+
 def _allocated(eng: Engine, size: int) -> int:
     """`size` bytes as the engine's allocator rounds them."""
     step = eng.policy.round_to

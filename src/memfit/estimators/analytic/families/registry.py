@@ -5,7 +5,8 @@ import json
 from types import ModuleType
 
 from memfit.core.errors import MemfitError
-from memfit.estimators.analytic.families import bert, decoder, gpt2, t5, vit
+from memfit.estimators.analytic.families import bert, decoder, derived, gpt2, t5, vit
+from memfit.estimators.derived_program import derivable, derived_program
 
 _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES},
@@ -38,3 +39,17 @@ def family_of(source):
     if key not in _SPECS:
         _SPECS[key] = spec_type.from_config(source.config())
     return module, _SPECS[key]
+
+
+def has_program(workload) -> bool:
+    """A written family models the workload's model, or a program can be derived from its trace (training)."""
+    return has_family(workload.source) or derivable(workload)
+
+
+def program_of(workload, gpu, peak_of):
+    """(family module, spec) for a resolved workload on `gpu`'s kernels: the written family's, else the program
+    derived from the model's traced block (estimators/derived_program.py), checked with `peak_of` (the symbolic
+    engine's peak of a workload: simulate.program_of passes it)."""
+    if has_family(workload.source) or not derivable(workload):
+        return family_of(workload.source)
+    return derived, derived_program(workload, gpu, peak_of)
