@@ -1,4 +1,5 @@
-"""An analytic program derived from traces of one repeated block: any traceable decoder at analytic speed.
+"""An analytic program derived from traces of one repeated block: a traceable transformer's training step at
+analytic speed.
 
 The model is traced with one layer at three shapes (micro-batches 2 and 3 at the target length, 2 at a second
 length) on fake tensors, recording the autograd graph beside the storages (graph_recording.py). The three runs
@@ -16,6 +17,7 @@ copy the real step skips); a gradient accumulated from two uses is added in plac
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -80,9 +82,7 @@ class DerivedProgram:
     root: int                        # the loss's node
     shapes: tuple[tuple[int, int], ...]   # (micro-batch, length) traced
 
-    period = 1
-    causal = True
-    tied = False
+    period = 1   # one layer traced: the depth extrapolation samples single layers
 
     @property
     def note(self) -> str:
@@ -100,7 +100,7 @@ class _Run:
             raise NotModelled("no repeated layer or no backward graph was found in the trace")
         self.names: dict[int, tuple[str, tuple[int, ...], bool]] = {}
         for name, param in run.model.named_parameters():
-            index = self.tracker._storage(param)
+            index = self.tracker.storage_index(param)
             if index is not None:
                 self.names.setdefault(index, (name, tuple(param.shape), param.requires_grad))
         self.stack = next((name for name, module in run.model.named_modules() if module is run.stacks[0]), "")
@@ -139,9 +139,7 @@ def _dims(shapes: list[tuple[int, ...]], batches, seqs) -> tuple[Factor, ...]:
 def _storage_shape(run: _Run, sid: int) -> tuple[int, ...]:
     """The storage's shape, or its element count where its first tensor did not cover it."""
     s = run.trace.storages[sid]
-    count = 1
-    for size in s.shape:
-        count *= size
+    count = math.prod(s.shape)
     itemsize = s.raw_nbytes // count if count else 0
     return s.shape if count and itemsize * count == s.raw_nbytes else (s.raw_nbytes,)
 
@@ -255,11 +253,7 @@ def _program(runs: list[_Run], batches, seqs) -> DerivedProgram:
 
 def _check(program: DerivedProgram, run: _Run, batch: int, seq: int) -> None:
     for sid, storage in program.storages.items():
-        expected = _storage_shape(run, sid)
-        count = 1
-        for size in expected:
-            count *= size
-        if numel(storage.dims, batch, seq) != count:
+        if numel(storage.dims, batch, seq) != math.prod(_storage_shape(run, sid)):
             raise NotModelled(f"the derived size of a {run.trace.storages[sid].op or 'storage'} misses the trace at "
                               f"micro-batch {batch}, length {seq}")
 

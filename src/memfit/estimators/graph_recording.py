@@ -75,7 +75,7 @@ class GraphTracker(MemoryTracker):
         super()._resized(storage, nbytes)
         self._pad()
 
-    def _storage(self, tensor: torch.Tensor) -> int | None:
+    def storage_index(self, tensor: torch.Tensor) -> int | None:
         return self._by_storage.get(tensor.untyped_storage())
 
     # ---- the first layer's inputs and outputs -----------------------------------------------------------------
@@ -88,7 +88,7 @@ class GraphTracker(MemoryTracker):
 
         def tensors(value) -> list[int]:
             leaves = [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-            return [i for t in leaves if t.is_floating_point() and (i := self._storage(t)) is not None]
+            return [i for t in leaves if t.is_floating_point() and (i := self.storage_index(t)) is not None]
 
         def enter(module, args, kwargs):
             started.update(inputs=tensors((args, kwargs.get("hidden_states"))), seq=_sequence_nr(),
@@ -146,7 +146,7 @@ class GraphTracker(MemoryTracker):
                 continue
             if hasattr(nxt, "variable"):   # AccumulateGrad: the parameter itself
                 variable = nxt.variable
-                edges.append((None, self._storage(variable), tuple(variable.shape), _dtype(variable.dtype)))
+                edges.append((None, self.storage_index(variable), tuple(variable.shape), _dtype(variable.dtype)))
             else:
                 meta = nxt._input_metadata[input_nr]
                 edges.append((nxt._sequence_nr(), None, tuple(meta.shape), _dtype(meta.dtype)))
@@ -156,7 +156,7 @@ class GraphTracker(MemoryTracker):
         for name in names + (["saved_tensors"] if hasattr(node, "saved_tensors") else []):   # a Python Function's
             value = getattr(node, name)
             for tensor in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(tensor, torch.Tensor) and (index := self._storage(tensor)) is not None:
+                if isinstance(tensor, torch.Tensor) and (index := self.storage_index(tensor)) is not None:
                     saved.append(index)
         meta = node._input_metadata[0] if node._input_metadata else None
         return NodeRecord(node._sequence_nr(), node.name(), edges, saved,

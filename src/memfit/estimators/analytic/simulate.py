@@ -63,7 +63,7 @@ def program_of(workload: ResolvedWorkload, gpu: GPU | None):
     def peak_of(shaped: ResolvedWorkload) -> int:
         return max(point.total for point in simulate(shaped, gpu, 1).peaks.values())
 
-    return registry.program_of(workload, gpu, peak_of)
+    return registry.written_or_derived(workload, gpu, peak_of)
 
 
 def sequence_windows(workload: ResolvedWorkload) -> Windows:

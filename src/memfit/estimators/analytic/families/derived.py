@@ -131,7 +131,7 @@ def train(e: Engine, d: DerivedProgram, num_layers: int, batch: int, seq: int, *
     # layers' closures hold: as a checkpoint holds its arguments until its re-run
     replay.shared = {sid: replay.env["pre", sid] for node in d.nodes if node.part == "block"
                      for sid in node.saved + node.held if sid != d.block_inputs[0] and ("pre", sid) in replay.env}
-    x = replay.env[("pre", d.block_inputs[0])] if d.block_inputs else loss
+    x = replay.env[("pre", d.block_inputs[0])]
     for i in range(num_layers):
         e.segment = (0, i)
 

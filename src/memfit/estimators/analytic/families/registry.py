@@ -46,7 +46,7 @@ def has_program(workload) -> bool:
     return has_family(workload.source) or derivable(workload)
 
 
-def program_of(workload, gpu, peak_of):
+def written_or_derived(workload, gpu, peak_of):
     """(family module, spec) for a resolved workload on `gpu`'s kernels: the written family's, else the program
     derived from the model's traced block (estimators/derived_program.py), checked with `peak_of` (the symbolic
     engine's peak of a workload: simulate.program_of passes it)."""
