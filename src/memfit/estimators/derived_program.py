@@ -28,6 +28,7 @@ from memfit.estimators.traced import _trace_rank, tracking_granularity
 from memfit.estimators.tracker import Trace
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
+from memfit.techniques.base import REGISTRY
 from memfit.techniques.resolve import ResolvedWorkload, resolve
 
 Factor = tuple[int, Fraction, Fraction]   # B^i·(a + b·S)
@@ -260,6 +261,11 @@ def _check(program: DerivedProgram, run: _Run, batch: int, seq: int) -> None:
 
 # ---- which workloads, and the cache --------------------------------------------------------------------------
 _CACHE: dict[str, DerivedProgram | NotModelled] = {}
+
+
+def composed_techniques() -> list[str]:
+    """The techniques a derived program composes (their trait says they act around the blocks)."""
+    return sorted(name for name, cls in REGISTRY.items() if "around-blocks" in cls.traits)
 
 
 def derivable(workload: ResolvedWorkload) -> bool:

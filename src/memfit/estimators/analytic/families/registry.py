@@ -6,7 +6,7 @@ from types import ModuleType
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic.families import bert, decoder, derived, gpt2, t5, vit
-from memfit.estimators.derived_program import derivable, derived_program
+from memfit.estimators.derived_program import composed_techniques, derivable, derived_program
 
 _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES},
@@ -32,8 +32,9 @@ def family_of(source):
     entry = _FAMILIES.get(source.model_type)
     if entry is None:
         raise MemfitError(
-            f"no analytic model for model_type {source.model_type!r} (supported: "
-            f"{', '.join(supported_model_types())}); use --method traced.")
+            f"no written analytic model for model_type {source.model_type!r} (supported: "
+            f"{', '.join(supported_model_types())}); a program derived from its trace covers training with the "
+            f"techniques that act around its blocks ({', '.join(composed_techniques())}); use --method traced.")
     module, spec_type = entry
     key = json.dumps(source.config_fields, sort_keys=True)
     if key not in _SPECS:
