@@ -45,6 +45,17 @@ def test_a_derived_program_matches_the_full_trace(tmp_path, fields, precision, g
     assert any("derived from the model's traced block" in note for note in derived.notes)
 
 
+def test_a_chunked_loss_is_traced_into_the_program(tmp_path):
+    """chunked-ce replaces the loss: it is recorded with the block, its checkpointed chunks' recomputation carried
+    from the node that runs it to the node that frees it; within 2 % of the full trace (the check's bar)."""
+    workload = Workload(model=_config(tmp_path, NEOX), task="train", batch_size=4, seq_len=48, precision="bf16-mixed",
+                        techniques=("chunked-ce", "checkpointing"))
+    derived = estimate(workload, gpu=get_gpu("h100"), method="analytic")
+    traced = estimate(workload, gpu=get_gpu("h100"), method="traced")
+    assert derived.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.02)
+    assert any("derived from the model's traced block" in note for note in derived.notes)
+
+
 def test_a_program_that_misses_its_check_is_refused_with_the_way_out(tmp_path):
     """Longformer's in-place banded attention: the derived program misses the check trace by more than 2 %, so the
     analytic method refuses it in one line (a plan traces it instead)."""

@@ -9,7 +9,9 @@ checks every size. What the program keeps is the measured step's forward, split 
 and each backward node: the gradients it passes on, the storages it saved, the scratch it allocates while it runs.
 The symbolic engine (analytic/families/derived.py) runs it at any micro-batch and depth, and composes what the
 engine composes for every family (activation checkpointing and its offload, data parallel and FSDP2 sharding,
-optimizers and their offload); a technique that changes what runs inside the block is traced.
+optimizers and their offload); a technique that replaces the loss is traced into the program with the block (a
+checkpointed chunked loss: what its backward recomputes is carried from the node that runs it to the node that
+frees it); one that changes what runs inside the block is traced.
 
 Known gaps: a micro-batch of one takes paths of its own (views where larger ones copy: the program may count a
 copy the real step skips); a gradient accumulated from two uses is added in place (autograd may allocate the sum).
@@ -57,6 +59,8 @@ class Node:
     scratch: tuple[int, ...]         # storage ids born and freed while it runs
     held: tuple[int, ...]            # storages the step held to here without autograd (freed as it runs)
     passthrough: bool                # passes its gradient on without allocating
+    carries: tuple[int, ...] = ()    # storages a checkpoint recomputes as it runs, each freed by a later node ...
+    drops: tuple[int, ...] = ()      # ... as that node runs
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,27 @@ def _node_extras(run: _Run, node: NodeRecord) -> tuple[list[int], bool]:
     return [sid for sid in born if sid in died], all(sid in died for sid in born)
 
 
+def _recomputed(run: _Run) -> dict[int, tuple[int, int]]:
+    """What a checkpoint recomputes while a node whose saved tensors it packed runs: each storage born then that
+    outlives that node, with the node whose run frees it (by storage: (carrying node, dropping node))."""
+    trace, nodes = run.trace, run.tracker.nodes
+
+    def node_at(index: int) -> int | None:
+        return next((i for i, n in enumerate(nodes) if n.window[0] <= index < n.window[1]), None)
+
+    carried = {}
+    for i, node in enumerate(nodes):
+        start, end = node.window
+        if not node.packed or start < 0:
+            continue
+        for index in range(start, end):
+            sid, delta = trace.events[index]
+            died = trace.storages[sid].died
+            if delta > 0 and died is not None and died >= end and (at := node_at(died)) is not None:
+                carried[sid] = (i, at)
+    return carried
+
+
 def _held(run: _Run, saved: set[int]) -> dict[int, list[int]]:
     """Storages born in forward, saved by no node and freed in backward: the node whose run freed each."""
     trace, marks = run.trace, dict((n, i) for i, n in run.trace.measured_marks())
@@ -225,6 +250,7 @@ def _program(runs: list[_Run], batches, seqs) -> DerivedProgram:
     saved_anywhere = {sid for node in tracker.nodes for sid in node.saved}
     held = _held(first, saved_anywhere)
     by_seq = {node.seq: i for i, node in enumerate(tracker.nodes)}
+    recomputed = _recomputed(first)
     nodes = []
     for i, node in enumerate(tracker.nodes):
         edges = []
@@ -237,7 +263,8 @@ def _program(runs: list[_Run], batches, seqs) -> DerivedProgram:
                           _dims([s if s else (1,) for s in shapes], batches, seqs), dtype))
         scratch, passthrough = _node_extras(first, node)
         nodes.append(Node(node_part[i], tuple(edges), tuple(node.saved), tuple(scratch), tuple(held.get(i, ())),
-                          passthrough))
+                          passthrough, tuple(sid for sid, (at, _) in recomputed.items() if at == i),
+                          tuple(sid for sid, (_, at) in recomputed.items() if at == i)))
     posts = {edge[0] for node in nodes if node.part == "post" for edge in node.edges
              if edge[0] is not None and nodes[edge[0]].part == "block"}
     if len(posts) != 1:
@@ -269,18 +296,25 @@ def composed_techniques() -> list[str]:
 
 
 def derivable(workload: ResolvedWorkload) -> bool:
-    """A transformer's training step that only techniques composed around its blocks change (their traits say so;
-    the precision and optimizer are the workload's own)."""
+    """A transformer's training step that only techniques composed around its blocks change, or ones traced into the
+    program with it (their traits say which; the precision and optimizer are the workload's own)."""
     source = workload.source
     return (source.is_hf and source.model_type is not None and bool(source.num_layers)
             and workload.task == "train" and workload.step is None and workload.engine == "pytorch"
-            and all(t.traits & {"around-blocks", "allocator-only"} for t in workload.technique_configs
-                    if t.workload_field is None))
+            and all(t.traits & (COMPOSED | RECORDED) for t in workload.technique_configs if t.workload_field is None))
+
+
+COMPOSED = frozenset({"around-blocks", "allocator-only"})   # the symbolic engine applies them to the program
+RECORDED = frozenset({"replaces-loss"})   # they change the part after the blocks: traced into the program
+
+
+def _recorded(workload: ResolvedWorkload) -> tuple[str, ...]:
+    return tuple(t.spec for t in workload.technique_configs if t.workload_field is None and t.traits & RECORDED)
 
 
 def _key(workload: ResolvedWorkload, gpu: GPU | None, seq: int) -> str:
-    return json.dumps([workload.source.config_fields, workload.precision, gpu.name if gpu else None, seq],
-                      sort_keys=True, default=str)
+    return json.dumps([workload.source.config_fields, workload.precision, _recorded(workload),
+                       gpu.name if gpu else None, seq], sort_keys=True, default=str)
 
 
 def _lengths(seq: int) -> tuple[int, int]:
@@ -334,7 +368,7 @@ def _held_to_its_trace(check: tuple[ResolvedWorkload, _Run], peak_of: Callable[[
 def _derive(workload: ResolvedWorkload, gpu: GPU | None,
             seqs: tuple[int, int]) -> tuple[DerivedProgram, tuple[ResolvedWorkload, _Run]]:
     plain = Workload(model=workload.model, task="train", precision=workload.precision,
-                     allow_long_seq=workload.allow_long_seq)
+                     allow_long_seq=workload.allow_long_seq, techniques=_recorded(workload))
     batches = (2, 3)
 
     def shaped(batch: int, seq: int) -> ResolvedWorkload:

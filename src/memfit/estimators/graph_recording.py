@@ -31,6 +31,7 @@ class NodeRecord:
     grad_shape: tuple[int, ...] = ()    # the gradient it receives (its forward output's shape)
     grad_dtype: str = ""
     window: list[int] = field(default_factory=lambda: [-1, -1])   # events before and after its backward ran
+    packed: bool = False                # a hook packed what it saved (a checkpoint: its backward recomputes it)
 
 
 @dataclass
@@ -150,14 +151,21 @@ class GraphTracker(MemoryTracker):
             else:
                 meta = nxt._input_metadata[input_nr]
                 edges.append((nxt._sequence_nr(), None, tuple(meta.shape), _dtype(meta.dtype)))
-        saved = []
-        names = [name for name in dir(node) if name.startswith("_saved_") and not name.endswith(("_sym_sizes",
-                                                                                                  "_sym_strides"))]
-        for name in names + (["saved_tensors"] if hasattr(node, "saved_tensors") else []):   # a Python Function's
-            value = getattr(node, name)
+        saved, packed = [], False
+        for name in dir(node):   # each saved variable through its raw handle: one a hook packed (a checkpoint's,
+            if not name.startswith("_raw_saved_"):   # an offload's) is not unpacked, which would run the hook
+                continue
+            raws = getattr(node, name)
+            raws = raws if isinstance(raws, (tuple, list)) else [raws]
+            if any(getattr(raw, "unpack_hook", None) is not None for raw in raws):
+                packed = True
+                continue
+            value = getattr(node, name.replace("_raw_saved_", "_saved_") if name != "_raw_saved_tensors"
+                            else "saved_tensors")
             for tensor in value if isinstance(value, (tuple, list)) else [value]:
                 if isinstance(tensor, torch.Tensor) and (index := self.storage_index(tensor)) is not None:
                     saved.append(index)
         meta = node._input_metadata[0] if node._input_metadata else None
         return NodeRecord(node._sequence_nr(), node.name(), edges, saved,
-                          tuple(meta.shape) if meta is not None else (), _dtype(meta.dtype) if meta else "")
+                          tuple(meta.shape) if meta is not None else (), _dtype(meta.dtype) if meta else "",
+                          packed=packed)

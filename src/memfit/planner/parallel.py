@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from memfit.estimators.analytic.simulate import derive_ahead
 from memfit.estimators.kernels import count_profile, counted, profile_key, remember
 from memfit.planner.search import Evaluated, Search
 from memfit.planner.space import Candidate, candidates
@@ -113,6 +114,13 @@ def profiles_counted_alongside(search: Search) -> Iterator[None]:
         pool.join()
 
 
+def derive_programs_ahead(search: Search, workloads: list[ResolvedWorkload]) -> None:
+    """The programs derived from traces (a model without a written family) that the workers will need, derived once
+    here before they fork, not once in each."""
+    if search.request.method != "traced":
+        derive_ahead(workloads, None if search.request.on_cpu else search.request.gpu)
+
+
 @contextmanager
 def sizing(search: Search, items: list[Item]) -> Iterator[Callable[[int], Evaluated | None]]:
     """A function from a candidate's index in `items` to its sizing (search.evaluate), computed ahead on every core
@@ -126,6 +134,7 @@ def sizing(search: Search, items: list[Item]) -> Iterator[Callable[[int], Evalua
     if not forked_workers(len(items)):   # in this process: evaluate adds to the search itself
         yield lambda index: search.evaluate(*items[index])
         return
+    derive_programs_ahead(search, [workload for _, workload, _ in items])
     with forked(size, len(items)) as sized:
         def merged(index: int) -> Evaluated | None:
             result, estimates, rejected, made = sized(index)

@@ -1,6 +1,7 @@
 """`plan`: search, cost, rank, and say why when nothing fits."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from memfit.estimators.effects import describe, measured_accuracy
 from memfit.estimators.traced import reusing_traces, traced_estimate
 from memfit.planner.cost import GPUS_PER_NODE, step_time
 from memfit.planner.live import live_request
-from memfit.planner.parallel import forked, profiles_counted_alongside, sizing
+from memfit.planner.parallel import derive_programs_ahead, forked, profiles_counted_alongside, sizing
 from memfit.planner.request import PlanRequest
 from memfit.planner.result import PlanResult
 from memfit.planner.search import Evaluated, Search, change_of, lower_bound_estimate, risk_of
@@ -127,6 +128,11 @@ def technique_savings(chosen: Evaluated, search: Search) -> list[dict]:
                           num_gpus=chosen.candidate.num_gpus, cost=request.cost)
         return chosen.timed.total_s / timed.total_s
 
+    ahead = []
+    for technique in techniques:
+        with contextlib.suppress(MemfitError):
+            ahead.append(without_technique(workload, technique))
+    derive_programs_ahead(search, ahead)
     rows = []
     with forked(without, len(techniques)) as estimate:
         for index, technique in enumerate(techniques):

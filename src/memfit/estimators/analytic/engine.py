@@ -72,6 +72,9 @@ class Node:
     scratch: list = field(default_factory=list)   # (numel, dtype) allocated and freed inside backward
     passthrough: bool = False                     # input gradients alias the output gradient
     region: Region | None = None                  # the checkpointed block that recorded this node
+    carries: list = field(default_factory=list)   # (key, numel, dtype) allocated as it runs, held until a later
+    #                                               node's `drops` names the key (what a checkpoint recomputes)
+    drops: list = field(default_factory=list)     # keys of such tensors freed as it runs
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Engine:
         self.host_peak = 0
         self.paged_bytes = 0          # CUDA unified memory: a paged optimizer's states (optimizer.create_states)
         self._bucket: Sym | None = None
+        self.carried: dict[object, Sym] = {}   # what backward nodes carry to later ones (Node.carries)
         self._block_numels: dict[object, int] | None = None
         # called with a parameter once its gradient is complete (an optimizer step in backward: optimizer.py)
         self.gradient_ready: Callable[[Param], None] | None = None
@@ -217,13 +221,14 @@ class Engine:
             self.add_node(output.uid, edges, saved, scratch or [], passthrough)
         return output
 
-    def add_node(self, output: int, edges: list, saved: list, scratch: list, passthrough: bool = False) -> None:
+    def add_node(self, output: int, edges: list, saved: list, scratch: list, passthrough: bool = False,
+                 carries: list | None = None, drops: list | None = None) -> None:
         """A backward node with its edges given: (input uid, gradient numel, dtype, Param | None) each."""
         kept: list[Sym | Offloaded] = [s for s in saved if isinstance(s, Sym)]
         if self.offloading is not None:   # the pack hook: a host copy of all but the parameters
             kept = [s if is_parameter(s) else self.offloading.setdefault(s.uid, Offloaded(s))
                     for s in cast("list[Sym]", kept)]   # only Syms so far
-        node = Node(output, edges, kept, self.segment, scratch, passthrough, self.region)
+        node = Node(output, edges, kept, self.segment, scratch, passthrough, self.region, carries or [], drops or [])
         self.tape.append(node)
         if self.rerun_left is not None and node.saved:
             self.rerun_left -= 1
@@ -302,11 +307,14 @@ class Engine:
                 # offloaded saved tensors come back as device copies for this node only (the unpack hook)
                 scratch = [self.new(s.numel, s.dtype) for s in node.saved if isinstance(s, Offloaded)]
                 scratch += [self.new(n, dt) for n, dt in node.scratch]
+                self.carried.update((key, self.new(n, dt)) for key, n, dt in node.carries)
                 produced = [(edge, self._input_grad(node, edge, grad_out)) for edge in node.inputs]
                 del scratch, grad_out
                 for edge, grad in produced:
                     self._accumulate(edge, grad, pending)
                 del produced
+                for key in node.drops:
+                    self.carried.pop(key, None)
             node.saved.clear()
             del node
         self.segment = "post"

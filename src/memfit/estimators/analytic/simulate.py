@@ -9,11 +9,12 @@ names no technique.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
 from memfit.core.dtypes import dtype_name
-from memfit.core.errors import ImpossibleCombination
+from memfit.core.errors import ImpossibleCombination, NotModelled
 from memfit.core.precision import get_precision
 from memfit.estimators.analytic.engine import Engine, Policy
 from memfit.estimators.analytic.families import registry
@@ -64,6 +65,15 @@ def program_of(workload: ResolvedWorkload, gpu: GPU | None):
         return max(point.total for point in simulate(shaped, gpu, 1).peaks.values())
 
     return registry.written_or_derived(workload, gpu, peak_of)
+
+
+def derive_ahead(workloads, gpu: GPU | None) -> None:
+    """Derive here the programs these workloads will be estimated with (planner/parallel.py: forked workers inherit
+    them instead of each deriving its own); one that cannot be derived is left for its estimate to refuse."""
+    for workload in workloads:
+        if registry.takes_derived(workload):
+            with contextlib.suppress(NotModelled):
+                program_of(workload, gpu)
 
 
 def sequence_windows(workload: ResolvedWorkload) -> Windows:

@@ -30,9 +30,9 @@ def declare_buffers(e: Engine, d: DerivedProgram) -> list[Sym]:
 
 class _Replay:
     def __init__(self, e: Engine, d: DerivedProgram, num_layers: int, batch: int, seq: int) -> None:
-        if e.policy.checkpoint_selective or e.policy.loss_chunks or e.policy.stream_blocks:
-            raise NotModelled("a derived program re-runs whole blocks: selective policies, chunked losses and "
-                              "streamed layers are traced (--method traced).")
+        if e.policy.checkpoint_selective or e.policy.stream_blocks:   # (a chunked loss is in the recording)
+            raise NotModelled("a derived program re-runs whole blocks: selective policies and streamed layers are "
+                              "traced (--method traced).")
         self.e, self.d, self.layers, self.batch, self.seq = e, d, num_layers, batch, seq
         self.env: dict[tuple[object, int], Sym] = {}    # (layer or part, storage) -> its symbol
         self.keys: dict[tuple[object, int], int] = {}   # (layer or part, node) -> the uid its gradient arrives at
@@ -109,7 +109,8 @@ class _Replay:
                 edges.append((self.node_uid(part, target, layer), self.numel(dims), dtype, None))
         saved = [self.storage(part, sid, layer) for sid in node.saved + node.held if self.known(part, sid, layer)]
         scratch = [(self.numel(d.storages[sid].dims), d.storages[sid].dtype) for sid in node.scratch]
-        e.add_node(key, edges, saved, scratch, node.passthrough)
+        carries = [((scope, sid), self.numel(d.storages[sid].dims), d.storages[sid].dtype) for sid in node.carries]
+        e.add_node(key, edges, saved, scratch, node.passthrough, carries, [(scope, sid) for sid in node.drops])
 
     def known(self, part: str, sid: int, layer: int) -> bool:
         key = self.owner(part, sid, layer)

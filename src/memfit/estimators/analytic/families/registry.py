@@ -51,6 +51,11 @@ def written_or_derived(workload, gpu, peak_of):
     """(family module, spec) for a resolved workload on `gpu`'s kernels: the written family's, else the program
     derived from the model's traced block (estimators/derived_program.py), checked with `peak_of` (the symbolic
     engine's peak of a workload: simulate.program_of passes it)."""
-    if has_family(workload.source) or not derivable(workload):
+    if not takes_derived(workload):
         return family_of(workload.source)
     return derived, derived_program(workload, gpu, peak_of)
+
+
+def takes_derived(workload) -> bool:
+    """No written family models the workload's model, and a program derived from its trace does."""
+    return not has_family(workload.source) and derivable(workload)
