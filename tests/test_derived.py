@@ -62,3 +62,16 @@ def test_a_program_that_misses_its_check_is_refused_with_the_way_out(tmp_path):
     workload = Workload(model=_config(tmp_path, LONGFORMER), task="train", batch_size=2, seq_len=64)
     with pytest.raises(NotModelled, match=r"against the trace's .*use --method traced"):
         estimate(workload, method="analytic")
+
+
+def test_only_techniques_a_derived_program_takes_make_it_the_analytic_method(tmp_path):
+    """Composed around the blocks (checkpointing) or traced into the program (chunked-ce) — not distillation, which
+    also computes its own loss but brings a teacher model the engine would have to declare, nor LoRA."""
+    from memfit.estimators import methods_for
+
+    def methods(*techniques):
+        return methods_for(Workload(model=_config(tmp_path, NEOX), task="train", batch_size=2, seq_len=32,
+                                    techniques=techniques))
+
+    assert "analytic" in methods("checkpointing", "chunked-ce")
+    assert methods("distill") == methods("lora") == ("traced",)

@@ -30,7 +30,7 @@ from memfit.estimators.traced import _trace_rank, tracking_granularity
 from memfit.estimators.tracker import Trace
 from memfit.specs.hardware import GPU
 from memfit.specs.workload import Workload
-from memfit.techniques.base import REGISTRY
+from memfit.techniques.base import REGISTRY, Technique
 from memfit.techniques.resolve import ResolvedWorkload, resolve
 
 Factor = tuple[int, Fraction, Fraction]   # B^i·(a + b·S)
@@ -193,14 +193,15 @@ def _node_extras(run: _Run, node: NodeRecord) -> tuple[list[int], bool]:
     return [sid for sid in born if sid in died], all(sid in died for sid in born)
 
 
+def _node_running(run: _Run, event: int) -> int | None:
+    """The backward node that was running at `event`, if one was."""
+    return next((i for i, n in enumerate(run.tracker.nodes) if n.window[0] <= event < n.window[1]), None)
+
+
 def _recomputed(run: _Run) -> dict[int, tuple[int, int]]:
     """What a checkpoint recomputes while a node whose saved tensors it packed runs: each storage born then that
     outlives that node, with the node whose run frees it (by storage: (carrying node, dropping node))."""
     trace, nodes = run.trace, run.tracker.nodes
-
-    def node_at(index: int) -> int | None:
-        return next((i for i, n in enumerate(nodes) if n.window[0] <= index < n.window[1]), None)
-
     carried = {}
     for i, node in enumerate(nodes):
         start, end = node.window
@@ -209,7 +210,7 @@ def _recomputed(run: _Run) -> dict[int, tuple[int, int]]:
         for index in range(start, end):
             sid, delta = trace.events[index]
             died = trace.storages[sid].died
-            if delta > 0 and died is not None and died >= end and (at := node_at(died)) is not None:
+            if delta > 0 and died is not None and died >= end and (at := _node_running(run, died)) is not None:
                 carried[sid] = (i, at)
     return carried
 
@@ -221,10 +222,9 @@ def _held(run: _Run, saved: set[int]) -> dict[int, list[int]]:
     for index in range(marks["backward"], marks.get("optimizer", len(trace.events))):
         sid, delta = trace.events[index]
         s = trace.storages[sid]
-        if delta < 0 and s.born is not None and marks["forward"] <= s.born < marks["backward"] and sid not in saved:
-            at = next((i for i, n in enumerate(run.tracker.nodes) if n.window[0] <= index < n.window[1]), None)
-            if at is not None:
-                held.setdefault(at, []).append(sid)
+        if (delta < 0 and s.born is not None and marks["forward"] <= s.born < marks["backward"] and sid not in saved
+                and (at := _node_running(run, index)) is not None):
+            held.setdefault(at, []).append(sid)
     return held
 
 
@@ -290,9 +290,22 @@ def _check(program: DerivedProgram, run: _Run, batch: int, seq: int) -> None:
 _CACHE: dict[str, DerivedProgram | NotModelled] = {}
 
 
-def composed_techniques() -> list[str]:
-    """The techniques a derived program composes (their trait says they act around the blocks)."""
-    return sorted(name for name, cls in REGISTRY.items() if "around-blocks" in cls.traits)
+COMPOSED = frozenset({"around-blocks", "allocator-only"})   # the symbolic engine applies them to the program
+RECORDED = frozenset({"replaces-loss"})   # they change the part after the blocks: traced into the program
+# a recorded technique must leave the model the engine declares as it is (distillation's teacher does not)
+_MODEL_HOOKS = ("analytic_spec", "analytic_layers", "analytic_model", "analytic_weights", "analytic_train")
+
+
+def _takes(cls) -> bool:
+    """Whether a derived program takes technique class `cls`: composed around the blocks, or recorded with them."""
+    recorded = bool(cls.traits & RECORDED) and all(getattr(cls, hook) is getattr(Technique, hook)
+                                                   for hook in _MODEL_HOOKS)
+    return bool(cls.traits & COMPOSED) or recorded
+
+
+def derived_techniques() -> list[str]:
+    """The techniques a derived program takes that change a step's tensors."""
+    return sorted(name for name, cls in REGISTRY.items() if _takes(cls) and "allocator-only" not in cls.traits)
 
 
 def derivable(workload: ResolvedWorkload) -> bool:
@@ -301,11 +314,8 @@ def derivable(workload: ResolvedWorkload) -> bool:
     source = workload.source
     return (source.is_hf and source.model_type is not None and bool(source.num_layers)
             and workload.task == "train" and workload.step is None and workload.engine == "pytorch"
-            and all(t.traits & (COMPOSED | RECORDED) for t in workload.technique_configs if t.workload_field is None))
+            and all(_takes(type(t)) for t in workload.technique_configs if t.workload_field is None))
 
-
-COMPOSED = frozenset({"around-blocks", "allocator-only"})   # the symbolic engine applies them to the program
-RECORDED = frozenset({"replaces-loss"})   # they change the part after the blocks: traced into the program
 
 
 def _recorded(workload: ResolvedWorkload) -> tuple[str, ...]:

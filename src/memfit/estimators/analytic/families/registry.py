@@ -6,7 +6,7 @@ from types import ModuleType
 
 from memfit.core.errors import MemfitError
 from memfit.estimators.analytic.families import bert, decoder, derived, gpt2, t5, vit
-from memfit.estimators.derived_program import composed_techniques, derivable, derived_program
+from memfit.estimators.derived_program import derivable, derived_program, derived_techniques
 
 _FAMILIES: dict[str, tuple[ModuleType, type]] = {
     **{name: (decoder, decoder.DecoderSpec) for name in decoder.FAMILIES},
@@ -33,8 +33,8 @@ def family_of(source):
     if entry is None:
         raise MemfitError(
             f"no written analytic model for model_type {source.model_type!r} (supported: "
-            f"{', '.join(supported_model_types())}); a program derived from its trace covers training with the "
-            f"techniques that act around its blocks ({', '.join(composed_techniques())}); use --method traced.")
+            f"{', '.join(supported_model_types())}); a program derived from its trace covers training, with any of "
+            f"{', '.join(derived_techniques())}; use --method traced.")
     module, spec_type = entry
     key = json.dumps(source.config_fields, sort_keys=True)
     if key not in _SPECS:
