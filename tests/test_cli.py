@@ -91,7 +91,7 @@ def test_savings_fall_back_to_traced_where_the_analytic_model_has_no_program(cap
     (["estimate", "tiny-llama", "-t", "adamw8bit", "--world-size", "2", "--zero", "1"], "ZeRO-1/2"),
     (["estimate", "tiny-llama", "-t", "fsdp2"], "--world-size"),
     (["estimate", "tiny-llama", "-t", "fsdp2:mp=fp8", "--world-size", "2"], "mp='fp8'"),
-    (["estimate", "llama-3-8b"], "unknown model"),
+    (["estimate", "llama-3-9b"], "unknown model"),
     (["estimate", "tiny-llama", "--batch-size", "0"], "batch-size"),
     (["estimate", "tiny-llama", "--batch-size", "two"], "invalid int"),
     (["estimate", "tiny-llama", "--precision", "fp4"], "unknown precision"),

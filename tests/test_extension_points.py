@@ -180,7 +180,7 @@ def test_a_format_or_kind_that_declares_something_unknown_is_refused():
     with pytest.raises(Exception, match="dtype"):
         WeightFormat("bad", "a test", 4, "int3", (), kernel="x")
     with pytest.raises(ValueError, match="per"):
-        WeightFormat("bad", "a test", 4, "uint8", (State("scale", "float32", "column"),), kernel="x")
+        WeightFormat("bad", "a test", 4, "uint8", (State("scale", "float32", "columns"),), kernel="x")
     with pytest.raises(ValueError, match="already registered"):
         register_weight_format(dataclasses.replace(TOY_FORMAT, code_bits=5))
     with pytest.raises(MemfitError, match="Did you mean: toy-int8-paged"):

@@ -262,3 +262,29 @@ def test_plan_arguments(model, gpu, pairs):
 ])
 def test_traced_estimate_arguments(argv):
     assert_clean(*cli(*argv, "--json"))
+
+
+serve_flags = st.lists(st.one_of(
+    st.tuples(st.sampled_from(("--tensor-parallel", "--pipeline-parallel", "--data-parallel", "--max-model-len",
+                               "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--chunked-prefill-size",
+                               "--cuda-graph-max-bs")), numbers),
+    st.tuples(st.sampled_from(("--gpu-memory-utilization", "--mem-fraction-static", "--cpu-offload-gb")),
+              st.sampled_from(("0.9", "0", "1", "1.5", "-0.1", "nan", "inf", "x", ""))),
+    st.tuples(st.sampled_from(("--gpu-memory", "--kv-cache-memory", "--other-memory")),
+              st.sampled_from(("24GiB", "0", "-5GiB", "1e400GiB", "nan", "x", "100MiB", "80GB"))),
+    st.tuples(st.just("--engine-version"), st.sampled_from(("0.6.4", "0.21.0", "0.32.0", "9.9", "v0.8", "x", ""))),
+    st.tuples(st.just("--kv-cache-dtype"), st.sampled_from(("auto", "fp8", "fp8_e5m2", "int4", ""))),
+    st.tuples(st.just("--quantization"), st.sampled_from(("awq", "gptq", "fp8", "bitsandbytes", "mxfp4", "gguf", ""))),
+    st.tuples(st.just("--gpu"), st.sampled_from(("t4", "h100", "l4", "h1000", ""))),
+    st.tuples(st.just("--entrypoint"), st.sampled_from(("server", "offline", "x"))),
+), max_size=5)
+
+
+@FUZZ
+@given(st.sampled_from(("llama-3.1-8b", "deepseek-v3", "gemma-3-12b", "gpt-oss-20b", "qwen3-30b-a3b", "tiny-bert",
+                        "memfit.examples.convnet:build", "")), st.sampled_from(("vllm", "sglang", "tgi", "x")),
+       serve_flags)
+def test_serve_arguments(model, engine, pairs):
+    """`memfit estimate --task serve`: every engine setting, valid or not, is an estimate or one line and exit 2."""
+    argv = ["estimate", model, "--task", "serve", "--engine", engine, "--json"] + [x for pair in pairs for x in pair]
+    assert_clean(*cli(*argv))

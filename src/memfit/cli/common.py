@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 from typing import Any
 
-from rich.console import Console
-
+from memfit.cli.console import PIPED_WIDTH, output_console, print_json  # noqa: F401  (the commands' import)
 from memfit.core.errors import MemfitError
 from memfit.core.precision import PRECISIONS
 from memfit.core.units import parse_bytes
@@ -138,22 +134,6 @@ def command_line(workload: ResolvedWorkload) -> str:
     for spec in workload.techniques:
         parts += ["-t", spec]
     return " ".join(parts)
-
-
-PIPED_WIDTH = 100   # a log or CI: what a reader's terminal or editor shows without scrolling
-
-
-def output_console() -> Console:
-    """Where a command prints its tables: the terminal at its width; piped into a file or a CI log, $COLUMNS if set,
-    else 100 columns (and no colour codes)."""
-    if sys.stdout.isatty():
-        return Console()
-    columns = os.environ.get("COLUMNS", "")
-    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else PIPED_WIDTH)
-
-
-def print_json(data: dict) -> None:
-    print(json.dumps(data, indent=2))
 
 
 def check_output_path(path: str | None, suffixes: tuple[str, ...], flag: str) -> None:

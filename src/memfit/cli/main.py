@@ -26,6 +26,18 @@ COMMANDS = {
     "plan": ("memfit.cli.plan", "find the fastest combination of techniques that fits your GPUs"),
     "explain-oom": ("memfit.cli.explain_oom", "explain a CUDA out-of-memory error and rank the fixes"),
 }
+# a command whose flags differ by task: (command, task) -> the module that takes that task
+TASK_MODULES = {("estimate", "serve"): "memfit.cli.serve"}
+
+
+def task_in(argv: list[str]) -> str | None:
+    """The --task a command line gives (--task X or --task=X), if any."""
+    for i, word in enumerate(argv):
+        if word == "--task" and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith("--task="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def one_line(text: str) -> str:
@@ -87,6 +99,7 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
     for name, (module, summary) in COMMANDS.items():
         commands[name] = subparsers.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
         if name == chosen:
+            module = TASK_MODULES.get((name, task_in(list(argv or ())) or ""), module)
             importlib.import_module(module).add_arguments(commands[name])
     return parser, commands
 

@@ -2,9 +2,12 @@
 model name a dtype as PyTorch prints it without its module ("float32", "bfloat16", "int8")."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.core.errors import require_choice
+
+if TYPE_CHECKING:
+    import torch
 
 BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
          "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,

@@ -7,12 +7,8 @@ that returns an `nn.Module` (then an inputs factory is needed; user_code.py), or
 """
 from __future__ import annotations
 
-import copy
-import json
-import os
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from importlib import resources
 from typing import Any, cast
 
 import torch
@@ -20,25 +16,14 @@ from torch import nn
 
 from memfit.core.errors import MemfitError, closest
 from memfit.specs.blocks import alike_lists
-from memfit.specs.hub import hub_config, looks_like_hub_id
 from memfit.specs.live import batch_like, is_live, lookup, meta_copy
+from memfit.specs.model_configs import catalog, find_config
 from memfit.specs.model_shape import ModelShape
-from memfit.specs.user_code import cache_key, call_user, import_callable, is_file_spec
+from memfit.specs.user_code import cache_key, call_user, import_callable
 
 # The head a Hugging Face class carries decides the inputs and the loss.
 HEADS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "base")
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
-
-
-@lru_cache(maxsize=1)
-def catalog() -> dict[str, dict]:
-    """name -> bundled model document (schema memfit.model/1)."""
-    docs = {}
-    for entry in resources.files("memfit.specs").joinpath("configs").iterdir():
-        if entry.name.endswith(".json"):
-            doc = json.loads(entry.read_text())
-            docs[doc["name"]] = doc
-    return dict(sorted(docs.items()))
 
 
 def _head_of(class_name: str, config: Any) -> str:
@@ -326,63 +311,19 @@ def _default_class_name(config) -> str:
     raise MemfitError(f"no transformers model class is known for model_type {config.model_type!r}.")
 
 
-def _hf_source(name: str, hf_config, where: str) -> ModelSource:
-    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
-        raise MemfitError(f"{where} is not a Hugging Face config.json: it has no 'model_type'.")
-    source = ModelSource(name=name, kind="hf-config", hf_config=hf_config)
-    source.config()  # validate now, not mid-run
-    source.check_attention()
-    return source
-
-
-# words in a hub id that name a post-trained (or the base) variant of the same shapes: "-Instruct", "-it", "-Base"...
-_VARIANT_WORDS = frozenset({"instruct", "it", "pt", "base", "chat"})
-
-
-def _base_id(hub_id: str) -> str:
-    """A hub id, lower-cased, without the words that name a post-trained variant (Llama-3.2-1B-Instruct ->
-    llama-3.2-1b, gemma-3-1b-it -> gemma-3-1b, Mistral-Small-24B-Instruct-2501 -> mistral-small-24b-2501)."""
-    org, _, name = hub_id.lower().rpartition("/")
-    return f"{org}/" + "-".join(word for word in name.split("-") if word not in _VARIANT_WORDS)
-
-
 def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line MemfitError."""
     spec = spec.strip()
-    docs = catalog()
-    by_hub_id = {doc["reference"].lower(): name for name, doc in docs.items() if doc.get("reference")}
-    by_base_id = {_base_id(doc["reference"]): name for name, doc in docs.items() if "/" in (doc.get("reference") or "")}
-    note = None
-    if spec.lower() in by_hub_id:   # a bundled model named by its Hugging Face hub id
-        spec = by_hub_id[spec.lower()]
-    elif looks_like_hub_id(spec) and _base_id(spec) in by_base_id:
-        base = by_base_id[_base_id(spec)]
-        note = (f"{spec} is not bundled: memfit took the shapes of {base} ({docs[base]['reference']}), the same "
-                "model before or after post-training")
-        spec = base
-    if spec in docs:
-        doc = docs[spec]
-        return ModelSource(name=spec, kind="catalog", hf_config=copy.deepcopy(doc["hf_config"]),
-                           reference=doc.get("reference"),
-                           published_num_parameters=doc.get("published_num_parameters"), note=note)
-    if looks_like_hub_id(spec):
-        try:
-            hf_config = hub_config(spec)
-        except MemfitError as exc:
-            hub_ids = [doc["reference"] for doc in docs.values() if doc.get("reference")]
-            raise MemfitError(f"{exc}{closest(spec, hub_ids)}") from None
-        return _hf_source(spec, hf_config, f"{spec}'s config.json")
-    if (spec.endswith(".json") or os.path.isdir(spec) or os.sep in spec) and not is_file_spec(spec):
-        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-        try:
-            with open(path) as fh:
-                hf_config = json.load(fh)
-        except FileNotFoundError:
-            raise MemfitError(f"no model config at {path!r}; give a catalog name, a config.json path or "
-                              "module:function.") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise MemfitError(f"cannot read model config {path!r}: {exc}") from None
-        return _hf_source(os.path.basename(os.path.dirname(os.path.abspath(path))) or path, hf_config, repr(path))
+    found = find_config(spec)
+    if found is not None and found.kind == "catalog":
+        doc = found.doc
+        return ModelSource(name=found.name, kind="catalog", hf_config=found.hf_config, reference=doc.get("reference"),
+                           published_num_parameters=doc.get("published_num_parameters"), note=found.note)
+    if found is not None:
+        source = ModelSource(name=found.name, kind="hf-config", hf_config=found.hf_config)
+        source.config()  # validate now, not mid-run
+        source.check_attention()
+        return source
     if is_live(spec):
         lookup(spec)
         return ModelSource(name=spec, kind="live", factory=spec, inputs_factory=inputs)
@@ -395,4 +336,4 @@ def resolve_source(spec: str, inputs: str | None = None) -> ModelSource:
         import_callable(spec, "model factory")
         import_callable(inputs, "inputs factory")
         return ModelSource(name=spec, kind="factory", factory=spec, inputs_factory=inputs)
-    raise MemfitError(f"unknown model {spec!r}; `memfit models` lists the catalog.{closest(spec, docs)}")
+    raise MemfitError(f"unknown model {spec!r}; `memfit models` lists the catalog.{closest(spec, catalog())}")

@@ -1,0 +1,99 @@
+"""`memfit estimate MODEL --task serve --engine vllm|sglang`: what a serving engine sets aside on each GPU, whether
+it starts, and how many requests fit at what context. Read from the model's config alone: no torch is imported, so
+the answer comes at once (`memfit estimate --task serve --help` lists these flags; `memfit estimate --help` the
+training and inference ones)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memfit.cli.console import output_console, print_json
+from memfit.core.errors import MemfitError
+from memfit.core.units import GiB, parse_bytes
+from memfit.report.serving_report import print_serving
+from memfit.serving.checkpoints import QUANTIZATIONS
+from memfit.serving.estimate import estimate_serving
+from memfit.serving.releases import ENGINES, NEWEST
+from memfit.serving.served_model import served_model
+from memfit.serving.settings import ENTRYPOINTS, KV_CACHE_DTYPES, ServeSettings
+from memfit.specs.hardware import get_gpu
+from memfit.specs.model_configs import find_config
+
+# (flag, ServeSettings field, argparse options, help)
+SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
+    ("--engine-version", "engine_version", {"metavar": "V"},
+     f"the engine's release (default: the newest memfit models: vllm {NEWEST['vllm']}, sglang {NEWEST['sglang']})"),
+    ("--tensor-parallel", "tensor_parallel", {"type": int, "metavar": "N"}, "tensor-parallel GPUs (default 1)"),
+    ("--pipeline-parallel", "pipeline_parallel", {"type": int, "metavar": "N"}, "pipeline stages (default 1)"),
+    ("--data-parallel", "data_parallel", {"type": int, "metavar": "N"}, "replicas (default 1)"),
+    ("--enable-expert-parallel", "expert_parallel", {"action": "store_const", "const": True},
+     "a mixture's experts split whole over the tensor-parallel GPUs"),
+    ("--max-model-len", "max_model_len", {"type": int, "metavar": "L"}, "context per request (default: the model's)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", {"type": float, "metavar": "U"},
+     "vLLM: the fraction of the GPU's total it may use (default 0.92 from 0.20, 0.9 before)"),
+    ("--max-num-seqs", "max_num_seqs", {"type": int, "metavar": "S"},
+     "requests per step (default: by release and GPU)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", {"type": int, "metavar": "T"},
+     "tokens per step, the profile run's size (default: by release, GPU and entry point)"),
+    ("--entrypoint", "entrypoint", {"choices": ENTRYPOINTS}, "vllm serve (server, default) or the offline LLM class"),
+    ("--enforce-eager", "enforce_eager", {"action": "store_const", "const": True}, "no CUDA graphs"),
+    ("--kv-cache-dtype", "kv_cache_dtype", {"metavar": "|".join(KV_CACHE_DTYPES)}, "default auto (the served dtype)"),
+    ("--block-size", "block_size", {"type": int}, "tokens per KV block (default 16; 64 for MLA)"),
+    ("--quantization", "quantization", {"metavar": "METHOD"},
+     f"{', '.join(QUANTIZATIONS)} (default: the checkpoint's quantization_config)"),
+    ("--dtype", "dtype", {}, "auto (default: the checkpoint's), bfloat16, float16 or float32"),
+    ("--cpu-offload-gb", "cpu_offload_gb", {"type": float, "metavar": "GB"}, "vLLM: weights kept in CPU memory"),
+    ("--mem-fraction-static", "mem_fraction_static", {"type": float, "metavar": "F"},
+     "SGLang: the fraction of free memory for weights and the KV pool"),
+    ("--chunked-prefill-size", "chunked_prefill_size", {"type": int}, "SGLang"),
+    ("--cuda-graph-max-bs", "cuda_graph_max_bs", {"type": int}, "SGLang"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="catalog name (memfit models), a Hugging Face config.json, folder "
+                                                 "or hub id")
+    parser.add_argument("--task", choices=("serve",), required=True, help="serve: an LLM serving engine's start-up")
+    parser.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")
+    parser.add_argument("--gpu", default="h100", help="the GPU each rank runs on (memfit gpus; default h100)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="the total CUDA reports, e.g. 23.58GiB (default: the "
+                                                             "catalog's)")
+    parser.add_argument("--kv-cache-memory", metavar="SIZE", help="vLLM: KV cache bytes per GPU, no profiling")
+    parser.add_argument("--other-memory", metavar="SIZE", help="memory other processes hold on the GPU at start")
+    group = parser.add_argument_group("engine settings (the engine's own names)")
+    for flag, field, options, text in SERVE_FLAGS:
+        group.add_argument(flag, dest=field, default=None, help=text, **options)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(run=run)
+
+
+def settings_from(args: argparse.Namespace) -> ServeSettings:
+    given = {field: getattr(args, field) for _, field, _, _ in SERVE_FLAGS if getattr(args, field) is not None}
+    if args.kv_cache_memory:
+        given["kv_cache_memory"] = parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
+    if args.other_memory:
+        given["other_process_bytes"] = parse_bytes(args.other_memory, "--other-memory")
+    return ServeSettings(engine=args.engine, **given)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
+    settings = settings_from(args)
+    found = find_config(args.model)
+    if found is None:
+        raise MemfitError(f"{args.model!r}: --task serve reads a Hugging Face config (a catalog name, a config.json, "
+                          "a folder or a hub id), not a Python factory.")
+    gpu = get_gpu(args.gpu)
+    if args.gpu_memory:
+        gpu = gpu.with_memory(parse_bytes(args.gpu_memory, "--gpu-memory"))
+    if gpu.memory_bytes < GiB // 4:
+        raise MemfitError(f"--gpu-memory {args.gpu_memory}: a GPU that small cannot hold an engine.")
+    estimate = estimate_serving(served_model(found), gpu, settings)
+    if found.note:
+        estimate.notes.append(found.note)
+    if args.json:
+        print_json(estimate.to_json())
+    else:
+        print_serving(estimate, output_console())
+    return 0

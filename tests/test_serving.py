@@ -1,0 +1,151 @@
+"""The serving estimate (memfit.serving): the engine's view of the model from its config alone, its KV cache's
+blocks and tokens, its refusals, and the command that prints them, without torch."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memfit.cli.main import main
+from memfit.core.errors import MemfitError
+from memfit.core.units import GiB
+from memfit.core.weight_formats import FP8_BLOCK
+from memfit.serving import kv_cache
+from memfit.serving.checkpoints import checkpoint_of, weights_bytes
+from memfit.serving.estimate import estimate_serving
+from memfit.serving.served_model import INVENTORIES, served_model
+from memfit.serving.settings import ServeSettings
+from memfit.specs.hardware import get_gpu
+from memfit.specs.model_configs import catalog, find_config
+from memfit.specs.model_source import resolve_source
+
+JSON_KEYS = ("weights_bytes", "activation_bytes", "non_torch_bytes", "cuda_graph_bytes", "budget_bytes",
+             "kv_cache_bytes", "kv_blocks", "kv_cache_tokens", "max_concurrency", "max_model_len_fits", "starts",
+             "refusal", "sources")
+
+
+def model(name: str):
+    return served_model(find_config(name))
+
+
+def serve(name: str, gpu: str = "h100", memory_gib: float | None = None, **settings):
+    target = get_gpu(gpu)
+    if memory_gib is not None:
+        target = target.with_memory(round(memory_gib * GiB))
+    return estimate_serving(model(name), target, ServeSettings(**settings))
+
+
+@pytest.mark.parametrize("name", [n for n, d in catalog().items() if d["hf_config"]["model_type"] in INVENTORIES])
+def test_the_inventory_has_the_parameters_transformers_builds(name):
+    """Every weight the engine loads, read from the config: as many as transformers builds from it."""
+    built = resolve_source(name).build(device="meta", dtype=torch.float32)
+    assert sum(w.numel for w in model(name).weights) == sum(p.numel() for p in built.parameters())
+
+
+def test_per_token_kv_bytes_for_each_attention_kind():
+    llama = model("llama-3.1-8b")   # GQA: 8 KV heads of 128, 32 layers
+    assert kv_cache.layout(llama, 1, "bfloat16", 16).token_bytes == 2 * 8 * 128 * 2 * 32
+    assert kv_cache.layout(llama, 16, "bfloat16", 16).token_bytes == 2 * 1 * 128 * 2 * 32   # heads replicated
+    assert kv_cache.layout(llama, 1, "float8_e4m3fn", 16).token_bytes == 2 * 8 * 128 * 32
+    deepseek = model("deepseek-v3")   # MLA: one latent of 512 + 64, not split by tensor parallel
+    assert kv_cache.layout(deepseek, 8, "bfloat16", 64).token_bytes == (512 + 64) * 2 * 61
+    gemma = kv_cache.layout(model("gemma-3-12b"), 1, "bfloat16", 16)   # 40 sliding (1024) + 8 full layers: groups of 8
+    assert gemma.tensors == 8 and len(gemma.groups) == 6
+    assert sum(g.window is None for g in gemma.groups) == 1
+    # a request at 32768 tokens: the full group's 2048 blocks, each sliding group its window's reach plus one
+    assert gemma.request_blocks(32768, 2048) == 2048 + 5 * (-(-(1023 + 2048) // 16) + 1)
+    oss = kv_cache.layout(model("gpt-oss-20b"), 1, "bfloat16", 16)   # 12 + 12: two groups of 12
+    assert oss.tensors == 12 and len(oss.groups) == 2
+
+
+def test_blocks_tokens_and_concurrency_of_a_given_cache():
+    """Qwen2.5-7B, 57,344 bytes a token: v-v100-qwen7b-eager logs 245,360 tokens and 7.49x at 32,768."""
+    given = 245_360 * 57_344
+    e = serve("qwen2.5-7b", "v100-32gb", engine_version="0.18.0", max_model_len=32768, kv_cache_memory=given)
+    assert (e.kv_blocks, e.kv_cache_tokens, e.max_concurrency) == (15_335, 245_360, 7.49)
+    newer = serve("qwen2.5-7b", "v100-32gb", max_model_len=32768, kv_cache_memory=given)   # 2026: concurrency x L
+    assert newer.kv_cache_tokens == int(15_335 / 2048 * 32768)
+
+
+def test_quantized_weights_as_the_engine_stores_them():
+    w8a8 = dataclasses.replace(model("llama-3.1-70b"), quantization={
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}})
+    stored = weights_bytes(w8a8, checkpoint_of(w8a8, None, (9, 0)), "bfloat16", 1)
+    assert stored / GiB == pytest.approx(67.7229, rel=1e-3)   # vLLM PR #12569's log
+    # DeepSeek-V3's fp8 block scales: the checkpoint's count less its multi-token-prediction layer (one MoE layer),
+    # which vLLM loads only for speculative decoding
+    deepseek = model("deepseek-v3")
+    scales = sum(FP8_BLOCK.state_elements(w.shape)[0][1] for w in deepseek.weights if w.linear)
+    last_layer = sum(FP8_BLOCK.state_elements(w.shape)[0][1] for w in deepseek.weights
+                     if w.linear and w.name.startswith("layers.60."))
+    published = catalog()["deepseek-v3"]["published_includes"]["float32 fp8 block scales (weight_scale_inv)"]
+    assert scales + last_layer == published
+    awq = model("qwen2.5-7b")
+    assert checkpoint_of(awq, "awq", (8, 9)).method == "awq_marlin"
+    assert checkpoint_of(awq, "awq", (7, 5)).method == "awq"
+    with pytest.raises(MemfitError, match="quantization_config says 'awq'"):
+        checkpoint_of(dataclasses.replace(awq, quantization={"quant_method": "awq"}), "gptq", (8, 9))
+
+
+def test_a_cache_too_small_for_the_context_is_refused_as_the_engine_words_it():
+    """v-3090-29k: vLLM 0.6.4 refuses 29,000 tokens on an RTX 3090 (the cache held 23,648)."""
+    v0 = serve("llama-3.1-8b", "rtx-3090", engine_version="0.6.4", max_model_len=29000)
+    assert not v0.starts and v0.refusal.startswith("The model's max seq len (29000) is larger than the maximum")
+    assert v0.max_model_len_fits == v0.kv_cache_tokens
+    assert serve("llama-3.1-8b", "rtx-3090", engine_version="0.6.4", max_model_len=v0.max_model_len_fits).starts
+    v1 = serve("llama-3.1-8b", "l4")   # 131,072 tokens on an L4
+    assert not v1.starts and f"estimated maximum model length is {v1.max_model_len_fits}" in v1.refusal
+    assert serve("llama-3.1-8b", "l4", max_model_len=v1.max_model_len_fits).starts
+    assert not serve("llama-3.1-8b", "l4", max_model_len=v1.max_model_len_fits + 64).starts
+    full = serve("llama-3.1-70b", "rtx-4090")
+    assert not full.starts and full.refusal.startswith("No available memory for the cache blocks")
+
+
+def test_tensor_parallel_and_the_eras():
+    one, two = serve("llama-3-8b", max_model_len=8192), serve("llama-3-8b", max_model_len=8192, tensor_parallel=2)
+    assert two.weights_bytes < one.weights_bytes / 2 + 0.6 * GiB and two.kv_blocks > 1.9 * one.kv_blocks
+    eager = serve("llama-3-8b", max_model_len=8192, enforce_eager=True)
+    assert eager.cuda_graph_bytes == 0 and eager.kv_cache_bytes > one.kv_cache_bytes   # graphs in the budget (>= 0.21)
+    old = serve("llama-3-8b", max_model_len=8192, engine_version="0.20.2")
+    assert old.cuda_graph_bytes and not old.graphs_in_budget and old.settings["gpu_memory_utilization"] == 0.92
+    assert serve("llama-3-8b", max_model_len=8192, engine_version="0.19.1").settings["gpu_memory_utilization"] == 0.9
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"tensor_parallel": 3}, "must be divisible by tensor parallel size"),
+    ({"max_model_len": 200_000}, "greater than the derived max_model_len"),
+    ({"gpu_memory_utilization": 1.5}, "must be in (0, 1]"),
+    ({"engine_version": "0.1.0"}, "outside the releases memfit models"),
+    ({"engine_version": "latest"}, "not a version number"),
+    ({"engine": "sglang", "gpu_memory_utilization": 0.8}, "not a sglang setting"),
+    ({"engine": "trt"}, "unknown serving engine"),
+])
+def test_settings_the_engine_rejects_before_loading(settings, message):
+    with pytest.raises(MemfitError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        serve("llama-3.1-8b", **settings)
+
+
+def test_the_command_answers_every_key_without_torch():
+    """`memfit estimate MODEL --task serve` reads the config alone: torch is never imported."""
+    code = ("import sys, json, io, contextlib; from memfit.cli.main import main; out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out): rc = main(['estimate', 'llama-3.1-8b', '--task', 'serve', "
+            "'--engine', 'vllm', '--gpu', 'l4', '--json'])\n"
+            "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'out': json.loads(out.getvalue())}))")
+    result = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert result["rc"] == 0 and not result["torch"]
+    assert all(key in result["out"] for key in JSON_KEYS)
+
+
+def test_the_table_and_the_command_line(capsys):
+    assert main(["estimate", "qwen3-8b", "--task", "serve", "--engine", "vllm", "--gpu", "l4",
+                 "--max-model-len", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU KV cache size:" in out and "vllm serve Qwen/Qwen3-8B --max-model-len 16384" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "qwen3-8b", "--task", "serve", "--engine", "vllm", "--precision", "bf16"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --precision" in capsys.readouterr().err
