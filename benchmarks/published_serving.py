@@ -101,9 +101,17 @@ ROWS = [
      dict(engine_version="0.5.4", tensor_parallel=4, gpu_memory_utilization=0.9),
      {"cuda_graph_gib": 2464 / 1024}, ()),
     ("s-4x24g-qwen32b", "qwen2.5-32b", "rtx-4090", None, None,
-     dict(engine="sglang", engine_version="0.4.3", tensor_parallel=4, mem_fraction_static=0.85),
+     dict(engine="sglang", engine_version="0.4.3", tensor_parallel=4),
      {"kv_cache_tokens": 46_611, "kv_cache_gib": 2.84},
-     ("SGLang 0.4.3's table gives 0.85 at TP 4",)),
+     ("March 2025: SGLang 0.4.3 assumed (its default fraction at TP 4: 0.85); the 24 GB cards taken as RTX 4090s",)),
+    ("t-4xa100-llama2-70b", "llama-2-70b", "a100-80gb", None, None,
+     dict(engine="tgi", engine_version="1.0.0", tensor_parallel=4), {"kv_cache_tokens": 406_560}, ()),
+    ("t-2xa100-llama31-70b", "llama-3.1-70b", "a100-80gb", None, None,
+     dict(engine="tgi", engine_version="2.4.0", tensor_parallel=2, max_batch_prefill_tokens=10049),
+     {"kv_cache_tokens": 30_816}, ("release not stated: 2.4.0, the one current when the issue was filed",)),
+    ("t-22g-llama2", "llama-2-7b", "a10g", None, None, dict(engine="tgi", engine_version="1.0.0"),
+     {"kv_cache_tokens": 16_224, "starts": True},
+     ("size not stated: 7B (a 13B's weights do not fit in 22 GB); release: 1.0.0, the oldest memfit models",)),
 ]
 MISSES = [
     ("v-h100-eagle", "speculative decoding's draft layer: refused until the serving planner models it (issue 41)"),
@@ -115,9 +123,6 @@ MISSES = [
                              "while this one profiled); memfit models a co-tenant present before the start"),
     ("v-cgraph-estimate", "an unnamed hybrid Mamba model"),
     ("v-cgraph-overestimate", "MiniMax M2.5 NVFP4 is not bundled; NVFP4 not modelled"),
-    ("t-4xa100-llama2-70b", "TGI is not modelled yet"),
-    ("t-2xa100-llama31-70b", "TGI is not modelled yet"),
-    ("t-22g-llama2", "TGI is not modelled yet"),
 ]
 
 
@@ -154,19 +159,40 @@ def run() -> list[dict]:
     return records
 
 
+KV_METRICS = ("kv_cache_gib", "kv_cache_tokens", "kv_blocks")   # one per row: the first it reports
+
+
+def kv_errors(records: list[dict]) -> dict[str, float]:
+    """Each row's KV-cache error: its bytes where logged, else its tokens or blocks (the same space over a
+    per-token or per-block size memfit computes exactly)."""
+    errors: dict[str, float] = {}
+    for metric in KV_METRICS:
+        for r in records:
+            if r["metric"] == metric and r["id"] not in errors:
+                errors[r["id"]] = abs(r["error"])
+    return errors
+
+
 def summary(records: list[dict]) -> dict:
-    kv = [abs(r["error"]) for r in records if r["metric"] == "kv_cache_gib"]
+    errors = kv_errors(records)
+    engines = {"vllm": [e for id_, e in errors.items() if id_.startswith("v-")],
+               "sglang and tgi": [e for id_, e in errors.items() if not id_.startswith("v-")]}
     starts = [r["error"] for r in records if r["metric"] == "starts"]
-    return {"kv_rows": len(kv), "kv_mean_abs_error": sum(kv) / len(kv), "kv_worst_abs_error": max(kv),
+    return {"kv_rows": len(errors), "kv_mean_abs_error": sum(errors.values()) / len(errors),
+            "kv_worst_abs_error": max(errors.values()),
+            **{f"{name} kv": {"rows": len(e), "mean": sum(e) / len(e), "worst": max(e)} for name, e in engines.items()},
             "starts_right": sum(starts), "starts_rows": len(starts),
             "misses": sum(1 for r in records if r["metric"] == "-")}
 
 
 def table_of(records: list[dict], totals: dict) -> Table:
-    table = Table(title=f"memfit's serving estimate against published start-ups: KV bytes mean |error| "
+    vllm, others = totals["vllm kv"], totals["sglang and tgi kv"]
+    table = Table(title=f"memfit's serving estimate against published start-ups: the KV cache's mean |error| "
                         f"{100 * totals['kv_mean_abs_error']:.1f} %, worst {100 * totals['kv_worst_abs_error']:.1f} % "
-                        f"over {totals['kv_rows']} rows; starts right on {totals['starts_right']} of "
-                        f"{totals['starts_rows']}; {totals['misses']} misses")
+                        f"over {totals['kv_rows']} rows (vLLM {100 * vllm['mean']:.1f} % / "
+                        f"{100 * vllm['worst']:.1f} % over {vllm['rows']}; SGLang and TGI {100 * others['mean']:.1f} % "
+                        f"/ {100 * others['worst']:.1f} % over {others['rows']}); starts right on "
+                        f"{totals['starts_right']} of {totals['starts_rows']}; {totals['misses']} misses")
     for column in ("id", "metric", "reported", "predicted", "error", "notes"):
         table.add_column(column, justify="right" if column in ("reported", "predicted", "error") else "left")
     for r in records:

@@ -288,3 +288,24 @@ def test_serve_arguments(model, engine, pairs):
     """`memfit estimate --task serve`: every engine setting, valid or not, is an estimate or one line and exit 2."""
     argv = ["estimate", model, "--task", "serve", "--engine", engine, "--json"] + [x for pair in pairs for x in pair]
     assert_clean(*cli(*argv))
+
+
+SERVING_FAILURES = (
+    "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
+    "the engine.",
+    "ValueError: The model's max seq len (29000) is larger than the maximum number of tokens that can be stored in KV "
+    "cache (23648).",
+    "ValueError: Free memory on device (10.5/23.58 GiB) on startup is less than desired GPU memory utilization (0.9, "
+    "21.22 GiB).",
+)
+
+
+@FUZZ
+@given(st.sampled_from(SERVING_FAILURES), st.integers(0, 200), st.text(max_size=12),
+       st.sampled_from(("llama-3.1-8b", "tiny-llama", "nope", "")), serve_flags)
+def test_serving_failures(tmp_path_factory, message, cut, noise, model, pairs):
+    """`memfit explain-oom LOG --task serve`: a mangled log, any model and settings: fixes or one line, exit 2."""
+    path = tmp_path_factory.mktemp("log") / "vllm.log"
+    path.write_text(message[:cut] + noise + message[cut:])
+    argv = ["explain-oom", str(path), "--task", "serve", "--engine", "vllm", "--model", model, "--json"]
+    assert_clean(*cli(*argv, *[x for pair in pairs for x in pair]))

@@ -1,9 +1,11 @@
 """The serving estimate (memfit.serving): the engine's view of the model from its config alone, its KV cache's
 blocks and tokens, its refusals, and the command that prints them, without torch."""
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from memfit.specs.hardware import get_gpu
 from memfit.specs.model_configs import catalog, find_config
 from memfit.specs.model_source import resolve_source
 
+ROOT = Path(__file__).resolve().parent.parent
 JSON_KEYS = ("weights_bytes", "activation_bytes", "non_torch_bytes", "cuda_graph_bytes", "budget_bytes",
              "kv_cache_bytes", "kv_blocks", "kv_cache_tokens", "max_concurrency", "max_model_len_fits", "starts",
              "refusal", "sources")
@@ -107,6 +110,8 @@ def test_a_cache_too_small_for_the_context_is_refused_as_the_engine_words_it():
 def test_tensor_parallel_and_the_eras():
     one, two = serve("llama-3-8b", max_model_len=8192), serve("llama-3-8b", max_model_len=8192, tensor_parallel=2)
     assert two.weights_bytes < one.weights_bytes / 2 + 0.6 * GiB and two.kv_blocks > 1.9 * one.kv_blocks
+    stages = serve("llama-3-8b", max_model_len=8192, pipeline_parallel=2)   # 16 layers each, the head on the last
+    assert stages.weights_bytes < 0.6 * one.weights_bytes and stages.kv_blocks > 1.9 * one.kv_blocks
     eager = serve("llama-3-8b", max_model_len=8192, enforce_eager=True)
     assert eager.cuda_graph_bytes == 0 and eager.kv_cache_bytes > one.kv_cache_bytes   # graphs in the budget (>= 0.21)
     old = serve("llama-3-8b", max_model_len=8192, engine_version="0.20.2")
@@ -149,3 +154,87 @@ def test_the_table_and_the_command_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["estimate", "qwen3-8b", "--task", "serve", "--engine", "vllm", "--precision", "bf16"])
     assert exit_.value.code == 2 and "unrecognized arguments: --precision" in capsys.readouterr().err
+
+
+def test_the_python_api_is_the_command():
+    import memfit
+    from memfit.serving import estimate
+
+    given = dict(engine="vllm", gpu="l4", max_model_len=16384)
+    by_name = memfit.estimate("qwen3-8b", task="serve", **given)
+    assert by_name.to_json() == estimate("qwen3-8b", **given).to_json() and by_name.starts
+    with pytest.raises(MemfitError, match="task='serve' takes a model's name"):
+        memfit.estimate("qwen3-8b", task="serve", precision="bf16")
+
+
+def test_auto_fit_and_a_context_beyond_the_model():
+    """--max-model-len -1: the longest context that fits (vLLM's auto-fit); beyond the model's positions only with
+    the override, as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN."""
+    refused = serve("llama-3.1-8b", "l4")
+    fitted = serve("llama-3.1-8b", "l4", max_model_len=-1)
+    assert fitted.starts and fitted.max_model_len == refused.max_model_len_fits < 131072
+    assert any(note.startswith("Auto-fit max_model_len: reduced from 131072") for note in fitted.notes)
+    long = serve("qwen3-8b", max_model_len=65536, allow_long_max_model_len=True)   # positions: 40960
+    assert long.starts and long.max_model_len == 65536
+
+
+def test_tgi_sizes_its_cache_after_a_warm_up_that_keeps_every_prompt_logit():
+    """TGI's warm-up asks for the prompt's log-probabilities: logits for every prefill token, gathered whole at
+    tensor parallel > 1 (t-2xa100-llama31-70b: 10,049 prefill tokens, 128,256 logits each)."""
+    small = serve("llama-3.1-70b", "a100-80gb", engine="tgi", engine_version="2.4.0", tensor_parallel=2,
+                  max_batch_prefill_tokens=2048)
+    large = serve("llama-3.1-70b", "a100-80gb", engine="tgi", engine_version="2.4.0", tensor_parallel=2,
+                  max_batch_prefill_tokens=10049)
+    logits = 10049 * 128256 * 2
+    assert large.activation_bytes >= 2.5 * logits and large.kv_cache_tokens < small.kv_cache_tokens
+    # TGI 3 keeps (1 - 0.95 x fraction) of the total back instead of 5 % of what is free
+    assert serve("llama-2-7b", "a10g", engine="tgi", engine_version="3.0.0").kv_cache_tokens < \
+        serve("llama-2-7b", "a10g", engine="tgi", engine_version="2.2.0").kv_cache_tokens
+
+
+def test_explain_oom_reads_a_serving_failure_and_computes_its_fixes(tmp_path, capsys):
+    """v-3090-29k's refusal: the log gives the context; every fix memfit lists starts when estimated."""
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO ... # GPU blocks: 1478, # CPU blocks: 2048\nValueError: The model's max seq len (29000) is "
+                   "larger than the maximum number of tokens that can be stored in KV cache (23648). Try increasing "
+                   "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.\n")
+    argv = ["explain-oom", str(log), "--task", "serve", "--engine", "vllm", "--model", "llama-3.1-8b", "--gpu",
+            "rtx-3090", "--engine-version", "0.6.4", "--gpu-memory-utilization", "0.9", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["failure"]["kind"] == "context-too-long" and out["agrees"]
+    assert out["predicted"]["settings"]["max_model_len"] == 29000
+    changes = [fix["change"] for fix in out["fixes"]]
+    assert changes[0].startswith("--max-model-len ") and "--kv-cache-dtype fp8" in changes
+    assert all(fix["max_concurrency"] >= 1 for fix in out["fixes"])
+    assert main(argv[:-1]) == 0 and "fixes, each alone" in capsys.readouterr().out
+    log.write_text("nothing went wrong")
+    assert main(argv) == 2 and "no serving start-up failure" in capsys.readouterr().err
+
+
+def test_the_real_engine_run_here_decides_as_memfit_predicts():
+    """benchmarks/vllm_cpu_check.py's record of vLLM's CPU build (0.32.0) started here on tiny models of six kinds
+    (GQA, MHA, Qwen2, a float32 checkpoint, Mistral's sliding window, Gemma 2's hybrid layers): memfit's page, blocks,
+    token figure, concurrency, refusal and longest context equal the engine's in every case it compares."""
+    spec = importlib.util.spec_from_file_location("vllm_cpu_check", ROOT / "benchmarks" / "vllm_cpu_check.py")
+    assert spec is not None and spec.loader is not None
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    run = json.loads((ROOT / "benchmarks" / "results" / "vllm_cpu_run.json").read_text())
+    rows = [row for row in check.compare(run) if row["compared"]]
+    assert len(rows) >= 20 and [row["case"] for row in rows if not row["equal"]] == []
+    refused = [row for row in rows if row["engine"]["starts"] is False]
+    assert refused and all(row["engine"]["longest_context"] == row["memfit"]["longest_context"] for row in refused)
+
+
+def test_sglang_default_fraction_by_release():
+    """server_args.py's default mem_fraction_static: by TP size to 0.4.8, then by the GPU's memory (an H100 at TP 1:
+    0.874 from 0.4.9, 0.835 from 0.5.4 — SGLang's own figures, from nvidia-smi's slightly larger total)."""
+    from memfit.serving.sglang import sglang_fraction
+
+    def fraction(**settings):
+        return sglang_fraction(get_gpu("h100"), ServeSettings(engine="sglang", **settings))
+
+    assert fraction(engine_version="0.4.3", tensor_parallel=4) == 0.85
+    assert fraction(engine_version="0.4.9") == pytest.approx(0.874, abs=2e-3)
+    assert fraction(engine_version="0.5.4") == pytest.approx(0.835, abs=2e-3)

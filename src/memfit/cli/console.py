@@ -7,6 +7,8 @@ import sys
 
 from rich.console import Console
 
+from memfit.core.errors import MemfitError
+
 PIPED_WIDTH = 100   # a log or CI: what a reader's terminal or editor shows without scrolling
 
 
@@ -21,3 +23,15 @@ def output_console() -> Console:
 
 def print_json(data: dict) -> None:
     print(json.dumps(data, indent=2))
+
+
+def read_text(source: str) -> str:
+    if source == "-":
+        if sys.stdin.isatty():
+            raise MemfitError("paste the OOM message on stdin, or give a log file or a snapshot .pickle.")
+        return sys.stdin.read()
+    try:
+        with open(source, errors="replace") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise MemfitError(f"no such file {source!r}.") from None

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from memfit.cli.common import (
     add_gpu_arguments,
@@ -13,6 +12,7 @@ from memfit.cli.common import (
     print_json,
     workload_from,
 )
+from memfit.cli.console import read_text
 from memfit.core.errors import MemfitError
 from memfit.measurement.oom import load_snapshot, parse_oom_message, summarize_snapshot
 from memfit.report.oom_fixes import analyze, print_report, to_json
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.source.endswith(SNAPSHOT_SUFFIXES):
         snapshot_path = args.source
     else:
-        message = parse_oom_message(_read_text(args.source))
+        message = parse_oom_message(read_text(args.source))
     if snapshot_path:
         snapshot = summarize_snapshot(load_snapshot(snapshot_path))
     workload = None
@@ -50,15 +50,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(analysis, output_console())
     return 0
-
-
-def _read_text(source: str) -> str:
-    if source == "-":
-        if sys.stdin.isatty():
-            raise MemfitError("paste the OOM message on stdin, or give a log file or a snapshot .pickle.")
-        return sys.stdin.read()
-    try:
-        with open(source, errors="replace") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        raise MemfitError(f"no such file {source!r}.") from None

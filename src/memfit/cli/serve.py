@@ -11,14 +11,13 @@ from memfit.cli.console import output_console, print_json
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, parse_bytes
 from memfit.report.serving_report import print_serving
+from memfit.serving import estimate
 from memfit.serving.checkpoints import QUANTIZATIONS
-from memfit.serving.estimate import estimate_serving
 from memfit.serving.releases import ENGINES, NEWEST
-from memfit.serving.served_model import served_model
 from memfit.serving.settings import ENTRYPOINTS, KV_CACHE_DTYPES, ServeSettings
-from memfit.specs.hardware import get_gpu
-from memfit.specs.model_configs import find_config
+from memfit.specs.hardware import GPU, get_gpu
 
+MODEL_HELP = "catalog name (memfit models), a Hugging Face config.json, folder or hub id"
 # (flag, ServeSettings field, argparse options, help)
 SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--engine-version", "engine_version", {"metavar": "V"},
@@ -27,8 +26,11 @@ SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--pipeline-parallel", "pipeline_parallel", {"type": int, "metavar": "N"}, "pipeline stages (default 1)"),
     ("--data-parallel", "data_parallel", {"type": int, "metavar": "N"}, "replicas (default 1)"),
     ("--enable-expert-parallel", "expert_parallel", {"action": "store_const", "const": True},
-     "a mixture's experts split whole over the tensor-parallel GPUs"),
-    ("--max-model-len", "max_model_len", {"type": int, "metavar": "L"}, "context per request (default: the model's)"),
+     "a mixture's experts split whole over the tensor x data parallel GPUs"),
+    ("--max-model-len", "max_model_len", {"type": int, "metavar": "L"},
+     "context per request (default: the model's; -1: the longest that fits)"),
+    ("--allow-long-max-model-len", "allow_long_max_model_len", {"action": "store_const", "const": True},
+     "a context beyond the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", {"type": float, "metavar": "U"},
      "vLLM: the fraction of the GPU's total it may use (default 0.92 from 0.20, 0.9 before)"),
     ("--max-num-seqs", "max_num_seqs", {"type": int, "metavar": "S"},
@@ -50,9 +52,12 @@ SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="catalog name (memfit models), a Hugging Face config.json, folder "
-                                                 "or hub id")
+def add_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
+    """The serving flags; the model as the positional (or --model where the command's positional is a log)."""
+    if model_flag:
+        parser.add_argument("--model", help=MODEL_HELP)
+    else:
+        parser.add_argument("model", nargs="?", help=MODEL_HELP)
     parser.add_argument("--task", choices=("serve",), required=True, help="serve: an LLM serving engine's start-up")
     parser.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")
     parser.add_argument("--gpu", default="h100", help="the GPU each rank runs on (memfit gpus; default h100)")
@@ -64,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, field, options, text in SERVE_FLAGS:
         group.add_argument(flag, dest=field, default=None, help=text, **options)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.set_defaults(run=run)
+    if not model_flag:
+        parser.set_defaults(run=run)
 
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
@@ -76,24 +82,21 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(engine=args.engine, **given)
 
 
-def run(args: argparse.Namespace) -> int:
-    if not args.model:
-        raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
-    settings = settings_from(args)
-    found = find_config(args.model)
-    if found is None:
-        raise MemfitError(f"{args.model!r}: --task serve reads a Hugging Face config (a catalog name, a config.json, "
-                          "a folder or a hub id), not a Python factory.")
+def gpu_of(args: argparse.Namespace) -> GPU:
     gpu = get_gpu(args.gpu)
     if args.gpu_memory:
         gpu = gpu.with_memory(parse_bytes(args.gpu_memory, "--gpu-memory"))
-    if gpu.memory_bytes < GiB // 4:
-        raise MemfitError(f"--gpu-memory {args.gpu_memory}: a GPU that small cannot hold an engine.")
-    estimate = estimate_serving(served_model(found), gpu, settings)
-    if found.note:
-        estimate.notes.append(found.note)
+        if gpu.memory_bytes < GiB // 4:
+            raise MemfitError(f"--gpu-memory {args.gpu_memory}: a GPU that small cannot hold an engine.")
+    return gpu
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
+    result = estimate(args.model, gpu_of(args), settings_from(args))
     if args.json:
-        print_json(estimate.to_json())
+        print_json(result.to_json())
     else:
-        print_serving(estimate, output_console())
+        print_serving(result, output_console())
     return 0

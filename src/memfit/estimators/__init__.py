@@ -1,9 +1,12 @@
 """Estimators: traced (the real step on fake tensors) and analytic (closed forms)."""
 from __future__ import annotations
 
+from typing import Any, Literal, overload
+
 import torch
 from torch import nn
 
+from memfit import serving
 from memfit.core.errors import MemfitError, closest
 from memfit.core.versions import version_notes
 from memfit.estimators import stand_ins  # noqa: F401  (registers the trace stand-ins)
@@ -14,6 +17,7 @@ from memfit.estimators.analytic.families.registry import has_program
 from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.sdpa_backend import grouped_math_note
 from memfit.estimators.traced import traced_estimate
+from memfit.serving.estimate import ServingEstimate
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.live import live_workload
 from memfit.specs.workload import Workload
@@ -47,14 +51,33 @@ def count_parameters(workload: Workload) -> int:
 ESTIMATE_OPTIONS = frozenset({"full_trace", "modules", "timeline"})   # traced_estimate's own (analytic: modules)
 
 
+@overload
+def estimate(workload: str, batch: None = None, *, task: Literal["serve"], gpu: GPU | str | None = None,
+             **options: Any) -> ServingEstimate: ...
+
+
+@overload
 def estimate(workload: Workload | nn.Module, batch=None, *, method: str = "auto", gpu: GPU | str | None = None,
              optimizer=None, step=None, task: str = "train", precision: str | None = None, techniques=(),
-             **options) -> MemoryEstimate:
+             **options) -> MemoryEstimate: ...
+
+
+def estimate(workload, batch=None, *, method="auto", gpu=None, optimizer=None, step=None, task="train",
+             precision=None, techniques=(), **options):
     """`workload`'s memory. `auto`: traced where it can run (PyTorch engine), analytic otherwise.
 
     Given a live `nn.Module` and its `batch` instead of a Workload (a notebook's objects), the model is traced on
     a meta copy (specs/live.py): nothing model-sized is allocated and the model and `optimizer` (an instance or a
-    name) are left as they were; `step` is fn(model, batch, optimizer), the user's own step."""
+    name) are left as they were; `step` is fn(model, batch, optimizer), the user's own step.
+
+    task="serve": an LLM serving engine's start-up (memfit.serving.estimate): `workload` is the model's name, the
+    engine's settings are keywords (engine="vllm", max_model_len=...), the answer a ServingEstimate."""
+    if task == "serve":
+        if not isinstance(workload, str) or batch is not None or optimizer is not None or step is not None \
+                or precision is not None or techniques or method != "auto":
+            raise MemfitError("task='serve' takes a model's name and the engine's settings as keywords: "
+                              "memfit.estimate('llama-3.1-8b', task='serve', engine='vllm', gpu='l4', ...).")
+        return serving.estimate(workload, gpu or "h100", **options)
     live = workload if isinstance(workload, nn.Module) else None   # held: the registry keeps a weak reference
     unknown = sorted(set(options) - ESTIMATE_OPTIONS)
     if unknown:

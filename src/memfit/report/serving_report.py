@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.core.units import GiB, format_bytes
@@ -31,13 +32,15 @@ def print_serving(estimate: ServingEstimate, console: Console) -> None:
     for line in log_lines(e):
         console.print(line, highlight=False)
     for note in e.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
     console.print(f"\n{command_line(e)}", highlight=False, soft_wrap=True)
 
 
 def _budget_rule(e: ServingEstimate) -> str:
     if e.engine == "vllm":
         return f" (total x {e.settings['gpu_memory_utilization']})"
+    if e.engine == "tgi":
+        return f" (total x {e.settings['cuda_memory_fraction']})"
     return f" (free x {e.settings.get('mem_fraction_static')})"
 
 
@@ -51,14 +54,16 @@ def log_lines(e: ServingEstimate) -> list[str]:
                          f"{format_bytes(e.kv_bytes_per_token)} per token)")
             lines.append(f"GPU KV cache size: {e.kv_cache_tokens:,} tokens")
             lines.append(f"Maximum concurrency for {e.max_model_len:,} tokens per request: {e.max_concurrency:.2f}x")
+    elif e.engine == "tgi":
+        lines.append(f"Setting max batch total tokens to {e.kv_cache_tokens}")
     else:
         lines.append(f"KV Cache is allocated. #tokens: {e.kv_cache_tokens}, K size: {e.kv_cache_bytes / 2 / GiB:.2f} "
                      f"GB, V size: {e.kv_cache_bytes / 2 / GiB:.2f} GB")
     if e.starts:
         lines.append(f"[green]starts[/]: the longest context that would start is {e.max_model_len_fits:,} tokens")
     else:
-        lines.append(f"[red]does not start[/]: {e.refusal}")
-        if e.max_model_len_fits:
+        lines.append(f"[red]does not start[/]: {escape(e.refusal or '')}")
+        if 0 < e.max_model_len_fits < e.max_model_len:
             lines.append(f"--max-model-len {e.max_model_len_fits} would start")
     return lines
 
@@ -79,6 +84,14 @@ def command_line(e: ServingEstimate) -> str:
         if s["enforce_eager"]:
             parts.append("--enforce-eager")
         return " ".join(parts)
+    if e.engine == "tgi":
+        parts = ["text-generation-launcher", "--model-id", e.hub_id, "--max-total-tokens", str(s["max_model_len"]),
+                 "--max-batch-prefill-tokens", str(s["max_batch_prefill_tokens"])]
+        if s["tensor_parallel"] > 1:
+            parts += ["--num-shard", str(s["tensor_parallel"])]
+        if s["cuda_memory_fraction"] != 1.0:
+            parts += ["--cuda-memory-fraction", str(s["cuda_memory_fraction"])]
+        return " ".join(parts)
     parts = ["python", "-m", "sglang.launch_server", "--model-path", e.hub_id, "--context-length",
              str(s["max_model_len"]), "--mem-fraction-static", str(s["mem_fraction_static"])]
     if s["tensor_parallel"] > 1:
@@ -86,3 +99,35 @@ def command_line(e: ServingEstimate) -> str:
     if s["kv_cache_dtype"] != "auto":
         parts += ["--kv-cache-dtype", s["kv_cache_dtype"]]
     return " ".join(parts)
+
+
+def serving_failure_json(failure, estimate: ServingEstimate, fixes) -> dict:
+    return {"schema": "memfit.serve-failure/1", "failure": {"kind": failure.kind, "message": failure.message,
+                                                            "summary": failure.summary},
+            "predicted": estimate.to_json(), "agrees": not estimate.starts,
+            "fixes": [{"change": f.change, "cost": f.cost, "max_concurrency": f.estimate.max_concurrency,
+                       "kv_cache_tokens": f.estimate.kv_cache_tokens, "max_model_len": f.estimate.max_model_len,
+                       "command": command_line(f.estimate)} for f in fixes]}
+
+
+def print_serving_failure(failure, estimate: ServingEstimate, fixes, console: Console) -> None:
+    console.print(f"[bold]{failure.summary}[/]")
+    console.print(f"[dim]{escape(failure.message)}[/]", highlight=False)
+    if estimate.starts:
+        console.print(f"memfit predicts that these settings start ({estimate.kv_cache_tokens:,} cache tokens): it "
+                      "counts less than the engine did here (another process, a larger profile, a driver's share); "
+                      "the fixes below are ranked on memfit's figures", highlight=False)
+    else:
+        console.print(f"memfit agrees: {escape(estimate.refusal or '')}", highlight=False)
+    if not fixes:
+        console.print("[red]no single change starts it[/]: a GPU with more memory, or several changes together")
+        return
+    table = Table(show_header=True, header_style="bold", title="fixes, each alone (estimated)")
+    for column in ("change", "requests at max_model_len", "cache tokens", "costs"):
+        table.add_column(column, justify="right" if column in ("requests at max_model_len", "cache tokens") else "left")
+    for fix in fixes:
+        e = fix.estimate
+        table.add_row(fix.change, f"{e.max_concurrency:.2f} at {e.max_model_len:,}", f"{e.kv_cache_tokens:,}",
+                      fix.cost)
+    console.print(table)
+    console.print(f"\n{command_line(fixes[0].estimate)}", highlight=False, soft_wrap=True)

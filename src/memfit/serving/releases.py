@@ -5,7 +5,9 @@ vLLM (its sources and changelogs; ../shared/data/published_serving.md's rows are
   <= 0.6.4   V0, global budget: the cache gets total x utilization less everything the device holds after the profile
              run — the weights, the profile's peak, the CUDA context and any other process's memory.
   0.6.5      per-instance budget (PR #10511): what this instance added since its start snapshot; V0's profile.
-  0.8.0      the V1 engine by default: the profile is one flattened batch, the sampler runs on max_num_seqs rows.
+  0.8.0      the V1 engine by default: the profile is one flattened batch, the sampler runs on max_num_seqs rows;
+             its budget is global again until 0.9.1.
+  0.20.0     gpu_memory_utilization 0.92 by default; from 0.20.1 the token figure is concurrency x max_model_len.
   0.21.0     CUDA-graph memory is estimated and subtracted before the cache is sized (before, graphs were captured
              after it, on top of the budget).
 SGLang and TGI: one era each (their rules have not changed in the releases memfit checks against).
@@ -37,7 +39,11 @@ class Release:
     # vLLM's eras
     @property
     def global_budget(self) -> bool:
-        return self.engine == "vllm" and not self.at_least("0.6.5")
+        """The budget counts everything the device holds (other processes, the CUDA context): V0 to 0.6.4, and V1
+        from its first default release (0.8.0) to 0.9.0; per instance in V0 from 0.6.5 and in V1 from 0.9.1."""
+        if self.engine != "vllm":
+            return False
+        return not self.at_least("0.6.5") or (self.at_least("0.8.0") and not self.at_least("0.9.1"))
 
     @property
     def v1(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError
+from memfit.specs.hub import looks_like_hub_id
 from memfit.specs.model_configs import FoundConfig
 
 # How tensor parallel stores a weight on each rank (vLLM's parallel layers; SGLang and TGI split alike):
@@ -67,6 +68,7 @@ class ServedModel:
     extra_parameters: dict | None = None   # a vision tower the engine loads beside the text model (bundled models)
     quantization: dict | None = None       # the checkpoint's quantization_config
     gated_mlp: bool = True
+    note: str | None = None    # how the name was read (a post-trained variant took the bundled shapes)
     hub_id: str = ""           # what the engine's command line names (the catalog's reference, else the name)
     rotary_dim: int = 0        # the rotated width of each head (MLA: qk_rope_head_dim)
     ropes: int = 1             # distinct rotary embeddings (Gemma 3: a local one for its sliding layers)
@@ -116,10 +118,21 @@ def served_model(found: FoundConfig) -> ServedModel:
         expert_intermediate=dims.expert_intermediate, mla_latent=mla,
         extra_parameters={part: n for part, n in (found.doc.get("published_includes") or {}).items()
                           if "vision" in part} or None,
-        quantization=config.get("quantization_config") or None, gated_mlp=model_type not in NON_GATED,
+        quantization=config.get("quantization_config") or found.doc.get("checkpoint_quantization_config") or None,
+        gated_mlp=model_type not in NON_GATED,
         rotary_dim=int(config.get("qk_rope_head_dim") or 0) if mla else int(
             head_dim * float(config.get("partial_rotary_factor") or 1.0)),
-        ropes=2 if config.get("rope_local_base_freq") else 1, hub_id=found.doc.get("reference") or found.name)
+        ropes=2 if config.get("rope_local_base_freq") else 1, hub_id=_hub_id(found),
+        note=found.note)
+
+
+def _hub_id(found: FoundConfig) -> str:
+    """What `vllm serve` takes for this model: the hub id or folder the user named, else the bundled model's hub id,
+    else its name."""
+    if found.kind == "hf-config" or looks_like_hub_id(found.asked):
+        return found.asked or found.name
+    reference = str(found.doc.get("reference") or "")
+    return reference if looks_like_hub_id(reference) else found.name
 
 
 def _max_positions(config: dict) -> int:

@@ -20,7 +20,8 @@ class ServeSettings:
     pipeline_parallel: int = 1
     data_parallel: int = 1
     expert_parallel: bool = False            # --enable-expert-parallel: a mixture's experts split whole over ranks
-    max_model_len: int | None = None         # None: the model's max_position_embeddings
+    max_model_len: int | None = None         # None: the model's max_position_embeddings; -1: the longest that fits
+    allow_long_max_model_len: bool = False   # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: a context beyond the model's positions
     gpu_memory_utilization: float | None = None   # vLLM; None: the release's default
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -47,11 +48,15 @@ class ServeSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemfitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "chunked_prefill_size",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "chunked_prefill_size",
                      "cuda_graph_max_bs", "max_batch_prefill_tokens", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise MemfitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or not isinstance(
+                self.max_model_len, int) or not (self.max_model_len >= 1 or self.max_model_len == -1)):
+            raise MemfitError(f"--max-model-len must be a positive integer or -1 (the longest that fits), got "
+                              f"{self.max_model_len!r}.")
         for name in ("gpu_memory_utilization", "mem_fraction_static", "cuda_memory_fraction"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and 0 < value <= 1):
@@ -82,8 +87,9 @@ class ServeSettings:
         defaults = {f.name: f.default for f in fields(self)}
         for name in sorted(engine_only - own[self.engine]):
             if getattr(self, name) != defaults[name]:
+                takers = [e for e in own if name in own[e]]
                 raise MemfitError(f"--{name.replace('_', '-')} is not a {self.engine} setting; "
-                                  f"{' and '.join(e for e in own if name in own[e])} take it.")
+                                  f"{' and '.join(takers)} take{'s' if len(takers) == 1 else ''} it.")
 
     @property
     def release(self) -> Release:

@@ -34,6 +34,7 @@ class FoundConfig:
     where: str                        # how a message names it
     doc: dict = field(default_factory=dict)   # the catalog document (reference, published counts), {} otherwise
     note: str | None = None
+    asked: str = ""                   # what the user typed
 
 
 # words in a hub id that name a post-trained (or the base) variant of the same shapes: "-Instruct", "-it", "-Base"...
@@ -56,7 +57,7 @@ def is_config_path(spec: str) -> bool:
 def find_config(spec: str) -> FoundConfig | None:
     """The Hugging Face config `spec` names, or None where it names something else (a factory, a live model);
     a one-line MemfitError where it names a config that cannot be read."""
-    spec = spec.strip()
+    spec = asked = spec.strip()
     docs = catalog()
     by_hub_id = {doc["reference"].lower(): name for name, doc in docs.items() if doc.get("reference")}
     by_base_id = {base_id(doc["reference"]): name for name, doc in docs.items() if "/" in (doc.get("reference") or "")}
@@ -70,14 +71,15 @@ def find_config(spec: str) -> FoundConfig | None:
         spec = base
     if spec in docs:
         doc = docs[spec]
-        return FoundConfig(spec, "catalog", copy.deepcopy(doc["hf_config"]), repr(spec), doc, note)
+        return FoundConfig(spec, "catalog", copy.deepcopy(doc["hf_config"]), repr(spec), doc, note, asked)
     if looks_like_hub_id(spec):
         try:
             hf_config = hub_config(spec)
         except MemfitError as exc:
             hub_ids = [doc["reference"] for doc in docs.values() if doc.get("reference")]
             raise MemfitError(f"{exc}{closest(spec, hub_ids)}") from None
-        return FoundConfig(spec, "hf-config", _checked(hf_config, f"{spec}'s config.json"), f"{spec}'s config.json")
+        return FoundConfig(spec, "hf-config", _checked(hf_config, f"{spec}'s config.json"), f"{spec}'s config.json",
+                           asked=asked)
     if is_config_path(spec):
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
         try:
@@ -89,7 +91,7 @@ def find_config(spec: str) -> FoundConfig | None:
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise MemfitError(f"cannot read model config {path!r}: {exc}") from None
         name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-        return FoundConfig(name, "hf-config", _checked(hf_config, repr(path)), repr(path))
+        return FoundConfig(name, "hf-config", _checked(hf_config, repr(path)), repr(path), asked=asked)
     return None
 
 
