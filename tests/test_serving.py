@@ -143,6 +143,8 @@ def test_the_command_answers_every_key_without_torch():
                                        check=True).stdout)
     assert result["rc"] == 0 and not result["torch"]
     assert all(key in result["out"] for key in JSON_KEYS)
+    figures = [key for key in JSON_KEYS if key not in ("refusal", "sources")]
+    assert sorted(set(figures) - set(result["out"]["sources"])) == []   # every figure says where it comes from
 
 
 def test_the_table_and_the_command_line(capsys):

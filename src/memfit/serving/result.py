@@ -14,6 +14,10 @@ from memfit.serving.served_model import ServedModel
 COLLECTIVES_BYTES = int(0.11 * GiB)
 
 
+# the figures each engine derives from the others by its own arithmetic (their sources are the inputs')
+DERIVED = ("budget_bytes", "kv_blocks", "kv_cache_tokens", "max_concurrency", "max_model_len_fits", "starts")
+
+
 @dataclass
 class ServingEstimate:
     model: str
@@ -43,6 +47,12 @@ class ServingEstimate:
     graphs_in_budget: bool
     sources: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in DERIVED:
+            self.sources.setdefault(key, "rule (the engine's own arithmetic on the figures above)")
+        for key in ("activation_bytes", "cuda_graph_bytes", "non_torch_bytes"):
+            self.sources.setdefault(key, "modelled")
 
     def to_json(self) -> dict:
         return {"schema": "memfit.serve/1", **dataclasses.asdict(self)}

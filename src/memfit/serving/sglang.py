@@ -66,5 +66,6 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         max_model_len_fits=min(tokens, model.max_positions), starts=refusal is None, refusal=refusal, block_size=1,
         page_bytes=cell // len(model.attention), kv_bytes_per_token=cell, graphs_in_budget=False,
         sources={"weights_bytes": "analytic", "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed",
-                 "activation_bytes": "not profiled (inside 1 - mem_fraction_static)"},
+                 "activation_bytes": "not profiled (inside 1 - mem_fraction_static)",
+                 "cuda_graph_bytes": "not counted (inside 1 - mem_fraction_static)"},
         notes=[f"activations and CUDA graphs must fit in the {1 - fraction:.3f} of free memory SGLang leaves"])

@@ -80,5 +80,6 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         starts=refusal is None, refusal=refusal, block_size=block, page_bytes=cell // len(model.attention) * block,
         kv_bytes_per_token=cell, graphs_in_budget=False,
         sources={"weights_bytes": "analytic", "activation_bytes": "modelled (the warm-up prefill)",
-                 "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed"},
+                 "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed",
+                 "cuda_graph_bytes": "not counted (captured after the cache, in the wiggle room)"},
         notes=[f"warm-up: one prefill of {prefill} tokens, its logits kept for every token"])
