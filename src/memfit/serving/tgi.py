@@ -11,8 +11,9 @@ from memfit.serving.served_model import ServedModel
 from memfit.serving.settings import ServeSettings
 from memfit.specs.hardware import GPU
 
-TGI_WIGGLE = (("3.3.0", 0.90), ("3.1.0", 0.93), ("2.3.0", 0.95))   # TGI_WIGGLE_ROOM's default by release
-TGI_BLOCK = (("3.0.0", 1), ("2.0.0", 16))   # tokens per block: flashinfer from 3.0 (its default), paged before
+# the share of the free memory the cache takes (TGI_WIGGLE_ROOM's default from 2.3), by release: none before 1.4.1
+TGI_WIGGLE = (("3.3.0", 0.90), ("3.1.0", 0.93), ("3.0.0", 0.95), ("2.4.0", 0.90), ("1.4.1", 0.95), ("0", 1.0))
+TGI_BLOCK = (("2.3.0", 1), ("0", 16))   # tokens per block: flashinfer's 1 from 2.3 (its default), paged's 16 before
 
 
 def tgi_defaults(release, model: ServedModel, settings: ServeSettings, max_len: int) -> int:
@@ -29,18 +30,18 @@ def tgi_warmup_logits(model: ServedModel, tokens: int, tp: int, dtype: str) -> i
     """The warm-up's requests ask for every prompt token's log-probabilities (prefill_logprobs, the router's
     warm-up batch), so the head computes logits for all `tokens` rows: each rank's slice of the vocabulary, and at
     tensor parallel > 1 the gathered slices and their concatenation (TensorParallelHead), beside the last hidden
-    states; log_softmax then runs in place."""
+    states. At tensor parallel > 1 the gathered logits are a transposed view, so log_softmax copies it and writes a
+    third array: three times the full logits."""
     width = dtype_bytes(dtype)
-    local = tokens * -(-model.vocab // tp) * width
-    gathered = 2 * tokens * model.vocab * width if tp > 1 else 0
-    return tokens * model.hidden * width + local + gathered
+    logits = tokens * model.vocab * width
+    return tokens * model.hidden * width + (3 * logits if tp > 1 else logits)
 
 
 def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
              checkpoint: Checkpoint) -> ServingEstimate:
     """TGI: the warm-up runs one prefill of max_batch_prefill_tokens; of the memory then free (the warm-up's
-    activations still cached by the allocator), less (1 - cuda_memory_fraction) of the total, the KV cache takes 95 %
-    (1.x-2.2), or the free memory less (1 - fraction x TGI_WIGGLE_ROOM) of the total (3.x)."""
+    activations still cached by the allocator), less (1 - cuda_memory_fraction) of the total, the KV cache takes the
+    wiggle room's share (1.x-2.x), or the free memory less (1 - fraction x wiggle room) of the total (3.x)."""
     release = settings.release
     tp = settings.tensor_parallel
     max_len = settings.max_model_len or min(model.max_positions, 4096)
@@ -51,13 +52,13 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
     total = gpu.memory_bytes
     free = total - non_torch - settings.other_process_bytes - weights - activation
     fraction = settings.cuda_memory_fraction
-    wiggle = next((w for version, w in TGI_WIGGLE if release.at_least(version)), 0.95)
+    wiggle = next(w for version, w in TGI_WIGGLE if release.at_least(version))
     if release.at_least("3.0.0"):
         available = int(free - (1 - fraction * wiggle) * total)
     else:
         available = int((free - (1 - fraction) * total) * wiggle)
     kv_dtype = kv_cache.kv_dtype(settings.kv_cache_dtype, dtype)
-    block = settings.block_size or next(b for version, b in TGI_BLOCK + (("0", 16),) if release.at_least(version))
+    block = settings.block_size or next(b for version, b in TGI_BLOCK if release.at_least(version))
     cell = sum(kv_cache.token_bytes(model, layer, tp, kv_dtype) for layer in model.attention)
     blocks = max(0, available // (cell * block))
     tokens = blocks * block
