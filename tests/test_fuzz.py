@@ -267,8 +267,9 @@ def test_traced_estimate_arguments(argv):
 serve_flags = st.lists(st.one_of(
     st.tuples(st.sampled_from(("--tensor-parallel", "--pipeline-parallel", "--data-parallel", "--max-model-len",
                                "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--chunked-prefill-size",
-                               "--cuda-graph-max-bs")), numbers),
-    st.tuples(st.sampled_from(("--gpu-memory-utilization", "--mem-fraction-static", "--cpu-offload-gb")),
+                               "--cuda-graph-max-bs", "--max-batch-prefill-tokens")), numbers),
+    st.tuples(st.sampled_from(("--gpu-memory-utilization", "--mem-fraction-static", "--cpu-offload-gb",
+                               "--cuda-memory-fraction")),
               st.sampled_from(("0.9", "0", "1", "1.5", "-0.1", "nan", "inf", "x", ""))),
     st.tuples(st.sampled_from(("--gpu-memory", "--kv-cache-memory", "--other-memory")),
               st.sampled_from(("24GiB", "0", "-5GiB", "1e400GiB", "nan", "x", "100MiB", "80GB"))),

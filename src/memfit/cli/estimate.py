@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", metavar="FILE",
                         help="memory over the step: .png/.svg/.pdf plot or .json (traced)")
     parser.add_argument("--full-trace", action="store_true", help="trace every layer instead of extrapolating")
+    parser.epilog = ("--task serve (an LLM serving engine's start-up: vLLM, SGLang, TGI) takes its own flags: "
+                     "memfit estimate --task serve --help")
     parser.set_defaults(run=run)
 
 

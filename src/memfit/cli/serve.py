@@ -49,6 +49,10 @@ SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "SGLang: the fraction of free memory for weights and the KV pool"),
     ("--chunked-prefill-size", "chunked_prefill_size", {"type": int}, "SGLang"),
     ("--cuda-graph-max-bs", "cuda_graph_max_bs", {"type": int}, "SGLang"),
+    ("--cuda-memory-fraction", "cuda_memory_fraction", {"type": float, "metavar": "F"},
+     "TGI: the fraction of the GPU it may use (default 1.0)"),
+    ("--max-batch-prefill-tokens", "max_batch_prefill_tokens", {"type": int, "metavar": "T"},
+     "TGI: the warm-up prefill's size (default: by release)"),
 )
 
 
