@@ -6,6 +6,7 @@ fp8, bitsandbytes)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from memfit.core.dtypes import dtype_bytes
@@ -140,10 +141,7 @@ def weights_bytes(model: ServedModel, checkpoint: Checkpoint, dtype: str, tp: in
         if checkpoint.fmt is not None and checkpoint.quantizes(weight):
             total += checkpoint.fmt.stored_bytes(shape, dtype)
         else:
-            n = 1
-            for size in shape:
-                n *= size
-            total += n * dtype_bytes(dtype)
+            total += math.prod(shape) * dtype_bytes(dtype)
     extra = sum((model.extra_parameters or {}).values())   # a vision tower, as the engines keep it: whole per rank
     return total + extra * dtype_bytes(dtype)
 

@@ -7,6 +7,7 @@ config, for every bundled decoder. A config memfit has no inventory for is refus
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError
@@ -34,10 +35,7 @@ class Weight:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -67,15 +65,10 @@ class ServedModel:
     mla_latent: int = 0        # MLA: kv_lora_rank + qk_rope_head_dim, one per token and layer
     extra_parameters: dict | None = None   # a vision tower the engine loads beside the text model (bundled models)
     quantization: dict | None = None       # the checkpoint's quantization_config
-    gated_mlp: bool = True
     note: str | None = None    # how the name was read (a post-trained variant took the bundled shapes)
     hub_id: str = ""           # what the engine's command line names (the catalog's reference, else the name)
     rotary_dim: int = 0        # the rotated width of each head (MLA: qk_rope_head_dim)
     ropes: int = 1             # distinct rotary embeddings (Gemma 3: a local one for its sliding layers)
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(w.numel for w in self.weights) + sum((self.extra_parameters or {}).values())
 
     @property
     def moe_layers(self) -> int:
@@ -119,7 +112,6 @@ def served_model(found: FoundConfig) -> ServedModel:
         extra_parameters={part: n for part, n in (found.doc.get("published_includes") or {}).items()
                           if "vision" in part} or None,
         quantization=config.get("quantization_config") or found.doc.get("checkpoint_quantization_config") or None,
-        gated_mlp=model_type not in NON_GATED,
         rotary_dim=int(config.get("qk_rope_head_dim") or 0) if mla else int(
             head_dim * float(config.get("partial_rotary_factor") or 1.0)),
         ropes=2 if config.get("rope_local_base_freq") else 1, hub_id=_hub_id(found),
@@ -308,5 +300,4 @@ def _deepseek(d: _Dims) -> list[Weight]:
 LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2",
               "gemma3_text", "olmo2", "gpt_oss", "granite")
 MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-NON_GATED = ("phi",)
 INVENTORIES = {**{t: _llama_like for t in LLAMA_LIKE}, **{t: _deepseek for t in MLA_TYPES}, "phi": _phi}

@@ -49,8 +49,9 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
     free_before = gpu.memory_bytes - non_torch - settings.other_process_bytes
     pool = int(free_before - weights - free_before * (1 - fraction))
     kv_dtype = kv_cache.kv_dtype(settings.kv_cache_dtype, dtype)
-    cell = sum(kv_cache.token_bytes(model, layer, tp, kv_dtype) for layer in model.attention)
-    tokens = max(0, pool // cell)
+    layout = kv_cache.layout(model, tp, kv_dtype, 1, grouped=False)   # SGLang's pool: one token a page
+    cell = layout.token_bytes
+    tokens = layout.blocks(pool)
     refusal = None
     if pool <= 0:
         refusal = ("Not enough memory. Please try to increase --mem-fraction-static (the KV pool after the weights "
@@ -64,7 +65,7 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         budget_bytes=int(free_before * fraction), kv_cache_bytes=max(0, pool), kv_blocks=tokens,
         kv_cache_tokens=tokens, max_concurrency=round(tokens / max_len, 2), max_model_len=max_len,
         max_model_len_fits=min(tokens, model.max_positions), starts=refusal is None, refusal=refusal, block_size=1,
-        page_bytes=cell // len(model.attention), kv_bytes_per_token=cell, graphs_in_budget=False,
+        page_bytes=layout.page_bytes, kv_bytes_per_token=cell, graphs_in_budget=False,
         sources={"weights_bytes": "analytic", "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed",
                  "activation_bytes": "not profiled (inside 1 - mem_fraction_static)",
                  "cuda_graph_bytes": "not counted (inside 1 - mem_fraction_static)"},

@@ -16,7 +16,7 @@ TGI_WIGGLE = (("3.3.0", 0.90), ("3.1.0", 0.93), ("3.0.0", 0.95), ("2.4.0", 0.90)
 TGI_BLOCK = (("2.3.0", 1), ("0", 16))   # tokens per block: flashinfer's 1 from 2.3 (its default), paged's 16 before
 
 
-def tgi_defaults(release, model: ServedModel, settings: ServeSettings, max_len: int) -> int:
+def tgi_defaults(release, settings: ServeSettings, max_len: int) -> int:
     """max_batch_prefill_tokens: 4096 (1.x); from 2.0 max_input_tokens + 50, max_input_tokens being
     min(max_position_embeddings, 4096) - 1 (3.x: the same default when the GPU's memory is not probed)."""
     if settings.max_batch_prefill_tokens:
@@ -45,7 +45,7 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
     release = settings.release
     tp = settings.tensor_parallel
     max_len = settings.max_model_len or min(model.max_positions, 4096)
-    prefill = tgi_defaults(release, model, settings, max_len)
+    prefill = tgi_defaults(release, settings, max_len)
     weights = weights_bytes(model, checkpoint, dtype, tp) + rotary_cache_bytes(model, dtype)
     activation = max(forward_peak(model, prefill, tp, dtype), tgi_warmup_logits(model, prefill, tp, dtype))
     non_torch = gpu.context_bytes + (COLLECTIVES_BYTES if tp > 1 else 0)
@@ -59,8 +59,9 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         available = int((free - (1 - fraction) * total) * wiggle)
     kv_dtype = kv_cache.kv_dtype(settings.kv_cache_dtype, dtype)
     block = settings.block_size or next(b for version, b in TGI_BLOCK if release.at_least(version))
-    cell = sum(kv_cache.token_bytes(model, layer, tp, kv_dtype) for layer in model.attention)
-    blocks = max(0, available // (cell * block))
+    layout = kv_cache.layout(model, tp, kv_dtype, block, grouped=False)
+    cell = layout.token_bytes
+    blocks = layout.blocks(available)
     tokens = blocks * block
     refusal = None
     if blocks == 0:
@@ -78,7 +79,7 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         budget_bytes=int(total * fraction), kv_cache_bytes=max(0, available), kv_blocks=blocks, kv_cache_tokens=tokens,
         max_concurrency=round(tokens / max_len, 2), max_model_len=max_len,
         max_model_len_fits=min(tokens, model.max_positions),
-        starts=refusal is None, refusal=refusal, block_size=block, page_bytes=cell // len(model.attention) * block,
+        starts=refusal is None, refusal=refusal, block_size=block, page_bytes=layout.page_bytes,
         kv_bytes_per_token=cell, graphs_in_budget=False,
         sources={"weights_bytes": "analytic", "activation_bytes": "modelled (the warm-up prefill)",
                  "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed",
