@@ -167,6 +167,15 @@ def test_the_python_api_is_the_command():
     assert by_name.to_json() == estimate("qwen3-8b", **given).to_json() and by_name.starts
     with pytest.raises(MemfitError, match="task='serve' takes a model's name"):
         memfit.estimate("qwen3-8b", task="serve", precision="bf16")
+    # a notebook's config object (or its dict) is a model too; an unknown setting is one line
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama", hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                  intermediate_size=1024, vocab_size=1000)
+    assert memfit.estimate(config, task="serve", gpu="l4", max_model_len=2048).to_json() == \
+        estimate(config.to_dict(), gpu="l4", max_model_len=2048).to_json()
+    with pytest.raises(MemfitError, match="Did you mean: max_model_len"):
+        estimate("qwen3-8b", maxmodel_len=8192)
 
 
 def test_auto_fit_and_a_context_beyond_the_model():

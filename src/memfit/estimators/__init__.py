@@ -52,7 +52,7 @@ ESTIMATE_OPTIONS = frozenset({"full_trace", "modules", "timeline"})   # traced_e
 
 
 @overload
-def estimate(workload: str, batch: None = None, *, task: Literal["serve"], gpu: GPU | str | None = None,
+def estimate(workload: str | dict, batch: None = None, *, task: Literal["serve"], gpu: GPU | str | None = None,
              **options: Any) -> ServingEstimate: ...
 
 
@@ -73,9 +73,11 @@ def estimate(workload, batch=None, *, method="auto", gpu=None, optimizer=None, s
     task="serve": an LLM serving engine's start-up (memfit.serving.estimate): `workload` is the model's name, the
     engine's settings are keywords (engine="vllm", max_model_len=...), the answer a ServingEstimate."""
     if task == "serve":
-        if not isinstance(workload, str) or batch is not None or optimizer is not None or step is not None \
-                or precision is not None or techniques or method != "auto":
-            raise MemfitError("task='serve' takes a model's name and the engine's settings as keywords: "
+        training_only = (batch, optimizer, step, precision)
+        if isinstance(workload, Workload | nn.Module) or any(x is not None for x in training_only) or techniques \
+                or method != "auto":
+            raise MemfitError("task='serve' takes a model's name (or its config) and the engine's settings as "
+                              "keywords: "
                               "memfit.estimate('llama-3.1-8b', task='serve', engine='vllm', gpu='l4', ...).")
         return serving.estimate(workload, gpu or "h100", **options)
     live = workload if isinstance(workload, nn.Module) else None   # held: the registry keeps a weak reference

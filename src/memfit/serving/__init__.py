@@ -10,18 +10,29 @@ the rest becomes. No torch: an answer in well under a second.
 """
 from __future__ import annotations
 
-from memfit.core.errors import MemfitError
+import dataclasses
+
+from memfit.core.errors import MemfitError, closest
 from memfit.serving.estimate import ServingEstimate, estimate_serving
 from memfit.serving.served_model import ServedModel, served_model
 from memfit.serving.settings import ServeSettings
 from memfit.specs.hardware import GPU, get_gpu
-from memfit.specs.model_configs import find_config
+from memfit.specs.model_configs import FoundConfig, find_config
 
 __all__ = ["ServeSettings", "ServedModel", "ServingEstimate", "estimate", "load_model"]
+_FIELDS = [f.name for f in dataclasses.fields(ServeSettings)]
 
 
-def load_model(model: str) -> ServedModel:
-    """The model a catalog name, a config.json (or its folder) or a hub id names, as a serving engine loads it."""
+def load_model(model) -> ServedModel:
+    """The model a catalog name, a config.json (or its folder) or a hub id names, or a notebook's config (a
+    transformers config object, or its dict), as a serving engine loads it."""
+    if hasattr(model, "to_dict"):   # a transformers config (model.config in a notebook)
+        model = model.to_dict()
+    if isinstance(model, dict):
+        if "model_type" not in model:
+            raise MemfitError("the config given has no 'model_type': pass a transformers config or its dict.")
+        name = str(model.get("_name_or_path") or model["model_type"])
+        return served_model(FoundConfig(name, "hf-config", model, "the config given", asked=name))
     if not isinstance(model, str) or not model.strip():
         raise MemfitError(f"name a model (memfit models lists them), a config.json or a hub id, got {model!r}.")
     found = find_config(model)
@@ -31,13 +42,16 @@ def load_model(model: str) -> ServedModel:
     return served_model(found)
 
 
-def estimate(model: str | ServedModel, gpu: GPU | str = "h100", settings: ServeSettings | None = None,
+def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = None,
              **knobs) -> ServingEstimate:
     """The engine's start-up on `gpu` with `settings` (or the ServeSettings fields as keywords: engine="vllm",
     max_model_len=..., tensor_parallel=..., gpu_memory_utilization=...)."""
     if settings is None:
+        unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(ServeSettings)})
+        if unknown:
+            raise MemfitError(f"unknown serving setting(s) {', '.join(unknown)}.{closest(unknown[0], _FIELDS)}")
         settings = ServeSettings(**knobs)
     elif knobs:
         raise MemfitError(f"give the settings once: a ServeSettings or keywords, not both ({', '.join(knobs)}).")
-    served = load_model(model) if isinstance(model, str) else model
+    served = model if isinstance(model, ServedModel) else load_model(model)
     return estimate_serving(served, get_gpu(gpu) if isinstance(gpu, str) else gpu, settings)
