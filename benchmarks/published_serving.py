@@ -101,9 +101,11 @@ ROWS = [
      dict(engine_version="0.5.4", tensor_parallel=4, gpu_memory_utilization=0.9),
      {"cuda_graph_gib": 2464 / 1024}, ()),
     ("s-4x24g-qwen32b", "qwen2.5-32b", "rtx-4090", None, None,
-     dict(engine="sglang", engine_version="0.4.3", tensor_parallel=4),
-     {"kv_cache_tokens": 46_611, "kv_cache_gib": 2.84},
-     ("March 2025: SGLang 0.4.3 assumed (its default fraction at TP 4: 0.85); the 24 GB cards taken as RTX 4090s",)),
+     dict(engine="sglang", engine_version="0.4.3", tensor_parallel=4, free_before_weights_gib=6.09 + 15.54),
+     {"kv_cache_tokens": 46_611, "kv_cache_gib": 2.84, "weights_gib": 15.54},
+     ("March 2025: SGLang 0.4.3 assumed (its default fraction at TP 4: 0.85); the 24 GB cards taken as RTX 4090s; "
+      "the log's free memory before the weights (6.09 + 15.54 GB) given: 2.0 GiB were in use, 1.5 more than the "
+      "CUDA context and NCCL memfit counts (another process, a display, or a smaller card: not stated)",)),
     ("t-4xa100-llama2-70b", "llama-2-70b", "a100-80gb", None, None,
      dict(engine="tgi", engine_version="1.0.0", tensor_parallel=4), {"kv_cache_tokens": 406_560}, ()),
     ("t-2xa100-llama31-70b", "llama-3.1-70b", "a100-80gb", None, None,
@@ -133,6 +135,17 @@ def predicted(estimate, metric: str):
             "starts": estimate.starts}[metric]
 
 
+def estimate_with_logged_free_memory(model, gpu, settings: dict):
+    """The estimate; where a row's log states the free memory when the weights began loading, what memfit does not
+    count of the rest (beyond its CUDA context and collectives) is given as other processes' memory."""
+    free = settings.pop("free_before_weights_gib", None)
+    estimate = estimate_serving(model, gpu, ServeSettings(**settings))
+    if free is None:
+        return estimate
+    others = gpu.memory_bytes - estimate.non_torch_bytes - round(free * GiB)
+    return estimate_serving(model, gpu, ServeSettings(**settings, other_process_bytes=others))
+
+
 def run() -> list[dict]:
     records = []
     for id_, name, gpu_name, total, quant, settings, reported, notes in ROWS:
@@ -143,7 +156,7 @@ def run() -> list[dict]:
         if quant is not None:
             model = dataclasses.replace(model, quantization=quant)
         try:
-            estimate = estimate_serving(model, gpu, ServeSettings(**settings))
+            estimate = estimate_with_logged_free_memory(model, gpu, dict(settings))
         except MemfitError as exc:
             records.append({"id": id_, "metric": "-", "reported": None, "predicted": None, "error": None,
                             "notes": f"miss: {exc}"})

@@ -8,20 +8,21 @@ from pathlib import Path
 import pytest
 
 import memfit
-from memfit.core.units import MiB
-from memfit.estimators import estimate
-from memfit.estimators.analytic.blocks import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM
-from memfit.estimators.analytic.simulate import simulate
-from memfit.estimators.caching_allocator import (
+from memfit.core.caching_allocator import (
     PHASE_START,
     STEP_START,
+    AllocatorSettings,
     CachingAllocator,
     OutOfMemory,
     replay,
     simulate_reserved,
 )
+from memfit.core.units import MiB
+from memfit.estimators import estimate
+from memfit.estimators.analytic.blocks import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM
+from memfit.estimators.analytic.simulate import simulate
 from memfit.estimators.gpu_overhead import allocator_settings, blas_workspaces, predict_reserve
-from memfit.specs.hardware import AllocatorSettings, get_gpu
+from memfit.specs.hardware import get_gpu
 from memfit.specs.workload import Workload
 from memfit.techniques.resolve import resolve
 

@@ -249,3 +249,31 @@ def test_sglang_default_fraction_by_release():
     assert fraction(engine_version="0.4.3", tensor_parallel=4) == 0.85
     assert fraction(engine_version="0.4.9") == pytest.approx(0.874, abs=2e-3)
     assert fraction(engine_version="0.5.4") == pytest.approx(0.835, abs=2e-3)
+
+
+def test_sglang_reads_the_weights_as_the_allocator_reserves_them():
+    """s-4x24g-qwen32b: SGLang's 'mem usage' for Qwen2.5-32B at TP 4 is 15.54 GB (GiB) — each fused tensor's segment
+    rounded up to 2 MiB by the caching allocator, and its float32 rope cache of 131072 positions — where the tensors
+    themselves are 15.26 GiB; with the log's free memory before the weights (21.63) the pool is its 46,611 tokens."""
+    from memfit.serving.checkpoints import Checkpoint, engine_tensors, reserved_weights_bytes
+
+    qwen = model("qwen2.5-32b")
+    tensors = engine_tensors(qwen, Checkpoint(None, None), "bfloat16", 4)
+    assert tensors["layers.0.attn.qkv"] == (40 + 8 + 8) // 4 * 128 * 5120 * 2 and "layers.0.mlp.gate_up" in tensors
+    reserved = reserved_weights_bytes(qwen, Checkpoint(None, None), "bfloat16", 4)
+    assert weights_bytes(qwen, Checkpoint(None, None), "bfloat16", 4) / GiB == pytest.approx(15.26, abs=0.005)
+    assert reserved > sum(tensors.values()) and reserved % (2 * 2**20) == 0
+    plain = serve("qwen2.5-32b", "rtx-4090", engine="sglang", engine_version="0.4.3", tensor_parallel=4)
+    assert plain.weights_bytes / GiB == pytest.approx(15.54, abs=0.005)
+    others = plain.gpu_memory_bytes - plain.non_torch_bytes - round(21.63 * GiB)
+    logged = serve("qwen2.5-32b", "rtx-4090", engine="sglang", engine_version="0.4.3", tensor_parallel=4,
+                   other_process_bytes=others)
+    assert logged.kv_cache_tokens == pytest.approx(46_611, rel=0.002)
+
+
+def test_tgi_keeps_the_prompt_log_probabilities_beside_the_logits():
+    """At tensor parallel 1 the warm-up's log_softmax writes a second array as large as the logits."""
+    from memfit.serving.tgi import tgi_warmup_logits
+
+    llama = model("llama-2-7b")
+    assert tgi_warmup_logits(llama, 4096, 1, "float16") == 2 * 4096 * 32000 * 2

@@ -36,7 +36,7 @@ MODELLED = (
              "sdp_utils.cpp, derivatives.yaml, flash_api.cpp (estimators/sdpa_backend.py)"),
     Modelled("autocast's op lists", "torch", "2.11", "2.13", "autocast_mode.cpp (estimators/analytic/ops.py)"),
     Modelled("the CUDA caching allocator", "torch", "2.11", "2.13",
-             "CUDACachingAllocator.cpp (estimators/caching_allocator.py)"),
+             "CUDACachingAllocator.cpp (core/caching_allocator.py)"),
     Modelled("the memory profiler's categories", "torch", "2.13", "2.13",
              "torch.profiler._memory_profiler, a private API (steps/profiler.py)", used_in="measure"),
     Modelled("the model code of the analytic families", "transformers", "5.17", "5.24",

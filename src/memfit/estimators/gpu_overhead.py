@@ -14,10 +14,10 @@
 """
 from __future__ import annotations
 
+from memfit.core.caching_allocator import AllocatorSettings, Event, Replay, replay, simulate_reserved
 from memfit.core.units import KiB, MiB, format_bytes
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.estimators.caching_allocator import Event, Replay, replay, simulate_reserved
-from memfit.specs.hardware import GPU, AllocatorSettings
+from memfit.specs.hardware import GPU
 
 CUDA_ALLOCATION_ROUND_BYTES = 512          # every caching-allocator block is a multiple of this
 BLAS_WORKSPACE = "<cuBLAS workspace {}>"   # an allocation event's tensor: a thread's cuBLAS workspace

@@ -22,12 +22,12 @@ from typing import Any, cast
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memfit.core.caching_allocator import replay
 from memfit.core.categories import CATEGORIES, MODEL_STATE_CATEGORIES
 from memfit.core.errors import MemfitError
 from memfit.core.precision import get_precision
 from memfit.estimators.batch_interpolation import NotInterpolable, interpolate
 from memfit.estimators.breakdown import MemoryEstimate
-from memfit.estimators.caching_allocator import replay
 from memfit.estimators.cuda_emulation import CudaAutocast, CudaKernels
 from memfit.estimators.extrapolate import (
     NotLinear,

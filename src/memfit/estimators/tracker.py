@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.core.caching_allocator import PHASE_START, STEP_START, Event
 from memfit.core.categories import CATEGORIES, zero_categories
-from memfit.estimators.caching_allocator import PHASE_START, STEP_START, Event
 from memfit.estimators.fake_patches import TraceMode
 from memfit.steps.fusion import in_fused_region
 from memfit.steps.hooks import plain_tensors

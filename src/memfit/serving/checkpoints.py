@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
+from memfit.core.caching_allocator import CachingAllocator
 from memfit.core.dtypes import dtype_bytes
 from memfit.core.errors import MemfitError, closest
 from memfit.core.weight_formats import (
@@ -133,17 +135,45 @@ def weights_bytes(model: ServedModel, checkpoint: Checkpoint, dtype: str, tp: in
                   pp_layers: tuple[int, int] | None = None) -> int:
     """Bytes of the weights on the most loaded rank: tensor parallel `tp`, expert parallel `ep`, and with pipeline
     parallel the layers [start, stop) of one stage (the first stage holds the embedding, the last the head)."""
-    total = 0
+    return sum(engine_tensors(model, checkpoint, dtype, tp, ep, pp_layers).values())
+
+
+def reserved_weights_bytes(model: ServedModel, checkpoint: Checkpoint, dtype: str, tp: int) -> int:
+    """What the CUDA caching allocator reserves for the weights on one rank (what the device's free memory loses,
+    which SGLang and TGI read): each tensor the engine allocates, in load order, through the allocator's rules
+    (core/caching_allocator.py): one of 10 MiB or more takes its own segment rounded up to 2 MiB, smaller ones share
+    20 MiB and 2 MiB segments. A quantized linear counts as one tensor of its stored bytes."""
+    allocator = CachingAllocator()
+    for size in engine_tensors(model, checkpoint, dtype, tp).values():
+        allocator.malloc(size)
+    return allocator.reserved
+
+
+# the column-parallel projections the engines load as one tensor (QKVParallelLinear, MergedColumnParallelLinear)
+_FUSED = ((re.compile(r"\.attn\.[qkv](\.bias)?$"), r".attn.qkv\1"), (re.compile(r"\.(gate|up)(\.bias)?$"), r".gate_up\2"))
+
+
+def engine_tensors(model: ServedModel, checkpoint: Checkpoint, dtype: str, tp: int, ep: int = 1,
+                   pp_layers: tuple[int, int] | None = None) -> dict[str, int]:
+    """The tensors the engine allocates for the weights on one rank, in load order: name -> bytes (q, k and v
+    fused, gate and up fused; a vision tower, kept whole on each rank, as one)."""
+    tensors: dict[str, int] = {}
     for weight in model.weights:
         if pp_layers is not None and not _in_stage(weight.name, pp_layers, model.layers):
             continue
         shape = rank_shape(weight, model, tp, ep)
         if checkpoint.fmt is not None and checkpoint.quantizes(weight):
-            total += checkpoint.fmt.stored_bytes(shape, dtype)
+            size = checkpoint.fmt.stored_bytes(shape, dtype)
         else:
-            total += math.prod(shape) * dtype_bytes(dtype)
-    extra = sum((model.extra_parameters or {}).values())   # a vision tower, as the engines keep it: whole per rank
-    return total + extra * dtype_bytes(dtype)
+            size = math.prod(shape) * dtype_bytes(dtype)
+        name = weight.name
+        for pattern, fused in _FUSED:
+            name = pattern.sub(fused, name)
+        tensors[name] = tensors.get(name, 0) + size
+    extra = sum((model.extra_parameters or {}).values())
+    if extra:
+        tensors["vision tower"] = extra * dtype_bytes(dtype)
+    return tensors
 
 
 def _in_stage(name: str, layers: tuple[int, int], depth: int) -> bool:

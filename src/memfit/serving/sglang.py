@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memfit.core.units import GiB, MiB
 from memfit.serving import kv_cache
-from memfit.serving.checkpoints import Checkpoint, weights_bytes
+from memfit.serving.checkpoints import Checkpoint, reserved_weights_bytes
 from memfit.serving.result import COLLECTIVES_BYTES, ServingEstimate, rotary_cache_bytes
 from memfit.serving.served_model import ServedModel
 from memfit.serving.settings import ServeSettings
@@ -44,7 +44,8 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
     tp = settings.tensor_parallel
     max_len = settings.max_model_len or model.max_positions
     fraction = sglang_fraction(gpu, settings)
-    weights = weights_bytes(model, checkpoint, dtype, tp) + rotary_cache_bytes(model, dtype)
+    # SGLang's rope keeps its cos/sin cache in float32 (the fused rope kernel reads it so)
+    weights = reserved_weights_bytes(model, checkpoint, dtype, tp) + rotary_cache_bytes(model, "float32")
     non_torch = gpu.context_bytes + (COLLECTIVES_BYTES if tp > 1 else 0)
     free_before = gpu.memory_bytes - non_torch - settings.other_process_bytes
     pool = int(free_before - weights - free_before * (1 - fraction))
@@ -66,7 +67,8 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         kv_cache_tokens=tokens, max_concurrency=round(tokens / max_len, 2), max_model_len=max_len,
         max_model_len_fits=min(tokens, model.max_positions), starts=refusal is None, refusal=refusal, block_size=1,
         page_bytes=layout.page_bytes, kv_bytes_per_token=cell, graphs_in_budget=False,
-        sources={"weights_bytes": "analytic", "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed",
+        sources={"weights_bytes": "analytic (as the caching allocator reserves them: SGLang's load-time mem usage)",
+                 "kv_cache_bytes": "modelled", "non_torch_bytes": "assumed",
                  "activation_bytes": "not profiled (inside 1 - mem_fraction_static)",
                  "cuda_graph_bytes": "not counted (inside 1 - mem_fraction_static)"},
         notes=[f"activations and CUDA graphs must fit in the {1 - fraction:.3f} of free memory SGLang leaves"])

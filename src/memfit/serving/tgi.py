@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memfit.core.dtypes import dtype_bytes
 from memfit.serving import kv_cache
-from memfit.serving.checkpoints import Checkpoint, weights_bytes
+from memfit.serving.checkpoints import Checkpoint, reserved_weights_bytes
 from memfit.serving.profile_run import forward_peak
 from memfit.serving.result import COLLECTIVES_BYTES, ServingEstimate, rotary_cache_bytes
 from memfit.serving.served_model import ServedModel
@@ -30,11 +30,14 @@ def tgi_warmup_logits(model: ServedModel, tokens: int, tp: int, dtype: str) -> i
     """The warm-up's requests ask for every prompt token's log-probabilities (prefill_logprobs, the router's
     warm-up batch), so the head computes logits for all `tokens` rows: each rank's slice of the vocabulary, and at
     tensor parallel > 1 the gathered slices and their concatenation (TensorParallelHead), beside the last hidden
-    states. At tensor parallel > 1 the gathered logits are a transposed view, so log_softmax copies it and writes a
-    third array: three times the full logits."""
+    states. log_softmax writes the prefill log-probabilities beside the logits (two arrays; the hidden states are
+    freed by then at tensor parallel 1). At tensor parallel > 1 the gathered logits are a transposed view, so
+    log_softmax copies it and writes a third array: three times the full logits."""
     width = dtype_bytes(dtype)
     logits = tokens * model.vocab * width
-    return tokens * model.hidden * width + (3 * logits if tp > 1 else logits)
+    if tp == 1:
+        return max(tokens * model.hidden * width + logits, 2 * logits)
+    return tokens * model.hidden * width + 3 * logits
 
 
 def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
@@ -46,7 +49,7 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
     tp = settings.tensor_parallel
     max_len = settings.max_model_len or min(model.max_positions, 4096)
     prefill = tgi_defaults(release, settings, max_len)
-    weights = weights_bytes(model, checkpoint, dtype, tp) + rotary_cache_bytes(model, dtype)
+    weights = reserved_weights_bytes(model, checkpoint, dtype, tp) + rotary_cache_bytes(model, dtype)
     activation = max(forward_peak(model, prefill, tp, dtype), tgi_warmup_logits(model, prefill, tp, dtype))
     non_torch = gpu.context_bytes + (COLLECTIVES_BYTES if tp > 1 else 0)
     total = gpu.memory_bytes

@@ -54,17 +54,6 @@ class GPU:
         return dataclasses.replace(self, memory_bytes=memory_bytes, memory_source="given (--gpu-memory)")
 
 
-@dataclass(frozen=True)
-class AllocatorSettings:
-    """PYTORCH_CUDA_ALLOC_CONF, as far as estimators/caching_allocator.py simulates it."""
-
-    expandable_segments: bool = False
-    max_split_size: int | None = None   # bytes (max_split_size_mb); None: no limit
-    empty_cache_between_phases: bool = False   # torch.cuda.empty_cache() as each phase starts (release-cache)
-    empty_cache_before_step: bool = False      # the cache emptied before the measured step: CUDA graphs' capture
-    #                                            in the warm-up (compile:mode=reduce-overhead) calls empty_cache
-
-
 @lru_cache(maxsize=1)
 def _document() -> dict:
     """The bundled gpus.json, read once."""

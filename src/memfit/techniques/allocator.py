@@ -6,7 +6,7 @@ tensors' peak (what `max_memory_allocated` reports); they change what the alloca
                        more pages, instead of a new fixed segment per size class, so freed blocks of
                        changing sizes (growing sequences, variable batches) fragment less. The estimators
                        replay the step through the allocator with this setting
-                       (estimators/caching_allocator.py: simulated, not yet compared with a GPU run).
+                       (core/caching_allocator.py: simulated, not yet compared with a GPU run).
   release-cache        torch.cuda.empty_cache() between the step's phases (after backward, after the
                        optimizer step): cached, unused blocks go back to the driver, for another process
                        or a later phase of a different shape. The step's own peak is unchanged, so the
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from memfit.specs.hardware import AllocatorSettings
+from memfit.core.caching_allocator import AllocatorSettings
 from memfit.steps.setup import StepSetup
 from memfit.techniques.base import OomFix, Technique, register
 from memfit.techniques.contracts import CostCompute, OomMessage, OomSnapshot, PlanQuery

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from memfit.core.caching_allocator import AllocatorSettings
 from memfit.core.errors import MemfitError, closest
 from memfit.core.weight_formats import WeightFormat
-from memfit.specs.hardware import AllocatorSettings
 from memfit.specs.workload import Workload
 from memfit.steps.setup import StepSetup
 from memfit.techniques.contracts import AnalyticProgram, CostCompute, CostStep, OomMessage, OomSnapshot, PlanQuery
@@ -143,7 +143,7 @@ class Technique:
         return []
 
     def allocator_settings(self, settings: AllocatorSettings) -> AllocatorSettings:
-        """The CUDA caching allocator's settings with this technique (estimators/caching_allocator.py simulates
+        """The CUDA caching allocator's settings with this technique (core/caching_allocator.py simulates
         them); unchanged unless it is an allocator setting."""
         return settings
 

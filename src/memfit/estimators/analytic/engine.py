@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
+from memfit.core.caching_allocator import PHASE_START, Event
 from memfit.core.categories import CATEGORIES, zero_categories
 from memfit.core.kv_caches import KVCacheKind, kv_cache_kind
 from memfit.estimators.analytic import recompute
 from memfit.estimators.analytic.blocks import Gathers, block_numels, block_of
 from memfit.estimators.analytic.recompute import RecomputeDone, Region
 from memfit.estimators.analytic.symbols import Alias, Offloaded, Param, Sym, is_parameter
-from memfit.estimators.caching_allocator import PHASE_START, Event
 
 T = TypeVar("T")
 

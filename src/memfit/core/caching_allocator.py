@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
 from memfit.core.units import MiB
-from memfit.specs.hardware import AllocatorSettings
 
 MIN_BLOCK_SIZE = 512            # kMinBlockSize
 SMALL_SIZE = 1 * MiB            # kSmallSize: the largest small-pool request
@@ -46,6 +45,17 @@ MIN_LARGE_ALLOC = 10 * MiB      # kMinLargeAlloc
 ROUND_LARGE = 2 * MiB           # kRoundLarge
 _ADDRESS_SPACE = LARGE_BUFFER << 24   # one segment's address range (an expandable one reserves it, unmapped):
 #                                        segments start on a multiple of both page sizes
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """PYTORCH_CUDA_ALLOC_CONF, as far as this module simulates it."""
+
+    expandable_segments: bool = False
+    max_split_size: int | None = None   # bytes (max_split_size_mb); None: no limit
+    empty_cache_between_phases: bool = False   # torch.cuda.empty_cache() as each phase starts (release-cache)
+    empty_cache_before_step: bool = False      # the cache emptied before the measured step: CUDA graphs' capture
+    #                                            in the warm-up (compile:mode=reduce-overhead) calls empty_cache
 
 
 @dataclass(eq=False)
