@@ -8,9 +8,10 @@ from statistics import median_high as median
 import torch
 
 from memfit.core.dtypes import dtype_name
+from memfit.core.rates import LINK_EFFICIENCY
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.kernels import ATTENTION_BACKWARD, kernel_profile
-from memfit.planner.cost import LINK_EFFICIENCY, CostModel
+from memfit.planner.cost import CostModel
 from memfit.specs.hardware import CPU_KERNELS, GPU
 from memfit.specs.workload import Workload
 from memfit.steps.host import host_copy

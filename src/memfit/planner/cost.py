@@ -35,6 +35,7 @@ import torch
 
 from memfit.core.dtypes import BYTES, dtype_name
 from memfit.core.precision import get_precision
+from memfit.core.rates import HBM_EFFICIENCY, LINK_EFFICIENCY, MATMUL_MFU, attention_share, experts_touched
 from memfit.estimators.analytic import offload_host_bytes
 from memfit.estimators.analytic.families import registry
 from memfit.estimators.breakdown import MemoryEstimate
@@ -42,8 +43,6 @@ from memfit.estimators.kernels import KernelProfile, Phase, forward_flops_per_to
 from memfit.specs.hardware import GPU
 from memfit.techniques.resolve import ResolvedWorkload
 
-HBM_EFFICIENCY = 0.75      # fraction of the data-sheet memory bandwidth streaming kernels reach (assumed)
-LINK_EFFICIENCY = 0.8      # fraction of the data-sheet link bandwidth collectives and copies reach (assumed)
 HOST_STEP_GBPS = 100.0     # host memory traffic of a CPU optimizer step, per node (assumed)
 NVME_GBPS = 6.0            # a node's local NVMe drives, read or write: two PCIe 4.0 drives (assumed)
 NETWORK_GBPS = 50.0        # per GPU between nodes: 400 Gb/s InfiniBand (assumed)
@@ -55,14 +54,9 @@ class CostModel:
     """The constants that turn FLOPs, bytes and kernels into seconds: for GPUs these defaults (each labelled
     below), or measured on the device a plan is for (benchmarks/planner_oracle.py measures its CPU's)."""
 
-    # large bf16/fp16 matmuls' share of the data-sheet peak: calibrated on Liger-Kernel's A100 benchmark of a Llama
-    # MLP (published_gpu_throughput.md liger-mlp: 4 x 8192 tokens, 36.3 ms, 0.84 of 312 TFLOP/s less its SiLU's
-    # bytes); cuBLAS's own large-GEMM figures lie at 0.75-0.85 on A100 and H100
-    mfu: float = 0.80
+    mfu: float = MATMUL_MFU     # large matmuls' share of the peak (core/rates.py)
     tokens_half: int = 512       # tokens per matmul at which it runs at half that utilisation (assumed)
-    # the fused attention kernels' share of the peak, by generation: None takes FlashAttention-2's published
-    # figures (Dao 2023: fwd + bwd up to 0.72 on A100; Shah et al. 2024, FlashAttention-3: 0.35 on H100), which
-    # PyTorch's flash backend is
+    # the fused attention kernels' share of the peak: None takes core/rates.py's by generation
     attention_efficiency: float | None = None
     launch_s: float = 2e-6       # the GPU's gap per kernel (launch latency and tail) (assumed)
     # the host's time to issue one kernel: PyTorch eager from Python (this project's 2-core CPU dispatches a
@@ -102,7 +96,7 @@ class CostModel:
     def attention_share(self, gpu: GPU) -> float:
         if self.attention_efficiency is not None:
             return self.attention_efficiency
-        return 0.35 if gpu.compute_capability >= (9, 0) else 0.65
+        return attention_share(gpu.compute_capability)
 
 
 ASSUMED = CostModel()
@@ -152,7 +146,7 @@ class StepShape:
         reads a few; a prefill, all)."""
         if not self.experts:
             return parameter_bytes
-        touched = 1 - (1 - self.top_k / self.experts) ** tokens   # the fraction of the experts read
+        touched = experts_touched(self.experts, self.top_k, tokens)
         return parameter_bytes - min(self.expert_bytes, parameter_bytes) * (1 - touched)
 
     def forward_flops(self, batch: int, seq: int) -> float:

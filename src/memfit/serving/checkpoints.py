@@ -150,7 +150,8 @@ def reserved_weights_bytes(model: ServedModel, checkpoint: Checkpoint, dtype: st
 
 
 # the column-parallel projections the engines load as one tensor (QKVParallelLinear, MergedColumnParallelLinear)
-_FUSED = ((re.compile(r"\.attn\.[qkv](\.bias)?$"), r".attn.qkv\1"), (re.compile(r"\.(gate|up)(\.bias)?$"), r".gate_up\2"))
+_FUSED = ((re.compile(r"\.attn\.[qkv](\.bias)?$"), r".attn.qkv\1"),
+          (re.compile(r"\.(gate|up)(\.bias)?$"), r".gate_up\2"))
 
 
 def engine_tensors(model: ServedModel, checkpoint: Checkpoint, dtype: str, tp: int, ep: int = 1,
