@@ -278,6 +278,10 @@ serve_flags = st.lists(st.one_of(
     st.tuples(st.just("--quantization"), st.sampled_from(("awq", "gptq", "fp8", "bitsandbytes", "mxfp4", "gguf", ""))),
     st.tuples(st.just("--gpu"), st.sampled_from(("t4", "h100", "l4", "h1000", ""))),
     st.tuples(st.just("--entrypoint"), st.sampled_from(("server", "offline", "x"))),
+    st.tuples(st.sampled_from(("--input-len", "--output-len", "--max-concurrency", "--seed")), numbers),
+    st.tuples(st.just("--num-prompts"), st.sampled_from(("1", "7", "0", "-3", "x", "99999999999"))),
+    st.tuples(st.just("--request-rate"), st.sampled_from(("inf", "4", "0", "-1", "nan", "x"))),
+    st.tuples(st.just("--dataset"), st.sampled_from(("random", "sharegpt", "x"))),
 ), max_size=5)
 
 

@@ -5,14 +5,17 @@ training and inference ones)."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from memfit.cli.console import output_console, print_json
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, parse_bytes
 from memfit.report.serving_report import print_serving
+from memfit.report.serving_timeline import write_serving_timeline
 from memfit.serving import estimate
 from memfit.serving.checkpoints import QUANTIZATIONS
+from memfit.serving.load import DATASETS, SHAREGPT_MEANS, Load
 from memfit.serving.releases import ENGINES, NEWEST
 from memfit.serving.settings import ENTRYPOINTS, KV_CACHE_DTYPES, ServeSettings
 from memfit.specs.hardware import GPU, get_gpu
@@ -74,6 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) 
         group.add_argument(flag, dest=field, default=None, help=text, **options)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     if not model_flag:
+        client = parser.add_argument_group("a load to serve (vLLM's benchmark client's names): how fast, simulated")
+        client.add_argument("--input-len", type=float, metavar="I", help="prompt tokens (sharegpt: the mean, "
+                                                                          f"default {SHAREGPT_MEANS[0]})")
+        client.add_argument("--output-len", type=float, metavar="O", help="answer tokens (sharegpt: the mean, "
+                                                                           f"default {SHAREGPT_MEANS[1]})")
+        client.add_argument("--num-prompts", type=int, default=1000, metavar="N", help="requests (default 1000)")
+        client.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
+                            help="requests per second, Poisson arrivals (default inf: all at once)")
+        client.add_argument("--max-concurrency", type=int, metavar="C", help="at most C requests outstanding")
+        client.add_argument("--dataset", choices=DATASETS, help="random (fixed lengths, the default with --input-len)"
+                                                                " or sharegpt (its length distribution, assumed)")
+        client.add_argument("--seed", type=int, default=0, help="arrivals' and ShareGPT lengths' seed (default 0)")
+        client.add_argument("--timeline", metavar="FILE", help="plot the run (.png/.svg/.pdf) or write its series "
+                                                               "(.json)")
         parser.set_defaults(run=run)
 
 
@@ -95,12 +112,35 @@ def gpu_of(args: argparse.Namespace) -> GPU:
     return gpu
 
 
+def load_from(args: argparse.Namespace) -> Load | None:
+    """The load the client flags describe, or None when no length or dataset is given."""
+    given = args.input_len is not None or args.output_len is not None or args.dataset is not None
+    if not given:
+        if args.timeline or args.max_concurrency is not None:
+            raise MemfitError("--timeline and --max-concurrency describe a load: give --input-len and --output-len "
+                              "(or --dataset sharegpt).")
+        return None
+    dataset = args.dataset or "random"
+    prompt, answer = args.input_len, args.output_len
+    if dataset == "sharegpt":
+        prompt, answer = prompt or SHAREGPT_MEANS[0], answer or SHAREGPT_MEANS[1]
+    elif prompt is None or answer is None:
+        raise MemfitError("a random load takes both --input-len and --output-len (tokens per prompt and answer).")
+    return Load(prompt, answer, args.num_prompts, args.request_rate, args.max_concurrency, dataset, args.seed)
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
-    result = estimate(args.model, gpu_of(args), settings_from(args))
+    load = load_from(args)
+    result = estimate(args.model, gpu_of(args), settings_from(args), load)
+    if args.timeline and result.speed is not None:
+        write_serving_timeline(result.speed.timeline, result.speed.kv_blocks, args.timeline,
+                               f"{result.model} on {result.engine} {result.engine_version}, {result.gpu}")
     if args.json:
         print_json(result.to_json())
     else:
         print_serving(result, output_console())
+        if args.timeline:
+            output_console().print(f"timeline written to {args.timeline}")
     return 0

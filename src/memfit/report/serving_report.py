@@ -33,7 +33,52 @@ def print_serving(estimate: ServingEstimate, console: Console) -> None:
         console.print(line, highlight=False)
     for note in e.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
+    if e.speed is not None:
+        print_speed(e, console)
     console.print(f"\n{command_line(e)}", highlight=False, soft_wrap=True)
+    if e.speed is not None:
+        console.print(client_line(e), highlight=False, soft_wrap=True)
+
+
+def print_speed(e: ServingEstimate, console: Console) -> None:
+    """The load's figures as vLLM's benchmark client prints them (simulated: speed.py)."""
+    speed = e.speed
+    assert speed is not None
+    console.print(f"\n[bold]serving the load[/] (simulated: {speed.steps:,} engine steps, at most "
+                  f"{speed.most_running:,} requests running{', ' if speed.preemptions else ''}"
+                  f"{f'{speed.preemptions:,} preemptions' if speed.preemptions else ''})")
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    table.add_column()
+    table.add_column(justify="right")
+    for label, value in (("Benchmark duration (s)", f"{speed.duration_s:,.2f}"),
+                         ("Request throughput (req/s)", f"{speed.request_throughput:,.2f}"),
+                         ("Output token throughput (tok/s)", f"{speed.output_tokens_per_s:,.2f}"),
+                         ("Total token throughput (tok/s)", f"{speed.total_tokens_per_s:,.2f}"),
+                         ("Mean / median TTFT (ms)", f"{speed.mean_ttft_ms:,.2f} / {speed.median_ttft_ms:,.2f}"),
+                         ("Mean / median TPOT (ms)", f"{speed.mean_tpot_ms:,.2f} / {speed.median_tpot_ms:,.2f}"),
+                         ("Mean ITL (ms)", f"{speed.mean_itl_ms:,.2f}"),
+                         ("Mean E2EL (ms)", f"{speed.mean_e2el_ms:,.2f}")):
+        table.add_row(label, value)
+    console.print(table)
+    for note in speed.notes:
+        console.print(f"[dim]note: {escape(note)}[/]")
+
+
+def client_line(e: ServingEstimate) -> str:
+    """vLLM's benchmark client for this load."""
+    assert e.speed is not None
+    load = e.speed.load
+    parts = ["vllm", "bench", "serve", "--model", e.hub_id, "--num-prompts", str(load["num_prompts"])]
+    if load["dataset"] == "random":
+        parts += ["--dataset-name", "random", "--random-input-len", str(int(load["input_len"])),
+                  "--random-output-len", str(int(load["output_len"])), "--ignore-eos"]
+    else:
+        parts += ["--dataset-name", "sharegpt", "--dataset-path", "ShareGPT_V3_unfiltered_cleaned_split.json"]
+    if load["request_rate"] != float("inf"):
+        parts += ["--request-rate", f"{load['request_rate']:g}"]
+    if load["max_concurrency"]:
+        parts += ["--max-concurrency", str(load["max_concurrency"])]
+    return " ".join(parts)
 
 
 def _budget_rule(e: ServingEstimate) -> str:

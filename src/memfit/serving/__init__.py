@@ -14,12 +14,13 @@ import dataclasses
 
 from memfit.core.errors import MemfitError, closest
 from memfit.serving.estimate import ServingEstimate, estimate_serving
+from memfit.serving.load import Load
 from memfit.serving.served_model import ServedModel, served_model
 from memfit.serving.settings import ServeSettings
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.model_configs import FoundConfig, find_config
 
-__all__ = ["ServeSettings", "ServedModel", "ServingEstimate", "estimate", "load_model"]
+__all__ = ["Load", "ServeSettings", "ServedModel", "ServingEstimate", "estimate", "load_model"]
 _FIELDS = [f.name for f in dataclasses.fields(ServeSettings)]
 
 
@@ -42,10 +43,11 @@ def load_model(model) -> ServedModel:
     return served_model(found)
 
 
-def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = None,
+def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = None, load: Load | dict | None = None,
              **knobs) -> ServingEstimate:
     """The engine's start-up on `gpu` with `settings` (or the ServeSettings fields as keywords: engine="vllm",
-    max_model_len=..., tensor_parallel=..., gpu_memory_utilization=...)."""
+    max_model_len=..., tensor_parallel=..., gpu_memory_utilization=...); with a `load` (a Load, or its fields:
+    {"input_len": 1024, "output_len": 256, "num_prompts": 200, "max_concurrency": 16}), how fast it serves it."""
     if settings is None:
         unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(ServeSettings)})
         if unknown:
@@ -53,5 +55,11 @@ def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = No
         settings = ServeSettings(**knobs)
     elif knobs:
         raise MemfitError(f"give the settings once: a ServeSettings or keywords, not both ({', '.join(knobs)}).")
+    if isinstance(load, dict):
+        unknown = sorted(set(load) - {f.name for f in dataclasses.fields(Load)})
+        if unknown:
+            raise MemfitError(f"unknown load field(s) {', '.join(unknown)}; a load takes "
+                              f"{', '.join(f.name for f in dataclasses.fields(Load))}.")
+        load = Load(**load)
     served = model if isinstance(model, ServedModel) else load_model(model)
-    return estimate_serving(served, get_gpu(gpu) if isinstance(gpu, str) else gpu, settings)
+    return estimate_serving(served, get_gpu(gpu) if isinstance(gpu, str) else gpu, settings, load)

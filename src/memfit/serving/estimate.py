@@ -5,24 +5,30 @@ from __future__ import annotations
 from memfit.core.errors import MemfitError
 from memfit.serving import sglang, tgi, vllm
 from memfit.serving.checkpoints import checkpoint_of
+from memfit.serving.load import Load
 from memfit.serving.result import ServingEstimate
 from memfit.serving.served_model import ServedModel
 from memfit.serving.settings import ServeSettings
+from memfit.serving.speed import serving_speed
 from memfit.specs.hardware import GPU
 
 __all__ = ["ServingEstimate", "estimate_serving", "served_dtype"]
 ENGINE_MODULES = {"vllm": vllm, "sglang": sglang, "tgi": tgi}
 
 
-def estimate_serving(model: ServedModel, gpu: GPU, settings: ServeSettings) -> ServingEstimate:
+def estimate_serving(model: ServedModel, gpu: GPU, settings: ServeSettings,
+                     load: Load | None = None) -> ServingEstimate:
     """The engine's start-up on `gpu` (each of tensor x pipeline parallel GPUs of one replica; data-parallel replicas
-    are alike), or a one-line MemfitError for a setting the engine rejects before loading."""
+    are alike), or a one-line MemfitError for a setting the engine rejects before loading; with a `load`, how fast
+    one replica serves it (speed.py)."""
     _check_parallel(model, settings)
     dtype = served_dtype(model, settings, gpu)
     checkpoint = checkpoint_of(model, settings.quantization, gpu.compute_capability)
     estimate = ENGINE_MODULES[settings.engine].estimate(model, gpu, settings, dtype, checkpoint)
     if model.note:
         estimate.notes.insert(0, model.note)
+    if load is not None:
+        estimate.speed = serving_speed(model, gpu, settings, dtype, checkpoint, estimate, load)
     return estimate
 
 

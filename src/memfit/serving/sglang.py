@@ -29,14 +29,30 @@ def sglang_fraction(gpu: GPU, settings: ServeSettings) -> float:
         reserved = 1024 * (2.8 + parallel / 10 if total_mib < 35 * 1024 else 9.5 + parallel / 2
                            if total_mib < 90 * 1024 else 12 + parallel / 2 if total_mib < 160 * 1024 else 32)
         return round((total_mib - reserved) / total_mib, 3)
-    chunk = settings.chunked_prefill_size or (2048 if total_mib < 35 * 1024 else 4096 if total_mib < 60 * 1024
-                                              else 8192 if total_mib < 90 * 1024 else 16384)
+    chunk = sglang_chunk(gpu, settings)
     graph_bs = settings.cuda_graph_max_bs or (8 if total_mib < 20 * 1024 else 80 if total_mib < 35 * 1024
                                               else 160 if total_mib < 60 * 1024 else 256)
     reserved = 512 + 1.5 * max(chunk, 2048) + 2 * graph_bs + parallel / 8 * 1024
     if total_mib > 60 * 1024:
         reserved = max(reserved, 10 * 1024)
     return round((total_mib - reserved) / total_mib, 3)
+
+
+def sglang_chunk(gpu: GPU, settings: ServeSettings) -> int:
+    """--chunked-prefill-size's default by the GPU's memory (server_args.py; 8192 before 0.4.9 on any GPU)."""
+    if settings.chunked_prefill_size:
+        return settings.chunked_prefill_size
+    if not settings.release.at_least("0.4.9"):
+        return 8192
+    total_mib = gpu.memory_bytes / MiB
+    return 2048 if total_mib < 35 * 1024 else 4096 if total_mib < 60 * 1024 else 8192 if total_mib < 90 * 1024 \
+        else 16384
+
+
+def sglang_max_running(tokens: int, context: int, settings: ServeSettings) -> int:
+    """max_running_requests: --max-running-requests if given, else the pool's tokens over the context x 512, within
+    2048 and 4096 (model_runner.py)."""
+    return settings.max_num_seqs or min(max(int(tokens / context * 512), 2048), 4096)
 
 
 def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
