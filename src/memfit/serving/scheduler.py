@@ -29,6 +29,7 @@ from memfit.serving.load import Load
 from memfit.serving.step_model import StepModel
 
 POLICIES = ("vllm-v1", "vllm-v0", "sglang")
+TIMELINE = ("time_s", "running", "waiting", "kv_blocks", "tokens", "requests", "preempted", "output_tokens")
 MAX_STEPS = 2_000_000
 
 
@@ -57,6 +58,7 @@ class Limits:
     blocks: int                # KV blocks the requests may hold
     block_size: int
     chunked: bool = True       # a prompt may be split over steps
+    whole_prompt_fits: bool = False   # vLLM from 0.19: a new request waits until its whole prompt's blocks are free
 
 
 @dataclass
@@ -64,8 +66,9 @@ class Run:
     requests: list[Request]
     steps: int = 0
     preemptions: int = 0
-    timeline: dict = field(default_factory=lambda: {"time_s": [], "running": [], "waiting": [], "kv_blocks": [],
-                                                     "tokens": [], "output_tokens": []})
+    # per step: when it ends; as scheduled (before the step's finished requests leave): requests running and waiting,
+    # KV blocks held, tokens and requests scheduled, requests preempted; then the tokens it output
+    timeline: dict = field(default_factory=lambda: {key: [] for key in TIMELINE})
 
 
 def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
@@ -106,6 +109,7 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
         scheduled: list[tuple[Request, int]] = []
         budget = limits.token_budget
         preempted = False
+        preemptions = run.preemptions
         prefill_only = policy != "vllm-v1" and not (policy == "vllm-v0" and limits.chunked) and \
             _admissible(waiting, running, limits, free_blocks, budget)
         index = 0
@@ -139,7 +143,8 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
                 if new < request.pending and not limits.chunked:
                     break
                 need = blocks_for(request, new)
-                if need > free_blocks:
+                if need > free_blocks or (limits.whole_prompt_fits and
+                                          blocks_for(request, request.pending) > free_blocks):
                     break
                 waiting.popleft()
                 running.append(request)
@@ -149,6 +154,8 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
                 scheduled.append((request, new))
         if not scheduled:   # nothing fits: the head of the queue can never run (a prompt beyond the cache)
             raise RuntimeError("a request cannot be scheduled: its prompt needs more KV blocks than the cache has")
+        as_scheduled = (len(running), len(waiting), limits.blocks - free_blocks, sum(new for _, new in scheduled),
+                        len(scheduled), run.preemptions - preemptions)
         prefills = [(new, r.computed) for r, new in scheduled if not (r.generated and r.pending == 1)]
         decodes = [r.computed for r, new in scheduled if r.generated and r.pending == 1]
         sampled = sum(1 for r, new in scheduled if new == r.pending)
@@ -171,8 +178,8 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
             running = [r for r in running if id(r) not in finished]
             finished.clear()
         run.steps += 1
-        _record(run, now, len(running), len(waiting), limits.blocks - free_blocks,
-                sum(new for _, new in scheduled), out)
+        for key, value in zip(TIMELINE, (now, *as_scheduled, out)):
+            run.timeline[key].append(value)
         if run.steps > MAX_STEPS:
             raise RuntimeError("the simulation did not finish")
     return run
@@ -188,10 +195,3 @@ def _admissible(waiting: deque[Request], running: list[Request], limits: Limits,
     if new < head.pending and not limits.chunked:
         return False
     return math.ceil((head.computed + new) / limits.block_size) - head.blocks <= free_blocks
-
-
-def _record(run: Run, now: float, running: int, waiting: int, blocks: int, tokens: int, out: int) -> None:
-    timeline = run.timeline
-    for key, value in (("time_s", now), ("running", running), ("waiting", waiting), ("kv_blocks", blocks),
-                       ("tokens", tokens), ("output_tokens", out)):
-        timeline[key].append(value)

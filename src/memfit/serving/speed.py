@@ -24,6 +24,10 @@ from memfit.serving.sglang import sglang_chunk, sglang_max_running
 from memfit.serving.step_model import step_model
 from memfit.specs.hardware import GPU
 
+# vLLM's scheduler_reserve_full_isl (on by default in 0.32; the option came with PR #37307, merged in March 2026:
+# the release it first defaults in is assumed)
+WHOLE_PROMPT_FITS = "0.19.0"
+
 
 @dataclass
 class ServingSpeed:
@@ -93,7 +97,8 @@ def _limits(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str, e
         return Limits(seqs, sglang_chunk(gpu, settings), blocks, 1)
     seqs, tokens = estimate.settings["max_num_seqs"], estimate.settings["max_num_batched_tokens"]
     return Limits(seqs, tokens, blocks, estimate.block_size, chunked=policy == "vllm-v1" or
-                  tokens < estimate.max_model_len)
+                  tokens < estimate.max_model_len,
+                  whole_prompt_fits=policy == "vllm-v1" and settings.release.at_least(WHOLE_PROMPT_FITS))
 
 
 def _metrics(run: Run, load: Load, policy: str, limits: Limits) -> ServingSpeed:
