@@ -295,6 +295,30 @@ def test_serve_arguments(model, engine, pairs):
     assert_clean(*cli(*argv))
 
 
+serve_plan_flags = st.lists(st.one_of(
+    st.tuples(st.sampled_from(("--max-model-len", "--concurrency", "--input-len", "--output-len", "--gpus", "--top")),
+              numbers),
+    st.tuples(st.sampled_from(("--max-ttft-ms", "--max-tpot-ms", "--min-output-tokens-per-s")),
+              st.sampled_from(("50", "0", "-1", "nan", "x"))),
+    st.tuples(st.just("--gpu"), st.sampled_from(("h100", "l4", "rtx-4090", "h1000", ""))),
+    st.tuples(st.just("--instance"), st.sampled_from(("any", "g6.xlarge", "p5", "nope", ""))),
+    st.tuples(st.just("--price"), st.sampled_from(("g6.xlarge=1.5", "g6.xlarge=-1", "x=1", "bad"))),
+    st.tuples(st.just("--allow"), st.sampled_from(("lossy", "lossless", "x"))),
+    st.tuples(st.just("--objective"), st.sampled_from(("cheapest", "fastest", "x"))),
+    st.tuples(st.just("--export"), st.sampled_from(("vllm", "sglang", "kubernetes", "x"))),
+), max_size=4)
+
+
+@settings(FUZZ, max_examples=max(3, EXAMPLES // 3))
+@given(st.sampled_from(("llama-3.1-8b", "qwen3-30b-a3b", "tiny-llama", "nope", "")),
+       st.sampled_from(("vllm", "sglang", "tgi", "x")), serve_plan_flags)
+def test_serve_plan_arguments(model, engine, pairs):
+    """`memfit plan --task serve`: any load, machine and service level is a plan, a refusal, or one line and exit 2."""
+    argv = ["plan", model, "--task", "serve", "--engine", engine, "--max-model-len", "4096", "--concurrency", "4",
+            "--json"] + [x for pair in pairs for x in pair]
+    assert_clean(*cli(*argv))
+
+
 SERVING_FAILURES = (
     "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
     "the engine.",

@@ -27,7 +27,8 @@ COMMANDS = {
     "explain-oom": ("memfit.cli.explain_oom", "explain a CUDA out-of-memory error and rank the fixes"),
 }
 # a command whose flags differ by task: (command, task) -> the module that takes that task
-TASK_MODULES = {("estimate", "serve"): "memfit.cli.serve", ("explain-oom", "serve"): "memfit.cli.serve_oom"}
+TASK_MODULES = {("estimate", "serve"): "memfit.cli.serve", ("explain-oom", "serve"): "memfit.cli.serve_oom",
+                ("plan", "serve"): "memfit.cli.serve_plan"}
 
 
 def task_in(argv: list[str]) -> str | None:

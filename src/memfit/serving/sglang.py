@@ -74,7 +74,8 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
         refusal = ("Not enough memory. Please try to increase --mem-fraction-static (the KV pool after the weights "
                    f"is {pool / GiB:.2f} GiB).")
     resolved = {"tensor_parallel": tp, "max_model_len": max_len, "mem_fraction_static": fraction,
-                "kv_cache_dtype": settings.kv_cache_dtype, "dtype": dtype, "quantization": checkpoint.method}
+                "kv_cache_dtype": settings.kv_cache_dtype, "dtype": dtype, "quantization": checkpoint.method,
+                "quantize_on_load": settings.quantization}
     return ServingEstimate(
         model=model.name, hub_id=model.hub_id, engine="sglang", engine_version=settings.release.version, gpu=gpu.name,
         gpu_memory_bytes=gpu.memory_bytes, gpus=tp * settings.data_parallel, settings=resolved, weights_bytes=weights,

@@ -74,7 +74,8 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
                    "cache): lower --max-total-tokens.")
     resolved = {"tensor_parallel": tp, "max_model_len": max_len, "max_batch_prefill_tokens": prefill,
                 "cuda_memory_fraction": fraction, "kv_cache_dtype": settings.kv_cache_dtype, "dtype": dtype,
-                "quantization": checkpoint.method}
+                "quantization": checkpoint.method,
+                "quantize_on_load": settings.quantization}
     return ServingEstimate(
         model=model.name, hub_id=model.hub_id, engine="tgi", engine_version=release.version, gpu=gpu.name,
         gpu_memory_bytes=total, gpus=tp * settings.data_parallel, settings=resolved, weights_bytes=weights,

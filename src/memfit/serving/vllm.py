@@ -137,7 +137,8 @@ def estimate(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str,
     resolved = {"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": settings.data_parallel,
                 "max_model_len": max_len, "gpu_memory_utilization": util, "max_num_seqs": seqs,
                 "max_num_batched_tokens": tokens, "block_size": block, "kv_cache_dtype": settings.kv_cache_dtype,
-                "dtype": dtype, "quantization": checkpoint.method, "enforce_eager": settings.enforce_eager,
+                "dtype": dtype, "quantization": checkpoint.method,
+                "quantize_on_load": settings.quantization, "enforce_eager": settings.enforce_eager,
                 "entrypoint": settings.entrypoint}
     return ServingEstimate(
         model=model.name, hub_id=model.hub_id, engine="vllm", engine_version=release.version, gpu=gpu.name,
