@@ -12,11 +12,9 @@ KV-bytes rows (the target: mean |error| <= 3 %, worst <= 10 %); `starts` must be
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from memfit.core.errors import MemfitError
@@ -28,9 +26,8 @@ from memfit.specs.hardware import get_gpu
 from memfit.specs.model_configs import find_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-import docs_sync
+from published_table import number, rows_table, write_results
 
-RESULTS = Path(__file__).parent / "results"
 FP8_BLOCK = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized",
         "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}
@@ -200,35 +197,23 @@ def summary(records: list[dict]) -> dict:
 
 def table_of(records: list[dict], totals: dict) -> Table:
     vllm, others = totals["vllm kv"], totals["sglang and tgi kv"]
-    table = Table(title=f"memfit's serving estimate against published start-ups: the KV cache's mean |error| "
-                        f"{100 * totals['kv_mean_abs_error']:.1f} %, worst {100 * totals['kv_worst_abs_error']:.1f} % "
-                        f"over {totals['kv_rows']} rows (vLLM {100 * vllm['mean']:.1f} % / "
-                        f"{100 * vllm['worst']:.1f} % over {vllm['rows']}; SGLang and TGI {100 * others['mean']:.1f} % "
-                        f"/ {100 * others['worst']:.1f} % over {others['rows']}); starts right on "
-                        f"{totals['starts_right']} of {totals['starts_rows']}; {totals['misses']} misses")
-    for column in ("id", "metric", "reported", "predicted", "error", "notes"):
-        table.add_column(column, justify="right" if column in ("reported", "predicted", "error") else "left")
-    for r in records:
-        if r["metric"] == "-":
-            table.add_row(r["id"], "-", "", "", "", r["notes"])
-            continue
-        show = (lambda v: str(v)) if r["metric"] == "starts" else \
-            (lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v:,}")
-        error = ("right" if r["error"] else "WRONG") if r["metric"] == "starts" else f"{100 * r['error']:+.1f}%"
-        table.add_row(r["id"], r["metric"], show(r["reported"]), show(r["predicted"]), error, r["notes"])
-    return table
+    title = (f"memfit's serving estimate against published start-ups: the KV cache's mean |error| "
+             f"{100 * totals['kv_mean_abs_error']:.1f} %, worst {100 * totals['kv_worst_abs_error']:.1f} % "
+             f"over {totals['kv_rows']} rows (vLLM {100 * vllm['mean']:.1f} % / "
+             f"{100 * vllm['worst']:.1f} % over {vllm['rows']}; SGLang and TGI {100 * others['mean']:.1f} % "
+             f"/ {100 * others['worst']:.1f} % over {others['rows']}); starts right on "
+             f"{totals['starts_right']} of {totals['starts_rows']}; {totals['misses']} misses")
+    starts = "starts"
+    return rows_table(title, records,
+                      show=lambda r, v: str(v) if r["metric"] == starts else number(v),
+                      error=lambda r: ("right" if r["error"] else "WRONG") if r["metric"] == starts
+                      else f"{100 * r['error']:+.1f}%")
 
 
 def main() -> int:
     records = run()
     totals = summary(records)
-    table = table_of(records, totals)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "published_serving.json").write_text(json.dumps({"summary": totals, "rows": records}, indent=1) + "\n")
-    console = Console(record=True, width=150)
-    console.print(table)
-    (RESULTS / "published_serving.txt").write_text(console.export_text())
-    docs_sync.sync()
+    write_results("published_serving", totals, records, table_of(records, totals))
     return 0
 
 

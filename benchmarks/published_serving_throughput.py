@@ -13,12 +13,10 @@ worst <= 25 % over the rows whose source states every setting (FULL).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from memfit.core.errors import MemfitError
@@ -30,9 +28,8 @@ from memfit.specs.hardware import get_gpu
 from memfit.specs.model_configs import find_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-import docs_sync
+from published_table import rows_table, write_results
 
-RESULTS = Path(__file__).parent / "results"
 INF = math.inf
 FP8 = {"quant_method": "fp8"}
 FP8_BLOCK = {"quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -223,19 +220,13 @@ def summary(records: list[dict]) -> dict:
 
 def table_of(records: list[dict], totals: dict) -> Table:
     full, every = totals["full"], totals["all"]
-    table = Table(title=f"memfit's serving speed against published benchmark runs: throughput's mean |error| "
-                        f"{100 * full['mean']:.1f} %, worst {100 * full['worst']:.1f} % over the {full['rows']} rows "
-                        f"with every setting stated ({100 * every['mean']:.1f} % / {100 * every['worst']:.1f} % over "
-                        f"all {every['rows']}); TTFT {100 * totals['TTFT ms']['mean']:.0f} %, TPOT "
-                        f"{100 * totals['TPOT ms']['mean']:.0f} % mean |error|; {totals['misses']} misses")
-    for column in ("id", "metric", "reported", "predicted", "error", "notes"):
-        table.add_column(column, justify="right" if column in ("reported", "predicted", "error") else "left")
-    for r in records:
-        if r["metric"] == "-":
-            table.add_row(r["id"], "-", "", "", "", r["notes"])
-            continue
-        table.add_row(r["id"] + ("" if r["full"] else "*"), r["metric"], f"{r['reported']:,.2f}",
-                      f"{r['predicted']:,.2f}", f"{100 * r['error']:+.1f}%", r["notes"])
+    title = (f"memfit's serving speed against published benchmark runs: throughput's mean |error| "
+             f"{100 * full['mean']:.1f} %, worst {100 * full['worst']:.1f} % over the {full['rows']} rows "
+             f"with every setting stated ({100 * every['mean']:.1f} % / {100 * every['worst']:.1f} % over "
+             f"all {every['rows']}); TTFT {100 * totals['TTFT ms']['mean']:.0f} %, TPOT "
+             f"{100 * totals['TPOT ms']['mean']:.0f} % mean |error|; {totals['misses']} misses")
+    table = rows_table(title, records, label=lambda r: r["id"] + ("" if r["full"] else "*"),
+                       show=lambda r, v: f"{v:,.2f}")
     table.caption = "* a row whose source leaves settings unstated (not in the target's rows)"
     return table
 
@@ -243,14 +234,7 @@ def table_of(records: list[dict], totals: dict) -> Table:
 def main() -> int:
     records = run()
     totals = summary(records)
-    table = table_of(records, totals)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "published_serving_throughput.json").write_text(
-        json.dumps({"summary": totals, "rows": records}, indent=1) + "\n")
-    console = Console(record=True, width=150)
-    console.print(table)
-    (RESULTS / "published_serving_throughput.txt").write_text(console.export_text())
-    docs_sync.sync()
+    write_results("published_serving_throughput", totals, records, table_of(records, totals))
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from memfit.core.errors import MemfitError
+from memfit.report.timeline_plot import pyplot_for
 
 
 def write_serving_timeline(timeline: dict, blocks: int, path: str, title: str) -> None:
@@ -12,15 +12,7 @@ def write_serving_timeline(timeline: dict, blocks: int, path: str, title: str) -
         with open(path, "w") as fh:
             json.dump({**timeline, "kv_blocks_total": blocks}, fh)
         return
-    if not path.endswith((".png", ".svg", ".pdf")):
-        raise MemfitError(f"--timeline {path!r}: give a .png, .svg, .pdf or .json file name.")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MemfitError("plots need matplotlib: pip install 'memfit[plot]'") from None
+    plt = pyplot_for(path)
     times = timeline["time_s"]
     fig, (ax_requests, ax_blocks, ax_tokens) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     ax_requests.plot(times, timeline["running"], label="running")

@@ -12,15 +12,7 @@ def write_timeline(timeline: dict, path: str, title: str) -> None:
         with open(path, "w") as fh:
             json.dump(timeline, fh)
         return
-    if not path.endswith((".png", ".svg", ".pdf")):
-        raise MemfitError(f"--timeline {path!r}: give a .png, .svg, .pdf or .json file name.")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MemfitError("plots need matplotlib: pip install 'memfit[plot]'") from None
+    plt = pyplot_for(path)
     events = timeline["event"]
     series = list(zip(*timeline["bytes"]))
     names = timeline["categories"]
@@ -40,3 +32,18 @@ def write_timeline(timeline: dict, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def pyplot_for(path: str):
+    """matplotlib's pyplot (the file-only Agg backend) for a plot written to `path`, or a one-line error for a name
+    it cannot write or a missing matplotlib."""
+    if not path.endswith((".png", ".svg", ".pdf")):
+        raise MemfitError(f"--timeline {path!r}: give a .png, .svg, .pdf or .json file name.")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MemfitError("plots need matplotlib: pip install 'memfit[plot]'") from None
+    return plt
