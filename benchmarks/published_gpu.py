@@ -13,13 +13,11 @@ fitted to these rows.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
-import docs_sync  # benchmarks/docs_sync.py: the README shows these results
-from rich.console import Console
+from published_table import write_results  # the JSON, the table's text, the docs that show it
 from rich.markup import escape
 from rich.table import Table
 
@@ -242,16 +240,6 @@ def table_of(records: list[dict], totals: dict) -> Table:
 
 def bytes_or_dash(value: int | None) -> str:
     return format_bytes(value) if value is not None else "—"
-
-
-def write_results(name: str, totals: dict, records: list[dict], table: Table) -> None:
-    """results/NAME.json and NAME.txt (the table as printed), and the docs that show them."""
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"summary": totals, "rows": records}, indent=1) + "\n")
-    console = Console(record=True, width=150)
-    console.print(table)
-    (RESULTS / f"{name}.txt").write_text(console.export_text())
-    docs_sync.sync()
 
 
 def main() -> int:

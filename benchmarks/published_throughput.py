@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from published_gpu import GEN, TITAN8B, TITAN_NOTE, TT3B, TT_CHUNKED, write_results
+from published_gpu import GEN, TITAN8B, TITAN_NOTE, TT3B, TT_CHUNKED
+from published_table import write_results
 from rich.markup import escape
 from rich.table import Table
 
