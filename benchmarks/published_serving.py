@@ -113,7 +113,8 @@ ROWS = [
      ("size not stated: 7B (a 13B's weights do not fit in 22 GB); release: 1.0.0, the oldest memfit models",)),
 ]
 MISSES = [
-    ("v-h100-eagle", "speculative decoding's draft layer: refused until the serving planner models it (issue 41)"),
+    ("v-h100-eagle", "speculative decoding (an EAGLE draft layer): refused, not modelled (its draft's weights, KV "
+                     "and acceptance rate)"),
     ("v-l4-gemma4-e2b", "Gemma 4 (2026) is not bundled and its config is not in the stored material"),
     ("v-t4-gemma4-w4a16", "Gemma 4 (2026) is not bundled"),
     ("v-8h200-glm", "an unnamed GLM hybrid (attention + Mamba-style) model: no config, and Mamba state not modelled"),

@@ -282,6 +282,7 @@ serve_flags = st.lists(st.one_of(
     st.tuples(st.just("--num-prompts"), st.sampled_from(("1", "7", "0", "-3", "x", "99999999999"))),
     st.tuples(st.just("--request-rate"), st.sampled_from(("inf", "4", "0", "-1", "nan", "x"))),
     st.tuples(st.just("--dataset"), st.sampled_from(("random", "sharegpt", "x"))),
+    st.tuples(st.just("--speculative-config"), st.sampled_from(('{"method": "eagle"}', ""))),
 ), max_size=5)
 
 

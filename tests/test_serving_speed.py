@@ -92,7 +92,8 @@ def test_bad_loads_are_one_line(capsys):
             (["--input-len", "10", "--output-len", "5", "--request-rate", "0"], "--request-rate must be > 0"),
             (["--input-len", "200000", "--output-len", "5"], "longer than max_model_len"),
             (["--input-len", "10", "--output-len", "5", "--num-prompts", "1000000"], "up to 100,000"),
-            (["--input-len", "10", "--output-len", "5", "--timeline", "x.txt"], ".png, .svg, .pdf or .json")):
+            (["--input-len", "10", "--output-len", "5", "--timeline", "x.txt"], ".png, .svg, .pdf or .json"),
+            (["--speculative-config", '{"method": "eagle"}'], "speculative decoding (--speculative-config) is not")):
         assert main(["estimate", "llama-3.1-8b", "--task", "serve", "--engine", "vllm", *argv]) == 2
         assert message in capsys.readouterr().err
 

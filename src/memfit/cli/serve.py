@@ -48,6 +48,8 @@ SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      f"{', '.join(QUANTIZATIONS)} (default: the checkpoint's quantization_config)"),
     ("--dtype", "dtype", {}, "auto (default: the checkpoint's), bfloat16, float16 or float32"),
     ("--cpu-offload-gb", "cpu_offload_gb", {"type": float, "metavar": "GB"}, "vLLM: weights kept in CPU memory"),
+    ("--speculative-config", "speculative_config", {"metavar": "JSON"},
+     "vLLM: speculative decoding (refused: not modelled, with the reason)"),
     ("--mem-fraction-static", "mem_fraction_static", {"type": float, "metavar": "F"},
      "SGLang: the fraction of free memory for weights and the KV pool"),
     ("--chunked-prefill-size", "chunked_prefill_size", {"type": int}, "SGLang"),

@@ -22,6 +22,10 @@ def estimate_serving(model: ServedModel, gpu: GPU, settings: ServeSettings,
     are alike), or a one-line MemfitError for a setting the engine rejects before loading; with a `load`, how fast
     one replica serves it (speed.py)."""
     _check_parallel(model, settings)
+    if settings.speculative_config:
+        raise MemfitError("speculative decoding (--speculative-config) is not modelled: its draft (an EAGLE layer, "
+                          "an MTP head or a whole draft model) adds weights and KV cache the engine sizes with the "
+                          "target, and its speed depends on how many draft tokens are accepted; estimate without it.")
     dtype = served_dtype(model, settings, gpu)
     checkpoint = checkpoint_of(model, settings.quantization, gpu.compute_capability)
     estimate = ENGINE_MODULES[settings.engine].estimate(model, gpu, settings, dtype, checkpoint)

@@ -39,6 +39,7 @@ class ServeSettings:
     cuda_memory_fraction: float = 1.0            # TGI
     max_batch_prefill_tokens: int | None = None  # TGI
     other_process_bytes: int = 0             # memory other processes hold on the GPU at start (a co-tenant)
+    speculative_config: str | None = None    # vLLM's --speculative-config: refused (estimate.py says why)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -79,7 +80,7 @@ class ServeSettings:
         """A flag of another engine is an error, not silently ignored."""
         own = {"vllm": {"gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "entrypoint",
                         "enforce_eager", "block_size", "cpu_offload_gb", "kv_cache_memory", "expert_parallel",
-                        "pipeline_parallel", "data_parallel"},
+                        "pipeline_parallel", "data_parallel", "speculative_config"},
                "sglang": {"mem_fraction_static", "chunked_prefill_size", "cuda_graph_max_bs", "max_num_seqs",
                           "enforce_eager", "data_parallel", "expert_parallel", "pipeline_parallel"},
                "tgi": {"cuda_memory_fraction", "max_batch_prefill_tokens", "max_num_seqs"}}
