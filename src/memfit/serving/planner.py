@@ -45,6 +45,10 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128}
 LOSSY_KV = "an fp8 KV cache: lossy, no published figure bundled"
 OBJECTIVES = ("cheapest", "fastest")
 SIMULATED = 12          # setups simulated in full at most (the leaders of the steady-state ranking)
+# what a setup that does not hold the users tries next, in order (each costs speed)
+ENGINE_KNOBS: dict[str, tuple[dict, ...]] = {
+    "vllm": ({}, {"gpu_memory_utilization": 0.95}, {"gpu_memory_utilization": 0.95, "enforce_eager": True}),
+    "sglang": ({}, {"enforce_eager": True})}
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class ServePlan:
     replicas: int
     quantization: str | None
     kv_cache_dtype: str
+    settings: ServeSettings
     estimate: ServingEstimate
     steady_tokens_per_s: float              # the ranking's steady-state estimate (all replicas)
     accuracy_cost: list[str] = field(default_factory=list)
@@ -205,27 +210,31 @@ def _setups(model: ServedModel, machine: Machine, request: ServeRequest):
                 yield tp, quantization, kv
 
 
-def _settings(request: ServeRequest, tp: int, kv: str, max_model_len: int | None = None,
-              quantization: str | None = None) -> ServeSettings:
+def _settings(request: ServeRequest, tp: int, kv: str = "auto", quantization: str | None = None,
+              max_model_len: int | None = None, **knobs) -> ServeSettings:
     return ServeSettings(engine=request.engine, engine_version=request.engine_version, tensor_parallel=tp,
                          max_model_len=max_model_len or request.max_model_len, kv_cache_dtype=kv,
-                         quantization="fp8" if quantization == "fp8" else None)
+                         quantization="fp8" if quantization == "fp8" else None, **knobs)
 
 
 def _fits(model: ServedModel, machine: Machine, request: ServeRequest, tp: int, quantization: str | None,
           kv: str) -> ServePlan | None:
+    """The setup with the engine's defaults if it holds the users, else with the knobs that free memory (a higher
+    utilization, then no CUDA graphs); max_num_seqs is the users a replica serves."""
     replicas = machine.gpus // tp
     users = math.ceil(request.concurrency / replicas)
     served = _quantized(model, quantization)
-    try:
-        estimate = estimate_serving(served, machine.gpu, _settings(request, tp, kv, quantization=quantization))
-    except MemfitError:
-        return None
-    if not estimate.starts or estimate.max_concurrency < users:
-        return None
-    cost = ([LOSSY_WEIGHTS[quantization]] if quantization else []) + ([LOSSY_KV] if kv != "auto" else [])
-    steady = _steady_tokens_per_s(served, machine.gpu, request, estimate, users) * replicas
-    return ServePlan(machine, tp, replicas, quantization, kv, estimate, steady, cost)
+    for knobs in ENGINE_KNOBS[request.engine]:
+        settings = _settings(request, tp, kv, quantization, max_num_seqs=users, **knobs)
+        try:
+            estimate = estimate_serving(served, machine.gpu, settings)
+        except MemfitError:
+            return None
+        if estimate.starts and estimate.max_concurrency >= users:
+            cost = ([LOSSY_WEIGHTS[quantization]] if quantization else []) + ([LOSSY_KV] if kv != "auto" else [])
+            steady = _steady_tokens_per_s(served, machine.gpu, settings, estimate, request, users) * replicas
+            return ServePlan(machine, tp, replicas, quantization, kv, settings, estimate, steady, cost)
+    return None
 
 
 def _quantized(model: ServedModel, quantization: str | None) -> ServedModel:
@@ -235,12 +244,10 @@ def _quantized(model: ServedModel, quantization: str | None) -> ServedModel:
     return dataclasses.replace(model, quantization=AWQ_CONFIG, hub_id=f"{model.hub_id}-AWQ")
 
 
-def _steady_tokens_per_s(model: ServedModel, gpu: GPU, request: ServeRequest, estimate: ServingEstimate,
-                         users: int) -> float:
+def _steady_tokens_per_s(model: ServedModel, gpu: GPU, settings: ServeSettings, estimate: ServingEstimate,
+                         request: ServeRequest, users: int) -> float:
     """One replica's output tokens/s in the steady state: every user decoding at the mean context, and each step
     prefilling its share of the prompts (users x prompt / answer tokens)."""
-    settings = _settings(request, estimate.settings["tensor_parallel"], estimate.settings["kv_cache_dtype"],
-                         quantization=estimate.settings["quantize_on_load"])
     dtype = served_dtype(model, settings, gpu)
     timing = step_model(model, checkpoint_of(model, settings.quantization, gpu.compute_capability), dtype, gpu,
                         estimate, policy_of(settings))
@@ -253,8 +260,7 @@ def _simulate(model: ServedModel, plan: ServePlan, request: ServeRequest) -> Non
     users = math.ceil(request.concurrency / plan.replicas)
     prompt, answer = request.lengths
     load = Load(prompt, answer, users * 3, max_concurrency=users)
-    settings = _settings(request, plan.tensor_parallel, plan.kv_cache_dtype, quantization=plan.quantization)
-    plan.estimate = estimate_serving(_quantized(model, plan.quantization), plan.machine.gpu, settings, load)
+    plan.estimate = estimate_serving(_quantized(model, plan.quantization), plan.machine.gpu, plan.settings, load)
 
 
 def _meets(plan: ServePlan, request: ServeRequest) -> bool:
@@ -321,7 +327,7 @@ def _way_out(model: ServedModel, request: ServeRequest) -> str:
 def _why(model: ServedModel, machine: Machine, request: ServeRequest) -> str:
     tp = max(t for t in TENSOR_PARALLEL if t <= machine.gpus and model.heads % t == 0)
     try:
-        e = estimate_serving(model, machine.gpu, _settings(request, tp, "auto"))
+        e = estimate_serving(model, machine.gpu, _settings(request, tp))
     except MemfitError as exc:
         return str(exc).rstrip(".")
     if not e.starts:
@@ -338,7 +344,7 @@ def _best_reach(model: ServedModel, machine: Machine, request: ServeRequest) -> 
 
     def concurrency(length: int) -> float:
         try:
-            e = estimate_serving(model, machine.gpu, _settings(request, tp, "auto", length))
+            e = estimate_serving(model, machine.gpu, _settings(request, tp, max_model_len=length))
         except MemfitError:
             return 0.0
         return e.max_concurrency if e.starts else 0.0

@@ -29,7 +29,8 @@ from memfit.specs.hardware import GPU
 # the engine's host time per step that the GPU waits for (scheduling, input preparation, output handling), by
 # engine era; calibrated on published_serving_throughput.md's low-concurrency rows: vLLM V1 on R07 (Qwen3-8B on an
 # H100 at 2 concurrent users: 7.37 ms per output token, 6.0 of them the weights' read), V0 on R29 (Mistral-7B on an
-# H100, 10 users: 8.04 ms between tokens, 5.7 the read)
+# H100, 10 users: 8.04 ms between tokens, 5.7 the read); SGLang's taken as vLLM V1's (assumed: R58, Qwen3-8B at 4
+# users, then checks it: 7.19 ms per token)
 HOST_STEP_S = {"vllm-v1": 1.3e-3, "vllm-v0": 2.3e-3, "sglang": 1.3e-3}
 # per running request and step: the engine's bookkeeping, its input and output rows, detokenizing and streaming its
 # token; calibrated on R09 (Qwen3-8B on an H100, 1000 ShareGPT requests at once: 13,305 total tokens/s, where the GPU
