@@ -8,9 +8,10 @@ rules, not on time, so they must agree exactly.
     .venv-vllm/bin/python benchmarks/vllm_cpu_schedule.py --record   # runs the engine -> results/vllm_cpu_schedule.json
     python benchmarks/vllm_cpu_schedule.py                            # memfit against that record -> results/*.txt
 
-The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with prefix caching off (the prompts are random and
-distinct; memfit does not model a prefix cache) and synchronous scheduling, its schedule() wrapped to record each
-step. Cases vary the token budget, max_num_seqs, the cache's size (a small cache preempts) and the lengths.
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with prefix caching off (the prompts random and
+distinct) or on (prompts sharing a prefix, and preempted requests hitting their own blocks), synchronous scheduling,
+its schedule() wrapped to record each step. Cases vary the token budget, max_num_seqs, the cache's size (a small
+cache preempts and evicts) and the lengths.
 """
 from __future__ import annotations
 
@@ -29,19 +30,28 @@ RESULT_TAG = "MEMFIT_SCHEDULE "
 MODEL = "llama-gqa"          # benchmarks/vllm_cpu_run.py's tiny Llama: 1 KiB of KV per token
 BLOCK = 32                   # the CPU attention kernel takes multiples of 32
 
-# name -> (prompts, prompt tokens, answer tokens, LLM kwargs)
-CASES: dict[str, tuple[int, int, int, dict]] = {
-    "budget-512": (24, 200, 12, dict(max_num_batched_tokens=512, max_num_seqs=64)),
-    "budget-128-chunks": (12, 300, 8, dict(max_num_batched_tokens=128, max_num_seqs=64)),
-    "seqs-4": (16, 64, 20, dict(max_num_batched_tokens=2048, max_num_seqs=4)),
-    # 64 blocks of 32 (2 MiB, and the null block): 8 requests of 250 tokens fit at once; 20 of them preempt
-    "small-cache-preempts": (20, 200, 50, dict(max_num_batched_tokens=1024, max_num_seqs=64,
-                                                kv_cache_memory_bytes=2 * 1024 * 1024 + 32 * 1024)),
-    "long-prompts-small-cache": (6, 900, 30, dict(max_num_batched_tokens=256, max_num_seqs=16,
-                                                  kv_cache_memory_bytes=2 * 1024 * 1024 + 32 * 1024)),
+SMALL = 2 * 1024 * 1024 + 32 * 1024   # 64 blocks of 32 (2 MiB) and the null block
+# name -> (prompts, prompt tokens after the shared prefix, answer tokens, shared prefix tokens, prefix caching, LLM
+# kwargs)
+CASES: dict[str, tuple[int, int, int, int, bool, dict]] = {
+    "budget-512": (24, 200, 12, 0, False, dict(max_num_batched_tokens=512, max_num_seqs=64)),
+    "budget-128-chunks": (12, 300, 8, 0, False, dict(max_num_batched_tokens=128, max_num_seqs=64)),
+    "seqs-4": (16, 64, 20, 0, False, dict(max_num_batched_tokens=2048, max_num_seqs=4)),
+    # 8 requests of 250 tokens fit at once; 20 of them preempt
+    "small-cache-preempts": (20, 200, 50, 0, False,
+                             dict(max_num_batched_tokens=1024, max_num_seqs=64, kv_cache_memory_bytes=SMALL)),
+    "long-prompts-small-cache": (6, 900, 30, 0, False,
+                                 dict(max_num_batched_tokens=256, max_num_seqs=16, kv_cache_memory_bytes=SMALL)),
     # answers that outgrow the cache: the running requests preempt one another as they decode, then resume
-    "answers-outgrow-the-cache": (12, 100, 300, dict(max_num_batched_tokens=512, max_num_seqs=32,
-                                                     kv_cache_memory_bytes=2 * 1024 * 1024 + 32 * 1024)),
+    "answers-outgrow-the-cache": (12, 100, 300, 0, False,
+                                  dict(max_num_batched_tokens=512, max_num_seqs=32, kv_cache_memory_bytes=SMALL)),
+    # the prefix cache: a shared 200-token prefix computed once and hit (6 blocks a request); a preempted request
+    # hitting its own blocks if they are still cached; LRU eviction in a small cache
+    "shared-prefix-hits": (24, 100, 10, 200, True, dict(max_num_batched_tokens=512, max_num_seqs=64)),
+    "shared-prefix-small-cache": (16, 150, 60, 200, True,
+                                  dict(max_num_batched_tokens=512, max_num_seqs=64, kv_cache_memory_bytes=SMALL)),
+    "cached-preemptions": (12, 100, 300, 0, True,
+                           dict(max_num_batched_tokens=512, max_num_seqs=32, kv_cache_memory_bytes=SMALL)),
 }
 KV_DEFAULT = 64 * 1024 * 1024
 
@@ -51,10 +61,10 @@ def run_child(spec: dict) -> None:
 
     from vllm import LLM, SamplingParams
 
-    prompts, prompt_len, answer_len, kwargs = spec["case"]
+    prompts, prompt_len, answer_len, prefix_len, caching, kwargs = spec["case"]
     kwargs = {"kv_cache_memory_bytes": KV_DEFAULT, **kwargs}
     llm = LLM(model=spec["model_path"], enforce_eager=True, seed=0, max_model_len=2048, block_size=BLOCK,
-              enable_prefix_caching=False, async_scheduling=False, **kwargs)
+              enable_prefix_caching=caching, async_scheduling=False, **kwargs)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
     steps: list[dict] = []
@@ -70,7 +80,9 @@ def run_child(spec: dict) -> None:
 
     scheduler.schedule = recorded
     rng = random.Random(0)
-    requests = [{"prompt_token_ids": [rng.randrange(10, 990) for _ in range(prompt_len)]} for _ in range(prompts)]
+    prefix = [rng.randrange(10, 990) for _ in range(prefix_len)]
+    requests = [{"prompt_token_ids": prefix + [rng.randrange(10, 990) for _ in range(prompt_len)]}
+                for _ in range(prompts)]
     outs = llm.generate(requests, SamplingParams(max_tokens=answer_len, ignore_eos=True, temperature=0),
                         use_tqdm=False)
     print(RESULT_TAG + json.dumps({
@@ -96,7 +108,8 @@ def record(models_dir: Path) -> dict:
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
         if not lines:
             raise SystemExit(f"[{name}] the engine failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-        report["cases"][name] = {"load": case[:3], "settings": case[3], **json.loads(lines[0][len(RESULT_TAG):])}
+        report["cases"][name] = {"load": case[:3], "prefix_len": case[3], "prefix_caching": case[4],
+                                 "settings": case[5], **json.loads(lines[0][len(RESULT_TAG):])}
         print(f"[{name}] {len(report['cases'][name]['steps'])} steps", file=sys.stderr, flush=True)
     return report
 
@@ -118,8 +131,9 @@ def simulated(case: dict) -> list[dict]:
                         estimate_serving(model, gpu, ServeSettings()), "vllm-v1")
     prompts, prompt_len, answer_len = case["load"]
     limits = Limits(case["max_num_seqs"], case["max_num_batched_tokens"], case["num_blocks"] - 1, BLOCK,
-                    whole_prompt_fits=True)   # 0.32's scheduler_reserve_full_isl
-    run = simulate(Load(prompt_len, answer_len, prompts), limits, timing, "vllm-v1")
+                    whole_prompt_fits=True, prefix_caching=case["prefix_caching"])   # 0.32's scheduler_reserve_full_isl
+    load = Load(prompt_len, answer_len, prompts, prefix_len=case["prefix_len"])
+    run = simulate(load, limits, timing, "vllm-v1")
     t = run.timeline
     return [{"tokens": a, "requests": b, "preempted": c, "running": d, "blocks_used": e}
             for a, b, c, d, e in zip(t["tokens"], t["requests"], t["preempted"], t["running"], t["kv_blocks"])]

@@ -283,6 +283,8 @@ serve_flags = st.lists(st.one_of(
     st.tuples(st.just("--request-rate"), st.sampled_from(("inf", "4", "0", "-1", "nan", "x"))),
     st.tuples(st.just("--dataset"), st.sampled_from(("random", "sharegpt", "x"))),
     st.tuples(st.just("--speculative-config"), st.sampled_from(('{"method": "eagle"}', ""))),
+    st.tuples(st.just("--random-prefix-len"), st.sampled_from(("0", "64", "-1", "x"))),
+    st.just(("--no-enable-prefix-caching",)),
 ), max_size=5)
 
 

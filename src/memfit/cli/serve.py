@@ -48,6 +48,8 @@ SERVE_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      f"{', '.join(QUANTIZATIONS)} (default: the checkpoint's quantization_config)"),
     ("--dtype", "dtype", {}, "auto (default: the checkpoint's), bfloat16, float16 or float32"),
     ("--cpu-offload-gb", "cpu_offload_gb", {"type": float, "metavar": "GB"}, "vLLM: weights kept in CPU memory"),
+    ("--no-enable-prefix-caching", "enable_prefix_caching", {"action": "store_const", "const": False},
+     "vLLM: no prefix cache (V1's is on: a shared prompt prefix is computed once)"),
     ("--speculative-config", "speculative_config", {"metavar": "JSON"},
      "vLLM: speculative decoding (refused: not modelled, with the reason)"),
     ("--mem-fraction-static", "mem_fraction_static", {"type": float, "metavar": "F"},
@@ -90,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) 
         client.add_argument("--max-concurrency", type=int, metavar="C", help="at most C requests outstanding")
         client.add_argument("--dataset", choices=DATASETS, help="random (fixed lengths, the default with --input-len)"
                                                                 " or sharegpt (its length distribution, assumed)")
+        client.add_argument("--random-prefix-len", type=int, default=0, metavar="P",
+                            help="random dataset: tokens every prompt starts with (a shared system prompt)")
         client.add_argument("--seed", type=int, default=0, help="arrivals' and ShareGPT lengths' seed (default 0)")
         client.add_argument("--timeline", metavar="FILE", help="plot the run (.png/.svg/.pdf) or write its series "
                                                                "(.json)")
@@ -118,7 +122,7 @@ def load_from(args: argparse.Namespace) -> Load | None:
     """The load the client flags describe, or None when no length or dataset is given."""
     given = args.input_len is not None or args.output_len is not None or args.dataset is not None
     if not given:
-        if args.timeline or args.max_concurrency is not None:
+        if args.timeline or args.max_concurrency is not None or args.random_prefix_len:
             raise MemfitError("--timeline and --max-concurrency describe a load: give --input-len and --output-len "
                               "(or --dataset sharegpt).")
         return None
@@ -128,7 +132,8 @@ def load_from(args: argparse.Namespace) -> Load | None:
         prompt, answer = prompt or SHAREGPT_MEANS[0], answer or SHAREGPT_MEANS[1]
     elif prompt is None or answer is None:
         raise MemfitError("a random load takes both --input-len and --output-len (tokens per prompt and answer).")
-    return Load(prompt, answer, args.num_prompts, args.request_rate, args.max_concurrency, dataset, args.seed)
+    return Load(prompt, answer, args.num_prompts, args.request_rate, args.max_concurrency, dataset, args.seed,
+                args.random_prefix_len)
 
 
 def run(args: argparse.Namespace) -> int:

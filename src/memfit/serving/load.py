@@ -3,7 +3,8 @@ them (--request-rate: all at once by default, else Poisson arrivals) and how man
 (--max-concurrency: a closed loop of that many users).
 
 Datasets, as the client samples them:
-  random    every prompt `input_len` tokens, every answer `output_len` (exact with --ignore-eos).
+  random    every prompt `input_len` tokens after a shared prefix of `prefix_len` (--random-prefix-len), every
+            answer `output_len` (exact with --ignore-eos).
   sharegpt  ShareGPT's first turns after the client's filter (prompt 4-1024 tokens, prompt + answer <= 2048, answer
             >= 4). The dataset is not bundled: its lengths are drawn from a lognormal of the given means and the shape
             SHAREGPT_SIGMA (assumed), cut to that filter — so the longest answers, which set how long a run's last
@@ -35,6 +36,7 @@ class Load:
     max_concurrency: int | None = None
     dataset: str = "random"
     seed: int = 0
+    prefix_len: int = 0       # --random-prefix-len: tokens every prompt starts with (a shared system prompt)
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -49,6 +51,10 @@ class Load:
                 raise MemfitError(f"--{name.replace('_', '-')} {value}: the random dataset takes whole tokens.")
         if not isinstance(self.num_prompts, int) or isinstance(self.num_prompts, bool) or self.num_prompts < 1:
             raise MemfitError(f"--num-prompts must be a positive integer, got {self.num_prompts!r}.")
+        if isinstance(self.prefix_len, bool) or not isinstance(self.prefix_len, int) or self.prefix_len < 0:
+            raise MemfitError(f"--random-prefix-len must be a whole number of tokens, got {self.prefix_len!r}.")
+        if self.prefix_len and self.dataset != "random":
+            raise MemfitError("--random-prefix-len is the random dataset's: ShareGPT's prompts share no prefix.")
         if self.num_prompts > MAX_PROMPTS:
             raise MemfitError(f"--num-prompts {self.num_prompts}: memfit simulates up to {MAX_PROMPTS:,} requests (a "
                               "run's figures settle long before).")
@@ -61,7 +67,7 @@ class Load:
     def requests(self) -> list[tuple[int, int]]:
         """(prompt, answer) tokens of each request, in the order the client sends them."""
         if self.dataset == "random":
-            return [(int(self.input_len), int(self.output_len))] * self.num_prompts
+            return [(self.prefix_len + int(self.input_len), int(self.output_len))] * self.num_prompts
         rng = random.Random(self.seed)
         prompts = _lognormal_lengths(self.input_len, self.num_prompts, *SHAREGPT_PROMPT)
         answers = _lognormal_lengths(self.output_len, self.num_prompts, 4, SHAREGPT_TOTAL - SHAREGPT_PROMPT[0])

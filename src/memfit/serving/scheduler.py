@@ -25,6 +25,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from memfit.serving.block_pool import BlockPool
 from memfit.serving.load import Load
 from memfit.serving.step_model import StepModel
 
@@ -35,20 +36,31 @@ MAX_STEPS = 2_000_000
 
 @dataclass
 class Request:
+    index: int
     prompt: int
     output: int
+    prefix: int = 0            # leading prompt tokens every request shares (the prefix cache can hit them)
     sent: float = 0.0
     computed: int = 0          # tokens whose keys and values are cached
     generated: int = 0
-    blocks: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashed: int = 0            # of its blocks, how many the prefix cache holds a hash of
     first: float | None = None         # when its first token comes (the end of that step)
     end: float | None = None           # and its last
     preemptions: int = 0
 
     @property
+    def tokens(self) -> int:
+        return self.prompt + self.generated
+
+    @property
     def pending(self) -> int:
         """Tokens to compute before the next token is sampled (a resumed request recomputes its answer so far)."""
-        return self.prompt + self.generated - self.computed
+        return self.tokens - self.computed
+
+    def key(self, block: int, size: int) -> tuple:
+        """The identity of the content of its `block`-th block (what vLLM hashes)."""
+        return ("prefix", block) if (block + 1) * size <= self.prefix else (self.index, block)
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class Limits:
     block_size: int
     chunked: bool = True       # a prompt may be split over steps
     whole_prompt_fits: bool = False   # vLLM from 0.19: a new request waits until its whole prompt's blocks are free
+    prefix_caching: bool = False      # vLLM V1: full blocks are hashed and hit by later requests (block_pool.py)
 
 
 @dataclass
@@ -74,7 +87,8 @@ class Run:
 def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}")
-    requests = [Request(p, o) for p, o in load.requests()]
+    size = limits.block_size
+    requests = [Request(i, p, o, prefix=load.prefix_len) for i, (p, o) in enumerate(load.requests())]
     arrivals = load.arrivals()
     slots = load.max_concurrency or len(requests)
     free_slots = [0.0] * min(slots, len(requests))   # when each client slot is next free
@@ -83,7 +97,7 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
     waiting: deque[Request] = deque()
     running: list[Request] = []
     finished: set[int] = set()
-    free_blocks = limits.blocks
+    pool = BlockPool(limits.blocks, limits.prefix_caching)
     run = Run(requests)
     now = 0.0
 
@@ -98,8 +112,17 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
             requests[index].sent = at
             waiting.append(requests[index])
 
-    def blocks_for(request: Request, new: int) -> int:
-        return max(0, math.ceil((request.computed + new) / limits.block_size) - request.blocks)
+    def hash_full_blocks(request: Request, tokens: int) -> None:
+        for block in range(request.hashed, tokens // size):
+            pool.cache(request.blocks[block], request.key(block, size))
+        request.hashed = max(request.hashed, tokens // size)
+
+    def preempt(victim: Request) -> None:
+        pool.release(victim.blocks)
+        victim.blocks, victim.hashed, victim.computed = [], 0, 0
+        victim.preemptions += 1
+        run.preemptions += 1
+        waiting.appendleft(victim)
 
     while unsent or waiting or running:
         send_due()
@@ -111,50 +134,51 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
         preempted = False
         preemptions = run.preemptions
         prefill_only = policy != "vllm-v1" and not (policy == "vllm-v0" and limits.chunked) and \
-            _admissible(waiting, running, limits, free_blocks, budget)
+            _admissible(waiting, running, limits, pool.num_free, budget)
         index = 0
         while not prefill_only and index < len(running):
             request = running[index]
             new = min(request.pending, budget)
             if new <= 0:
                 break
-            need = blocks_for(request, new)
-            while need > free_blocks:   # preempt the latest-admitted request (recompute)
+            need = max(0, -(-(request.computed + new) // size) - len(request.blocks))
+            while need > pool.num_free:   # preempt the latest-admitted request (recompute)
                 victim = running.pop()
-                free_blocks += victim.blocks
-                victim.blocks, victim.computed = 0, 0
-                victim.preemptions += 1
-                run.preemptions += 1
-                waiting.appendleft(victim)
+                preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             if index >= len(running):   # the request preempted itself
                 break
-            request.blocks += need
-            free_blocks -= need
+            request.blocks += pool.allocate(need)
+            hash_full_blocks(request, request.computed + new)
             budget -= new
             scheduled.append((request, new))
             index += 1
         if not preempted and (policy == "vllm-v1" or prefill_only or (policy == "vllm-v0" and limits.chunked)):
             while waiting and len(running) < limits.max_num_seqs and budget > 0:
                 request = waiting[0]
-                new = min(request.pending, budget)
-                if new < request.pending and not limits.chunked:
+                hits = pool.hits([request.key(b, size) for b in range((request.tokens - 1) // size)])
+                cached = len(hits) * size
+                new = min(request.tokens - cached, budget)
+                if new < request.tokens - cached and not limits.chunked:
                     break
-                need = blocks_for(request, new)
-                if need > free_blocks or (limits.whole_prompt_fits and
-                                          blocks_for(request, request.pending) > free_blocks):
+                touched = pool.evictable(hits)
+                need = -(-(cached + new) // size) - len(hits) + touched
+                whole = -(-request.tokens // size) - len(hits) + touched
+                if need > pool.num_free or (limits.whole_prompt_fits and whole > pool.num_free):
                     break
                 waiting.popleft()
                 running.append(request)
-                request.blocks += need
-                free_blocks -= need
+                pool.touch(hits)
+                request.blocks = hits + pool.allocate(need - touched)
+                request.hashed, request.computed = len(hits), cached
+                hash_full_blocks(request, cached + new)
                 budget -= new
                 scheduled.append((request, new))
         if not scheduled:   # nothing fits: the head of the queue can never run (a prompt beyond the cache)
             raise RuntimeError("a request cannot be scheduled: its prompt needs more KV blocks than the cache has")
-        as_scheduled = (len(running), len(waiting), limits.blocks - free_blocks, sum(new for _, new in scheduled),
+        as_scheduled = (len(running), len(waiting), pool.total - pool.num_free, sum(new for _, new in scheduled),
                         len(scheduled), run.preemptions - preemptions)
         prefills = [(new, r.computed) for r, new in scheduled if not (r.generated and r.pending == 1)]
         decodes = [r.computed for r, new in scheduled if r.generated and r.pending == 1]
@@ -170,8 +194,8 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
                     request.first = now
                 if request.generated >= request.output:
                     request.end = now
-                    free_blocks += request.blocks
-                    request.blocks = 0
+                    pool.release(request.blocks)
+                    request.blocks = []
                     finished.add(id(request))
                     heapq.heappush(free_slots, now)
         if finished:
@@ -194,4 +218,4 @@ def _admissible(waiting: deque[Request], running: list[Request], limits: Limits,
     new = min(head.pending, budget)
     if new < head.pending and not limits.chunked:
         return False
-    return math.ceil((head.computed + new) / limits.block_size) - head.blocks <= free_blocks
+    return math.ceil((head.computed + new) / limits.block_size) - len(head.blocks) <= free_blocks

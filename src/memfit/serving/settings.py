@@ -40,6 +40,7 @@ class ServeSettings:
     max_batch_prefill_tokens: int | None = None  # TGI
     other_process_bytes: int = 0             # memory other processes hold on the GPU at start (a co-tenant)
     speculative_config: str | None = None    # vLLM's --speculative-config: refused (estimate.py says why)
+    enable_prefix_caching: bool = True       # vLLM V1's prefix cache (--no-enable-prefix-caching turns it off)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -80,7 +81,7 @@ class ServeSettings:
         """A flag of another engine is an error, not silently ignored."""
         own = {"vllm": {"gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "entrypoint",
                         "enforce_eager", "block_size", "cpu_offload_gb", "kv_cache_memory", "expert_parallel",
-                        "pipeline_parallel", "data_parallel", "speculative_config"},
+                        "pipeline_parallel", "data_parallel", "speculative_config", "enable_prefix_caching"},
                "sglang": {"mem_fraction_static", "chunked_prefill_size", "cuda_graph_max_bs", "max_num_seqs",
                           "enforce_eager", "data_parallel", "expert_parallel", "pipeline_parallel"},
                "tgi": {"cuda_memory_fraction", "max_batch_prefill_tokens", "max_num_seqs"}}

@@ -98,7 +98,8 @@ def _limits(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str, e
     seqs, tokens = estimate.settings["max_num_seqs"], estimate.settings["max_num_batched_tokens"]
     return Limits(seqs, tokens, blocks, estimate.block_size, chunked=policy == "vllm-v1" or
                   tokens < estimate.max_model_len,
-                  whole_prompt_fits=policy == "vllm-v1" and settings.release.at_least(WHOLE_PROMPT_FITS))
+                  whole_prompt_fits=policy == "vllm-v1" and settings.release.at_least(WHOLE_PROMPT_FITS),
+                  prefix_caching=policy == "vllm-v1" and settings.enable_prefix_caching)
 
 
 def _metrics(run: Run, load: Load, policy: str, limits: Limits) -> ServingSpeed:

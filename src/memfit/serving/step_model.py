@@ -3,8 +3,9 @@ step reads and computes — the roofline of each kernel class, with the planner'
 (core/rates.py):
 
 - the linear layers: 2 FLOPs per weight and token (a mixture: its top_k experts' share; the head only for the rows
-  that sample) at the matmul share of the peak, or every weight read once (a mixture: the experts the step's tokens
-  touch) at the HBM share of the bandwidth, whichever is slower;
+  that sample) at the matmul share of the peak (on Hopper and later the engines' own, HOPPER_MATMUL_SHARE), or every
+  weight read once (a mixture: the experts the step's tokens touch) at the HBM share of the bandwidth, whichever is
+  slower;
 - attention: a prefill chunk's query-key pairs (causal; a sliding layer sees its window) at the fused kernels' share
   of the peak, or the cache it reads (every decode request its whole context) at the HBM share, whichever is slower;
 - the sampler: its float32 logits for each sampled row (V1's 18 bytes a logit, profile_run.py) at HBM bandwidth;
@@ -33,9 +34,13 @@ from memfit.specs.hardware import GPU
 # users, then checks it: 7.19 ms per token)
 HOST_STEP_S = {"vllm-v1": 1.3e-3, "vllm-v0": 2.3e-3, "sglang": 1.3e-3}
 # per running request and step: the engine's bookkeeping, its input and output rows, detokenizing and streaming its
-# token; calibrated on R09 (Qwen3-8B on an H100, 1000 ShareGPT requests at once: 13,305 total tokens/s, where the GPU
-# alone would give 15,900)
-HOST_REQUEST_S = 30e-6
+# token; calibrated on R01 (Qwen3-14B on an H100, 1000 ShareGPT requests at once on vLLM 0.11: 6,596 total tokens/s)
+HOST_REQUEST_S = 20e-6
+# the share of a Hopper (or later) GPU's dense peak the engines' steps reach (their GEMMs with the norms, rotary,
+# activations and quantization kernels between them): far below the planner's MATMUL_MFU, which an A100 MLP
+# calibrated; calibrated on R03 (Qwen3-14B on an H100, 500 prompts of 2,000 tokens at once: 10,597 total tokens/s,
+# where 0.80 would give 22,300). Older GPUs keep MATMUL_MFU.
+HOPPER_MATMUL_SHARE = 0.33
 KERNELS_PER_LAYER = 12       # an eager decoder layer's kernel launches (norms, projections, rope, attention, act)
 LAUNCH_S = 10e-6             # the host's time to issue one kernel from Python (the planner's host_op_s, assumed)
 ALL_REDUCE_LATENCY_S = {"nvlink": 8e-6, "pcie": 25e-6}   # one small all-reduce (assumed)
@@ -97,6 +102,10 @@ class StepModel:
         return linear + attention + sampler + comm + host
 
 
+def matmul_share(capability: tuple[int, int]) -> float:
+    return HOPPER_MATMUL_SHARE if tuple(capability) >= (9, 0) else MATMUL_MFU
+
+
 def _pairs(first: int, new: int, window: int | None) -> float:
     """first + (first + 1) + ... over `new` tokens, each term at most `window`."""
     if window is None or first + new - 1 <= window:
@@ -147,7 +156,8 @@ def step_model(model: ServedModel, checkpoint: Checkpoint, dtype: str, gpu: GPU,
         head_flops_per_row=2 * vocab_rank * model.hidden, kv_bytes_per_token=estimate.kv_bytes_per_token,
         pair_flops=4 * layers * heads * head_dim, windows=tuple((n / layers, w) for w, n in windows.items()),
         sampler_bytes_per_row=model.vocab * V1_SAMPLER_BYTES, experts=model.experts, top_k=model.top_k,
-        matmul_flops_per_s=peak * MATMUL_MFU, attention_flops_per_s=peak * attention_share(gpu.compute_capability),
+        matmul_flops_per_s=peak * matmul_share(gpu.compute_capability),
+        attention_flops_per_s=peak * attention_share(gpu.compute_capability),
         hbm_bytes_per_s=gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY,
         all_reduce_bytes_per_token=2 * layers * model.hidden * width, all_reduces=2 * layers,
         link_bytes_per_s=link * 1e9 * LINK_EFFICIENCY,
