@@ -82,7 +82,11 @@ def serving_speed(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: 
                           "--input-len / --output-len.")
     limits = _limits(model, gpu, settings, dtype, estimate, policy)
     run = simulate(load, limits, step_model(model, checkpoint, dtype, gpu, estimate, policy), policy)
-    return _metrics(run, load, policy, limits)
+    speed = _metrics(run, load, policy, limits)
+    if load.prefix_len and not limits.prefix_caching:
+        speed.notes.append("no prefix cache here (SGLang's radix cache and vLLM V0's are not modelled, or it is off): "
+                           "every request computes the shared prefix")
+    return speed
 
 
 def _limits(model: ServedModel, gpu: GPU, settings: ServeSettings, dtype: str, estimate: ServingEstimate,
