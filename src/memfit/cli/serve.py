@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, model_flag: bool = False) 
     if model_flag:
         parser.add_argument("--model", help=MODEL_HELP)
     else:
+        parser.description = ("What an LLM serving engine sets aside on each GPU, whether it starts, how many requests "
+                              "fit at what context, and, with a load, how fast it serves it (simulated).")
         parser.add_argument("model", nargs="?", help=MODEL_HELP)
     parser.add_argument("--task", choices=("serve",), required=True, help="serve: an LLM serving engine's start-up")
     parser.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")

@@ -17,11 +17,13 @@ from memfit.serving.releases import ENGINES
 from memfit.specs.hardware import get_gpu
 from memfit.specs.instances import get_instance, instance_catalog, parse_price, priced
 
-EXPORTS = ("vllm", "sglang", "tgi", "kubernetes")
+EXPORTS = ("vllm", "sglang", "kubernetes")
 DEFAULT_GPUS = (1, 2, 4, 8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Plan an LLM serving engine: the GPUs, parallelism and checkpoint that serve --concurrency "
+                          "users at --max-model-len tokens, cheapest first, with their speed simulated.")
     parser.add_argument("model", nargs="?", help="catalog name (memfit models), a Hugging Face config.json, folder "
                                                  "or hub id")
     parser.add_argument("--task", choices=("serve",), required=True, help="serve: plan an LLM serving engine")
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError("--export writes plan 1's launch (a command or a manifest), --json the plans: give one.")
     if args.out and not args.export:
         raise MemfitError("--out writes an --export; name one: " + ", ".join(EXPORTS) + ".")
-    if args.export in ("vllm", "sglang", "tgi") and args.export != args.engine:
+    if args.export in ("vllm", "sglang") and args.export != args.engine:
         raise MemfitError(f"--export {args.export} needs a plan for that engine: plan with --engine {args.export}.")
     model = load_model(args.model)
     request = ServeRequest(engine=args.engine, engine_version=args.engine_version, max_model_len=args.max_model_len,
