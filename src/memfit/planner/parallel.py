@@ -30,6 +30,7 @@ from memfit.techniques.resolve import ResolvedWorkload
 Item = tuple[Candidate, ResolvedWorkload, int]   # a candidate, its smallest workload, sequences per replica
 
 _inherited_job: Callable[[int], Any] | None = None   # in a worker: the job it was forked with
+RESULT_WAIT_S = 120.0   # the longest the planner waits for an item computed ahead before it stops the workers
 
 
 def usable_cores() -> int:
@@ -81,7 +82,12 @@ def forked(job: Callable[[int], Any], count: int) -> Iterator[Callable[[int], An
     try:
         yield result
     finally:
-        pool.terminate()   # items computed ahead that the planner no longer needs
+        # items computed ahead that the planner no longer needs are dropped, but only once none is being sent back:
+        # a worker killed while it sends its result keeps the result queue's lock, and Pool.terminate then waits
+        # on that lock forever (seen once in the test suite)
+        for ahead in pending.values():
+            ahead.wait(RESULT_WAIT_S)
+        pool.terminate()
         pool.join()
 
 
