@@ -13,6 +13,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, parse_bytes
 from memfit.report.serving_report import print_serving
 from memfit.report.serving_timeline import write_serving_timeline
+from memfit.report.timeline_plot import check_timeline_path
 from memfit.serving import estimate
 from memfit.serving.checkpoints import QUANTIZATIONS
 from memfit.serving.load import DATASETS, SHAREGPT_MEANS, Load
@@ -142,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
     load = load_from(args)
+    if args.timeline:
+        check_timeline_path(args.timeline)   # before the run, not after it
     result = estimate(args.model, gpu_of(args), settings_from(args), load)
     if args.timeline and result.speed is not None:
         write_serving_timeline(result.speed.timeline, result.speed.kv_blocks, args.timeline,

@@ -37,8 +37,7 @@ def write_timeline(timeline: dict, path: str, title: str) -> None:
 def pyplot_for(path: str):
     """matplotlib's pyplot (the file-only Agg backend) for a plot written to `path`, or a one-line error for a name
     it cannot write or a missing matplotlib."""
-    if not path.endswith((".png", ".svg", ".pdf")):
-        raise MemfitError(f"--timeline {path!r}: give a .png, .svg, .pdf or .json file name.")
+    check_timeline_path(path)
     try:
         import matplotlib
 
@@ -47,3 +46,9 @@ def pyplot_for(path: str):
     except ImportError:
         raise MemfitError("plots need matplotlib: pip install 'memfit[plot]'") from None
     return plt
+
+
+def check_timeline_path(path: str) -> None:
+    """A --timeline file name memfit can write: a plot (.png, .svg, .pdf) or the series (.json)."""
+    if not path.endswith((".png", ".svg", ".pdf", ".json")):
+        raise MemfitError(f"--timeline {path!r}: give a .png, .svg, .pdf or .json file name.")

@@ -47,7 +47,6 @@ class Request:
     hashed: int = 0            # of its blocks, how many the prefix cache holds a hash of
     first: float | None = None         # when its first token comes (the end of that step)
     end: float | None = None           # and its last
-    preemptions: int = 0
 
     @property
     def tokens(self) -> int:
@@ -120,7 +119,6 @@ def simulate(load: Load, limits: Limits, model: StepModel, policy: str) -> Run:
     def preempt(victim: Request) -> None:
         pool.release(victim.blocks)
         victim.blocks, victim.hashed, victim.computed = [], 0, 0
-        victim.preemptions += 1
         run.preemptions += 1
         waiting.appendleft(victim)
 
