@@ -4,12 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# DeepSpeed's C++ ops that the 2-rank tests load (its fused AdamW and shared-memory collectives), compiled once per
+# checkout while the linters run (a minute of two cores the first time), into this checkout's own folder: a build
+# that another checkout's killed run left half-done (its lock file) cannot make these tests wait on it
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch-extensions}"
+.venv/bin/python -c "from memfit.steps.deepspeed_loop import build_deepspeed_ops; build_deepspeed_ops(offload=False)" &
+ops=$!
 .venv/bin/ruff check src tests scripts benchmarks
 .venv/bin/lint-imports --no-cache
 .venv/bin/mypy   # the annotations of src/ ([tool.mypy] in pyproject.toml)
+wait "$ops"
 # Two workers, one thread each (the machine's two cores); the 2-rank tests share one torchrun launch on one worker.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# DeepSpeed's C++ ops, compiled at their first use, go in this checkout's own folder: a build that another
-# checkout's killed run left half-done (its lock file) cannot make these tests wait on it.
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch-extensions}"
 .venv/bin/python -m pytest -q -n "${MEMFIT_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -31,14 +31,23 @@ TASK_MODULES = {("estimate", "serve"): "memfit.cli.serve", ("explain-oom", "serv
                 ("plan", "serve"): "memfit.cli.serve_plan"}
 
 
-def task_in(argv: list[str]) -> str | None:
-    """The --task a command line gives (--task X or --task=X), if any."""
+# serving on llama.cpp: its own flags (llama-server's names)
+ENGINE_MODULES = {("estimate", "serve", "llama.cpp"): "memfit.cli.llamacpp"}
+
+
+def flag_in(argv: list[str], flag: str) -> str | None:
+    """The value a command line gives a flag (--flag X or --flag=X), if any."""
     for i, word in enumerate(argv):
-        if word == "--task" and i + 1 < len(argv):
+        if word == flag and i + 1 < len(argv):
             return argv[i + 1]
-        if word.startswith("--task="):
+        if word.startswith(flag + "="):
             return word.split("=", 1)[1]
     return None
+
+
+def task_in(argv: list[str]) -> str | None:
+    """The --task a command line gives, if any."""
+    return flag_in(argv, "--task")
 
 
 def one_line(text: str) -> str:
@@ -100,7 +109,8 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
     for name, (module, summary) in COMMANDS.items():
         commands[name] = subparsers.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
         if name == chosen:
-            module = TASK_MODULES.get((name, task_in(list(argv or ())) or ""), module)
+            task, engine = task_in(list(argv or ())) or "", flag_in(list(argv or ()), "--engine") or ""
+            module = ENGINE_MODULES.get((name, task, engine), TASK_MODULES.get((name, task), module))
             importlib.import_module(module).add_arguments(commands[name])
     return parser, commands
 

@@ -1,0 +1,223 @@
+"""Real llama.cpp runs here: tiny GGUF models of several architectures, written with the gguf package, quantized by
+llama.cpp's own quantizer and loaded by llama.cpp (llama-cpp-python's build, CPU) at several context sizes,
+ubatches, KV cache types, flash-attention settings and slot counts; what llama.cpp's load log reports for each
+buffer, recorded with each quantized file's tensor table.
+
+    bash scripts/setup_llamacpp.sh                                   # once: ./.venv-llama (about 5 minutes)
+    .venv-llama/bin/python benchmarks/llamacpp_cpu_run.py --record   # -> benchmarks/results/llamacpp_cpu_run.json
+    python benchmarks/llamacpp_cpu_check.py                          # memfit's buffers against the record
+
+The record is what tests/test_llamacpp.py compares memfit with; with ./.venv-llama present, the tests also load a
+few of the cases again (this script's --case) and compare with the live run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "llamacpp_cpu_run.json")
+
+# the architectures written (llama.cpp's names and hyperparameters; tensor shapes follow from them)
+MODELS = {
+    "gqa": dict(arch="llama", n_embd=256, n_layer=4, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1000),
+    "mha": dict(arch="llama", n_embd=256, n_layer=3, n_head=4, n_head_kv=4, n_ff=768, n_vocab=1200),
+    "tied": dict(arch="llama", n_embd=256, n_layer=2, n_head=4, n_head_kv=1, n_ff=512, n_vocab=800, tied=True),
+    "qwen2": dict(arch="qwen2", n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1500, tied=True),
+}
+# (model, quantization, settings): each a load; the settings are llama.cpp's context parameters
+CASES = [
+    ("gqa", "F32", dict(n_ctx=1000)),
+    ("gqa", "F16", dict(n_ctx=1000)),
+    ("gqa", "Q8_0", dict(n_ctx=256)),
+    ("gqa", "Q4_K_M", dict(n_ctx=4096)),
+    ("gqa", "Q4_K_M", dict(n_ctx=4096, n_ubatch=128, n_batch=256)),
+    ("gqa", "Q4_K_M", dict(n_ctx=4096, flash_attn="on")),
+    ("gqa", "Q4_K_M", dict(n_ctx=4096, flash_attn="on", type_k="q8_0", type_v="q8_0")),
+    ("gqa", "Q4_K_M", dict(n_ctx=3000, flash_attn="on", type_k="q4_0", type_v="q4_0")),
+    ("gqa", "Q4_K_M", dict(n_ctx=4096, n_seq_max=4)),
+    ("gqa", "Q4_K_M", dict(n_ctx=4096, n_seq_max=4, kv_unified=True, flash_attn="auto")),
+    ("gqa", "Q4_0", dict(n_ctx=2048, n_ubatch=256)),
+    ("gqa", "Q6_K", dict(n_ctx=512)),
+    ("mha", "Q5_K_M", dict(n_ctx=2048)),
+    ("mha", "Q4_K_S", dict(n_ctx=2048, flash_attn="on")),
+    ("mha", "Q3_K_M", dict(n_ctx=700, n_ubatch=64)),
+    ("tied", "Q4_K_M", dict(n_ctx=1024)),
+    ("tied", "IQ4_XS", dict(n_ctx=1024)),
+    ("qwen2", "Q4_K_M", dict(n_ctx=2048)),
+    ("qwen2", "Q8_0", dict(n_ctx=2048, flash_attn="on", n_seq_max=2)),
+]
+
+
+def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
+               n_vocab: int, tied: bool = False) -> None:
+    """A float32 model with llama.cpp's tensor names for `arch` (random weights: only the sizes matter)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(n_layer)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_vocab_size(n_vocab)
+    writer.add_tokenizer_model("no_vocab")
+    writer.add_file_type(0)
+    rng = np.random.default_rng(0)
+    head_dim = n_embd // n_head
+
+    def tensor(name: str, *shape: int) -> None:   # numpy order: (rows, columns)
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    tensor("token_embd.weight", n_vocab, n_embd)
+    tensor("output_norm.weight", n_embd)
+    if not tied:
+        tensor("output.weight", n_vocab, n_embd)
+    for i in range(n_layer):
+        tensor(f"blk.{i}.attn_norm.weight", n_embd)
+        tensor(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
+        tensor(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        tensor(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        if arch == "qwen2":
+            tensor(f"blk.{i}.attn_q.bias", n_head * head_dim)
+            tensor(f"blk.{i}.attn_k.bias", n_head_kv * head_dim)
+            tensor(f"blk.{i}.attn_v.bias", n_head_kv * head_dim)
+        tensor(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
+        tensor(f"blk.{i}.ffn_norm.weight", n_embd)
+        tensor(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
+        tensor(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
+        tensor(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantize(source: str, target: str, quant: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}" if quant != "F32" else "LLAMA_FTYPE_ALL_F32")
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(source.encode(), target.encode(), params) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {source} to {quant}")
+
+
+def tensor_table(path: str) -> list[list]:
+    """Each tensor of a GGUF file: [name, type, shape (ggml order: columns first)]."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return [[t.name, t.tensor_type.name, [int(n) for n in t.shape]] for t in reader.tensors]
+
+
+# what each load reports: llama.cpp's log lines (MiB with 2 decimals; the compute buffer again with 4 at exit)
+PATTERNS = {
+    "model_buffers_mib": re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB"),
+    "kv_buffers_mib": re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB"),
+    "output_buffers_mib": re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB"),
+    "compute_buffers_mib": re.compile(r"~llama_context:\s+(\S+) compute buffer size is\s+([\d.]+) MiB"),
+}
+KV_SIZE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/(\d+) seqs\), "
+                     r"K \((\w+)\):\s+([\d.]+) MiB, V \((\w+)\):\s+([\d.]+) MiB")
+
+
+def load(path: str, settings: dict) -> dict:
+    """Load `path` with `settings` (llama.cpp's context parameters) in this process, through llama.cpp's own C API;
+    run in a child, so that its log is this load's alone."""
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = settings["n_ctx"]
+    params.n_batch = settings.get("n_batch", 2048)
+    params.n_ubatch = settings.get("n_ubatch", 512)
+    params.n_seq_max = settings.get("n_seq_max", 1)
+    params.kv_unified = settings.get("kv_unified", False)
+    params.n_threads = params.n_threads_batch = 1
+    params.flash_attn_type = {"on": 1, "off": 0, "auto": -1}[settings.get("flash_attn", "off")]
+    for key in ("type_k", "type_v"):
+        if key in settings:
+            setattr(params, key, getattr(llama_cpp, f"GGML_TYPE_{settings[key].upper()}"))
+    context = llama_cpp.llama_init_from_model(model, params)
+    if not context:
+        raise SystemExit("llama.cpp could not create the context")
+    size = int(llama_cpp.llama_model_size(model))
+    llama_cpp.llama_free(context)
+    llama_cpp.llama_model_free(model)
+    return {"model_size_bytes": size}
+
+
+def parse(log: str) -> dict:
+    out: dict = {key: {} for key in PATTERNS}
+    for key, pattern in PATTERNS.items():
+        for name, mib in pattern.findall(log):
+            out[key][name] = out[key].get(name, 0.0) + float(mib)
+    match = KV_SIZE.search(log)
+    if match:
+        out["kv"] = {"mib": float(match[1]), "cells": int(match[2]), "layers": int(match[3]),
+                     "seqs": int(match[5]), "type_k": match[6], "k_mib": float(match[7]), "type_v": match[8],
+                     "v_mib": float(match[9])}
+    return out
+
+
+def run_case(folder: str, model: str, quant: str, settings: dict) -> dict:
+    source = os.path.join(folder, f"{model}-F32.gguf")
+    if not os.path.exists(source):
+        write_gguf(source, **MODELS[model])
+    path = os.path.join(folder, f"{model}-{quant}.gguf")
+    if not os.path.exists(path):
+        quantize(source, path, quant)
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--load", path, json.dumps(settings)],
+                           capture_output=True, text=True, timeout=300)
+    if child.returncode != 0:
+        raise SystemExit(f"llama.cpp failed to load {path} with {settings}:\n{child.stderr[-3000:]}")
+    return {"model": model, "quant": quant, "settings": settings, "hparams": MODELS[model],
+            "tensors": tensor_table(path), **json.loads(child.stdout.strip().splitlines()[-1]),
+            **parse(child.stderr)}
+
+
+def record(cases: list) -> list[dict]:
+    import llama_cpp
+
+    with tempfile.TemporaryDirectory(prefix="memfit-llamacpp-") as folder:
+        runs = []
+        for i, (model, quant, settings) in enumerate(cases):
+            print(f"[{i + 1}/{len(cases)}] {model} {quant} {settings}", file=sys.stderr, flush=True)
+            runs.append(run_case(folder, model, quant, settings))
+    return [{"llama_cpp_python": llama_cpp.__version__, "runs": runs}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record", action="store_true", help=f"run every case and write {RESULT}")
+    parser.add_argument("--case", type=int, action="append", help="run these cases (indices) and print them")
+    parser.add_argument("--load", nargs=2, metavar=("GGUF", "SETTINGS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.load:
+        print(json.dumps(load(args.load[0], json.loads(args.load[1]))))
+        return
+    if args.record:
+        (result,) = record(CASES)
+        with open(RESULT, "w") as fh:
+            json.dump(result, fh, indent=1)
+            fh.write("\n")
+        print(f"wrote {RESULT}: {len(result['runs'])} loads")
+        return
+    chosen = [CASES[i] for i in (args.case or range(len(CASES)))]
+    print(json.dumps(record(chosen)[0], indent=1))
+
+
+if __name__ == "__main__":
+    main()

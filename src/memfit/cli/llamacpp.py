@@ -1,0 +1,103 @@
+"""`memfit estimate MODEL.gguf --task serve --engine llama.cpp`: each buffer llama.cpp allocates when it loads a GGUF
+model with these settings (llama.cpp's flag names), read from the file's header alone."""
+from __future__ import annotations
+
+import argparse
+
+from memfit.cli.console import output_console, print_json
+from memfit.core.errors import MemfitError
+from memfit.core.units import format_bytes
+from memfit.serving.gguf_file import read_gguf
+from memfit.serving.llamacpp import CACHE_TYPES, FLASH_ATTN, LlamaCppEstimate, LlamaCppSettings, estimate_llamacpp
+
+# (flags, LlamaCppSettings field, argparse options, help): llama-server's own names and short forms
+FLAGS = (
+    (("-c", "--ctx-size"), "ctx_size", {"type": int, "metavar": "N"}, "context size (default 4096)"),
+    (("-ngl", "--n-gpu-layers"), "n_gpu_layers", {"type": int, "metavar": "N"},
+     "layers on the GPU (default -1: all; with --gpus 0, none)"),
+    (("-b", "--batch-size"), "n_batch", {"type": int, "metavar": "N"}, "logical batch (default 2048)"),
+    (("-ub", "--ubatch-size"), "n_ubatch", {"type": int, "metavar": "N"}, "physical batch (default 512)"),
+    (("-ctk", "--cache-type-k"), "cache_type_k", {"choices": CACHE_TYPES, "metavar": "TYPE"}, "default f16"),
+    (("-ctv", "--cache-type-v"), "cache_type_v", {"choices": CACHE_TYPES, "metavar": "TYPE"},
+     "default f16 (a quantized V needs flash attention)"),
+    (("-fa", "--flash-attn"), "flash_attn", {"choices": FLASH_ATTN}, "default auto (on)"),
+    (("-np", "--parallel"), "parallel", {"type": int, "metavar": "N"}, "sequence slots (default 1)"),
+    (("-kvu", "--kv-unified"), "kv_unified", {"action": "store_const", "const": True},
+     "one KV cache shared by the slots"),
+    (("-nkvo", "--no-kv-offload"), "no_kv_offload", {"action": "store_const", "const": True},
+     "keep the KV cache in host memory"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Each buffer llama.cpp allocates when it loads a GGUF model: the weights on each device, the "
+                          "KV cache, the compute and output buffers (read from the file's header; no weight is read).")
+    parser.add_argument("model", nargs="?", help="a .gguf file")
+    parser.add_argument("--task", choices=("serve",), required=True, help="serve: load the model to serve it")
+    parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
+    parser.add_argument("--gpus", type=int, default=0, metavar="N",
+                        help="GPUs the layers go to (default 0: the CPU alone, as checked here)")
+    group = parser.add_argument_group("llama.cpp settings (its own names)")
+    for flags, field, options, text in FLAGS:
+        group.add_argument(*flags, dest=field, default=None, help=text, **options)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(run=run)
+
+
+def settings_from(args: argparse.Namespace) -> LlamaCppSettings:
+    return LlamaCppSettings(**{field: getattr(args, field) for _, field, _, _ in FLAGS
+                               if getattr(args, field) is not None})
+
+
+def to_json(result: LlamaCppEstimate) -> dict:
+    cpu, gpu = result.buffers["CPU"], result.buffers.get("GPU0")
+    source = "llama.cpp's allocation rules (checked to the byte on CPU loads here)"
+    return {
+        "schema": "memfit.llamacpp/1", "model": result.model, "engine": result.engine, "n_ctx": result.n_ctx,
+        "kv_cells": result.kv.cells, "kv_streams": result.kv.streams, "layers_on_gpu": result.layers_on_gpu,
+        "cpu_model_bytes": cpu.model, "gpu_model_bytes": gpu.model if gpu else 0,
+        "cpu_kv_bytes": cpu.kv, "gpu_kv_bytes": gpu.kv if gpu else 0,
+        "cpu_compute_bytes": cpu.compute, "gpu_compute_bytes": gpu.compute if gpu else 0,
+        "output_bytes": cpu.output, "host_bytes": cpu.total, "gpu_buffers_bytes": gpu.total if gpu else 0,
+        "weights_bytes": result.weights_bytes,
+        "sources": {"weights": "the GGUF header's tensor types and shapes", "kv": source, "compute": source,
+                    "gpu": "the same rules on a GPU: not yet checked against a GPU's log"},
+        "command": command_line(result),
+    }
+
+
+def command_line(result: LlamaCppEstimate) -> str:
+    s, default = result.settings, LlamaCppSettings()
+    words = ["llama-server", "-m", result.model, "-c", str(s.ctx_size)]
+    for flags, field, _, _ in FLAGS[1:]:
+        value = getattr(s, field)
+        if value != getattr(default, field):
+            words += [flags[1]] if value is True else [flags[1], str(value)]
+    return " ".join(words)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise MemfitError("name a .gguf file: llama.cpp loads GGUF models.")
+    if not args.model.endswith(".gguf"):
+        raise MemfitError(f"{args.model}: --engine llama.cpp reads a .gguf file's header; a Hugging Face model's "
+                          "GGUF sizes (llama.cpp's quantization recipe, --quant) are not modelled yet.")
+    if args.gpus < 0:
+        raise MemfitError(f"--gpus {args.gpus}: 0 (the CPU alone) or more.")
+    result = estimate_llamacpp(read_gguf(args.model), settings_from(args), gpus=min(args.gpus, 1))
+    if args.gpus > 1:
+        result.notes.append("several GPUs: the layers are shown on the first (--tensor-split is not modelled yet)")
+    if args.json:
+        print_json(to_json(result))
+        return 0
+    console = output_console()
+    console.print(f"{result.model} on llama.cpp: n_ctx {result.n_ctx} ({result.kv.cells} cells x {result.kv.streams} "
+                  f"stream(s)), {result.layers_on_gpu} of the layers + head on the GPU")
+    for name, buffers in result.buffers.items():
+        console.print(f"  {name:<5} model {format_bytes(buffers.model):>11}  KV {format_bytes(buffers.kv):>11}  "
+                      f"compute {format_bytes(buffers.compute):>11}  output {format_bytes(buffers.output):>10}  "
+                      f"total {format_bytes(buffers.total):>11}")
+    for note in result.notes:
+        console.print(f"  note: {note}")
+    console.print(command_line(result))
+    return 0

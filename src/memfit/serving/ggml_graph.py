@@ -1,0 +1,234 @@
+"""llama.cpp's compute buffer: the size ggml's graph allocator (ggml-alloc.c) reserves for the worst-case ubatch
+graph, found by replaying that allocator on the graph llama.cpp builds for an attention decoder.
+
+The allocator, as ggml-alloc.c does it: graph inputs are placed first; then, node by node, a node that may work in
+place (ADD, MUL, RMS_NORM, ROPE, SOFT_MAX, ...) takes over its parent's memory when it is the parent's only
+consumer, unless that parent is a view (not the allocator's own: RoPE on the reshaped Q takes new memory); any
+other node takes the best-fitting free block (the smallest that is large enough; else the end of the buffer, which
+grows it); a tensor is freed when its last consumer has run, and a view's source when the last consumer of its
+last view has. Graph outputs (the logits, the final norm) are never freed. The buffer is the highest end any tensor
+reached. Views (reshape, permute) and the weights and KV cache (their own buffers) take nothing.
+
+The graph (llama-graph.cpp, src/models/llama.cpp): per layer RMS norm, the Q/K/V projections (bias adds in place),
+RoPE, K and V written into the cache, then without flash attention KQ (n_kv x tokens x heads, float32), its
+softmax in place and KQV, made contiguous; with it one FLASH_ATTN_EXT; the output projection, the residual add, the
+FFN (gate, up, SwiGLU, down) and its residual add. In the last layer only the output rows are kept (GET_ROWS); then
+the final norm and the logits (n_vocab x outputs). Beside the tokens, the graph takes an input for embeddings given
+instead of tokens (ggml_build_forward_select, llama.cpp PR 18550): allocated, never read. The worst case llama.cpp
+reserves: a full ubatch of tokens, every one an output, against the whole cache (n_kv: the cells of one stream).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memfit.serving.gguf_file import GGUFModel
+    from memfit.serving.llamacpp import LlamaCppSettings
+
+CPU_ALIGNMENT = 32       # ggml's TENSOR_ALIGNMENT: the CPU buffer type's
+IN_PLACE = {"ADD", "MUL", "SCALE", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}   # ggml_op_can_inplace's, those used
+
+
+@dataclass(eq=False)
+class Tensor:
+    name: str
+    nbytes: int
+    op: str = "NONE"
+    srcs: list[Tensor] = field(default_factory=list)
+    view_of: Tensor | None = None     # a view takes its source's memory
+    external: bool = False            # in another buffer (weights, KV cache)
+    is_input: bool = False
+    is_output: bool = False
+
+
+class Graph:
+    def __init__(self) -> None:
+        self.nodes: list[Tensor] = []
+        self.inputs: list[Tensor] = []   # in the order ggml meets them (its leafs): placed before any node
+
+    def external(self, name: str) -> Tensor:
+        return Tensor(name, 0, external=True)
+
+    def input(self, name: str, nbytes: int) -> Tensor:
+        tensor = Tensor(name, nbytes, is_input=True)
+        self.inputs.append(tensor)
+        return tensor
+
+    def op(self, op: str, name: str, nbytes: int, *srcs: Tensor) -> Tensor:
+        node = Tensor(name, nbytes, op, list(srcs))
+        self.nodes.append(node)
+        return node
+
+    def view(self, source: Tensor, name: str = "") -> Tensor:
+        node = Tensor(name or f"{source.name} (view)", source.nbytes, "VIEW", [source],
+                      view_of=source.view_of or source, external=source.external)
+        self.nodes.append(node)
+        return node
+
+
+class _Blocks:
+    """ggml_dyn_tallocr: free blocks sorted by offset, the last one the endless end of the buffer."""
+
+    def __init__(self, alignment: int) -> None:
+        self.alignment = alignment
+        self.free: list[list[int]] = [[0, 1 << 62]]
+        self.max_size = 0
+
+    def aligned(self, size: int) -> int:
+        return -(-size // self.alignment) * self.alignment
+
+    def alloc(self, size: int) -> int:
+        size = self.aligned(size)
+        best = -1
+        for i, (_, block_size) in enumerate(self.free[:-1]):   # the best fit besides the last block
+            if block_size >= size and (best < 0 or block_size <= self.free[best][1]):
+                best = i
+        if best < 0:
+            best = len(self.free) - 1
+        offset = self.free[best][0]
+        self.free[best][0] += size
+        self.free[best][1] -= size
+        if self.free[best][1] == 0:
+            del self.free[best]
+        self.max_size = max(self.max_size, offset + size)
+        return offset
+
+    def release(self, offset: int, size: int) -> None:
+        size = self.aligned(size)
+        for i, block in enumerate(self.free):
+            if block[0] + block[1] == offset:              # the freed bytes follow this block
+                block[1] += size
+                if i + 1 < len(self.free) and block[0] + block[1] == self.free[i + 1][0]:
+                    block[1] += self.free.pop(i + 1)[1]
+                return
+            if offset + size == block[0]:                  # they precede it
+                block[0], block[1] = offset, block[1] + size
+                if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == block[0]:
+                    self.free[i - 1][1] += self.free.pop(i)[1]
+                return
+        position = next((i for i, block in enumerate(self.free) if block[0] > offset), len(self.free))
+        self.free.insert(position, [offset, size])
+
+
+def allocate(graph: Graph, alignment: int = CPU_ALIGNMENT) -> int:
+    """The buffer ggml's graph allocator reserves for `graph`, in bytes."""
+    blocks = _Blocks(alignment)
+    children: dict[Tensor, int] = {}
+    views: dict[Tensor, int] = {}
+    address: dict[Tensor, int] = {}     # the tensors this buffer holds now, and where
+
+    def place(node: Tensor) -> None:
+        if node in address or node.external or node.view_of is not None:
+            return
+        if node.op in IN_PLACE:
+            for parent in node.srcs:   # a view is not the allocator's own tensor: never taken over
+                if parent in address and not parent.is_output and parent.nbytes == node.nbytes and \
+                        children.get(parent, 0) == 1 and views.get(parent, 0) == 0:
+                    address[node] = address.pop(parent)
+                    return
+        address[node] = blocks.alloc(node.nbytes)
+
+    for node in graph.nodes:
+        if node.view_of is not None:
+            views[node.view_of] = views.get(node.view_of, 0) + 1
+        for src in node.srcs:
+            children[src] = children.get(src, 0) + 1
+    for tensor in graph.inputs:
+        place(tensor)
+    for node in graph.nodes:
+        for src in node.srcs:
+            place(src)
+        place(node)
+        for parent in node.srcs:
+            children[parent] -= 1
+            if children[parent] or views.get(parent, 0):
+                continue
+            if parent.view_of is not None:
+                source = parent.view_of
+                views[source] -= 1
+                if not views[source] and not children.get(source, 0) and source in address:
+                    _free(source, address, blocks)
+            elif parent in address:
+                _free(parent, address, blocks)
+    return blocks.max_size
+
+
+def _free(tensor: Tensor, address: dict[Tensor, int], blocks: _Blocks) -> None:
+    if tensor.is_output:
+        return
+    blocks.release(address.pop(tensor), tensor.nbytes)
+
+
+def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool) -> Graph:
+    """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral): `tokens` in the
+    ubatch, every one an output, against `n_kv` cells."""
+    graph = Graph()
+    outputs = tokens
+    f32 = 4
+    embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
+    inp_tokens = graph.input("inp_tokens", tokens * 4)
+    graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: never read here
+    inp_pos = graph.input("inp_pos", tokens * 4)
+    k_idxs = graph.input("attn_inp_k_idxs", tokens * 8)
+    v_idxs = graph.input("attn_inp_v_idxs", tokens * 8 * (1 if flash_attn else max(model.n_head_kv) * model.head_dim_v))
+    mask = graph.input("attn_inp_kq_mask", n_kv * tokens * (2 if flash_attn else f32))
+    out_ids = graph.input("out_ids", outputs * 4)
+    names = {t.name for t in model.tensors}
+
+    def projection(layer: int, name: str, width: int, src: Tensor, rows: int) -> Tensor:
+        out = graph.op("MUL_MAT", name, width * rows * f32, graph.external(f"blk.{layer}.{name}.weight"), src)
+        if f"blk.{layer}.{name}.bias" in names:
+            out = graph.op("ADD", f"{name}_b", out.nbytes, out, graph.external(f"blk.{layer}.{name}.bias"))
+        return out
+
+    x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
+    for layer in range(model.n_layer):
+        kv_heads = model.n_head_kv[layer]
+        norm = graph.op("RMS_NORM", "norm", embd * tokens * f32, x)
+        norm = graph.op("MUL", "attn_norm", norm.nbytes, norm, graph.external("attn_norm.weight"))
+        q = projection(layer, "attn_q", heads * head_dim, norm, tokens)
+        q = graph.op("ROPE", "Qcur", q.nbytes, graph.view(q), inp_pos)
+        v = projection(layer, "attn_v", kv_heads * model.head_dim_v, norm, tokens)
+        k = projection(layer, "attn_k", kv_heads * head_dim, norm, tokens)
+        k = graph.op("ROPE", "Kcur", k.nbytes, graph.view(k), inp_pos)
+        cache_k, cache_v = graph.external(f"cache_k_l{layer}"), graph.external(f"cache_v_l{layer}")
+        graph.op("SET_ROWS", "k_set", 0, graph.view(cache_k), graph.view(k), k_idxs).external = True
+        graph.op("SET_ROWS", "v_set", 0, graph.view(cache_v), graph.view(v), v_idxs).external = True
+        q_view = graph.view(q)
+        if flash_attn:
+            attn = graph.op("FLASH_ATTN_EXT", "fattn", model.head_dim_v * heads * tokens * f32, q_view,
+                            graph.view(cache_k), graph.view(cache_v), mask)
+            attn = graph.view(attn)
+        else:
+            kq = graph.op("MUL_MAT", "kq", n_kv * tokens * heads * f32, graph.view(cache_k), q_view)
+            kq = graph.op("SOFT_MAX", "kq_soft_max", kq.nbytes, kq, mask)
+            kqv = graph.op("MUL_MAT", "kqv", model.head_dim_v * tokens * heads * f32, graph.view(cache_v), kq)
+            attn = graph.op("CONT", "kqv_out", kqv.nbytes, graph.view(kqv))
+        out = projection(layer, "attn_output", embd, attn, tokens)
+        if layer == model.n_layer - 1:   # only the output rows go on
+            out = graph.op("GET_ROWS", "out_rows", embd * outputs * f32, out, out_ids)
+            x = graph.op("GET_ROWS", "inp_rows", embd * outputs * f32, x, out_ids)
+            tokens = outputs
+        ffn_inp = graph.op("ADD", "ffn_inp", out.nbytes, out, x)
+        norm = graph.op("RMS_NORM", "norm", ffn_inp.nbytes, ffn_inp)
+        norm = graph.op("MUL", "ffn_norm", norm.nbytes, norm, graph.external("ffn_norm.weight"))
+        gate = projection(layer, "ffn_gate", ffn, norm, tokens)
+        up = projection(layer, "ffn_up", ffn, norm, tokens)
+        act = graph.op("GLU", "ffn_swiglu", up.nbytes, gate, up)
+        down = projection(layer, "ffn_down", embd, act, tokens)
+        x = graph.op("ADD", "l_out", down.nbytes, down, ffn_inp)
+    norm = graph.op("RMS_NORM", "norm", x.nbytes, x)
+    norm = graph.op("MUL", "result_norm", norm.nbytes, norm, graph.external("output_norm.weight"))
+    norm.is_output = True
+    logits = graph.op("MUL_MAT", "result_output", model.n_vocab * outputs * f32, graph.external("output.weight"), norm)
+    logits.is_output = True
+    return graph
+
+
+def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool,
+                         alignment: int = CPU_ALIGNMENT) -> int:
+    """The compute buffer llama.cpp reserves: the larger of its prompt graph (a full ubatch) and its one-token
+    graph."""
+    return max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn), alignment)
+               for tokens in (settings.n_ubatch_at(n_ctx), 1))

@@ -1,0 +1,149 @@
+"""A GGUF model as llama.cpp loads it: every tensor's ggml type and shape, and the hyperparameters its buffers
+depend on, read from the file's header with the gguf package (no weights read), or written by llama.cpp's
+quantization recipe for a Hugging Face config (serving/gguf_recipe.py)."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from memfit.core.errors import MemfitError
+
+_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+def type_size(ggml_type: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type, from ggml's block structs as the gguf package lists
+    them (Q4_K: 256 weights in 144 bytes)."""
+    import gguf
+
+    try:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type.upper()]]
+    except KeyError:
+        names = ", ".join(t.name for t in gguf.GGML_QUANT_SIZES)
+        raise MemfitError(f"unknown ggml type {ggml_type!r}; ggml has {names}.") from None
+
+
+def row_bytes(ggml_type: str, n: int) -> int:
+    """Bytes of `n` consecutive values of a row (n a multiple of the type's block)."""
+    block, size = type_size(ggml_type)
+    return n // block * size
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type: str                    # ggml's name: F32, F16, Q4_K, ...
+    shape: tuple[int, ...]       # ggml order: the row (contiguous) dimension first
+
+    @property
+    def nbytes(self) -> int:
+        rows = 1
+        for n in self.shape[1:]:
+            rows *= n
+        return row_bytes(self.type, self.shape[0]) * rows
+
+    @property
+    def layer(self) -> int | None:
+        """The repeating layer the tensor belongs to (blk.N.), None for the input and output tensors."""
+        match = _LAYER.match(self.name)
+        return int(match.group(1)) if match else None
+
+
+@dataclass
+class GGUFModel:
+    """What llama.cpp's buffers depend on. Per-layer lists where a model varies them (sliding-window layers,
+    heads per layer)."""
+    name: str
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: list[int]         # per layer (0: a layer with no KV cache)
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    tensors: list[GGUFTensor]
+    swa_layers: list[bool] = field(default_factory=list)   # per layer: a sliding-window layer
+    n_swa: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    source: str = ""             # the file, or the recipe that wrote the tensor list
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def has(self, name: str) -> bool:
+        return any(t.name == name for t in self.tensors)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """No output.weight: the head reads token_embd.weight (llama.cpp loads it a second time, as the output)."""
+        return not self.has("output.weight")
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]
+
+
+def _field(fields: dict, key: str, default=None):
+    value = fields.get(key)
+    if value is None:
+        return default
+    contents = value.contents()
+    return contents
+
+
+def _per_layer(value, n_layer: int) -> list[int]:
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise MemfitError(f"a per-layer value has {len(value)} entries for {n_layer} layers.")
+        return [int(v) for v in value]
+    return [int(value)] * n_layer
+
+
+def read_gguf(path: str) -> GGUFModel:
+    """The model a .gguf file holds, from its header (the gguf package maps the file; no weight is read)."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise MemfitError(f"{path}: no such GGUF file.")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise MemfitError(f"{path}: not a GGUF file llama.cpp could load ({exc}).") from None
+    fields = reader.fields
+    arch = _field(fields, "general.architecture")
+    if not arch:
+        raise MemfitError(f"{path}: a GGUF file without general.architecture.")
+    n_layer = int(_field(fields, f"{arch}.block_count", 0))
+    n_embd = int(_field(fields, f"{arch}.embedding_length", 0))
+    n_head = _per_layer(_field(fields, f"{arch}.attention.head_count", 0), n_layer)
+    n_head_kv = _per_layer(_field(fields, f"{arch}.attention.head_count_kv", n_head), n_layer)
+    if not n_layer or not n_embd or not max(n_head):
+        raise MemfitError(f"{path}: {arch} without block_count, embedding_length or attention.head_count; memfit "
+                          "models attention decoders.")
+    head_dim = n_embd // max(n_head)
+    tensors = [GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape)) for t in reader.tensors]
+    vocab = _field(fields, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else next(
+            (t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
+    pattern = _field(fields, f"{arch}.attention.sliding_window_pattern")
+    n_swa = int(_field(fields, f"{arch}.attention.sliding_window", 0) or 0)
+    swa_layers: list[bool] = []
+    if n_swa and isinstance(pattern, list):
+        swa_layers = [bool(v) for v in pattern]
+    elif n_swa and pattern:
+        swa_layers = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]   # every pattern-th layer is global
+    return GGUFModel(
+        name=os.path.basename(path), arch=str(arch), n_layer=n_layer, n_embd=n_embd, n_head=max(n_head),
+        n_head_kv=n_head_kv, head_dim_k=int(_field(fields, f"{arch}.attention.key_length", head_dim)),
+        head_dim_v=int(_field(fields, f"{arch}.attention.value_length", head_dim)),
+        n_ff=int(max(_per_layer(_field(fields, f"{arch}.feed_forward_length", 0), n_layer))),
+        n_vocab=int(vocab), n_ctx_train=int(_field(fields, f"{arch}.context_length", 0)), tensors=tensors,
+        swa_layers=swa_layers, n_swa=n_swa, n_expert=int(_field(fields, f"{arch}.expert_count", 0) or 0),
+        n_expert_used=int(_field(fields, f"{arch}.expert_used_count", 0) or 0), source=path)

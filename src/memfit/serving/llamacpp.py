@@ -1,0 +1,168 @@
+"""What llama.cpp allocates when it loads a GGUF model with given settings: each buffer its load log prints, on the
+device llama.cpp puts it (llama.cpp's names: --ctx-size, --n-gpu-layers, --n-ubatch, --cache-type-k, ...).
+
+Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cache.cpp; the release llama-cpp-python
+0.3.36 vendors) state them and its load logs here show them (benchmarks/llamacpp_cpu_run.py):
+- weights: the token embedding stays on the CPU; with -ngl N the last N of the n_layer + 1 slots (the extra one
+  the output head) go to the GPUs, split by --tensor-split (default: each GPU's free memory). A tied embedding is
+  loaded a second time as the head, on the head's device.
+- KV cache: n_ctx rounded up to 256; split over --parallel streams unless unified (each stream n_ctx / streams,
+  rounded up to 256); per layer cells x (n_head_kv x head_dim_k in type_k's bytes + the same for V), on the
+  layer's device unless --no-kv-offload.
+- output buffer: n_vocab floats per sequence slot (the logits of the last token of each), in host memory.
+- compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from memfit.core.errors import MemfitError
+from memfit.serving.ggml_graph import compute_buffer_bytes
+from memfit.serving.gguf_file import GGUFModel, row_bytes, type_size
+
+ENGINES = ("llama.cpp", "ollama")
+# the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
+CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
+FLASH_ATTN = ("on", "off", "auto")
+CTX_PAD = 256   # llama_context pads n_ctx (and each stream's share) to a multiple of 256
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    """llama.cpp's load settings with its own names and its defaults (llama-server's, current release)."""
+    ctx_size: int = 4096
+    n_gpu_layers: int = -1           # -1: every layer (llama-server's default)
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"
+    parallel: int = 1
+    kv_unified: bool = False
+    no_kv_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("ctx_size", "n_batch", "n_ubatch", "parallel"):
+            if getattr(self, name) < 1:
+                raise MemfitError(f"--{name.replace('_', '-')} {getattr(self, name)}: it takes a whole number of 1 or "
+                                  "more.")
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in CACHE_TYPES:
+                raise MemfitError(f"--{name.replace('_', '-')} {getattr(self, name)}: llama.cpp's cache types are "
+                                  f"{', '.join(CACHE_TYPES)}.")
+        if self.flash_attn not in FLASH_ATTN:
+            raise MemfitError(f"--flash-attn {self.flash_attn}: on, off or auto.")
+
+    def flash_attention(self, has_gpu: bool) -> bool:
+        """auto: on where every backend runs it (the CPU's and CUDA's do)."""
+        return self.flash_attn != "off"
+
+    def n_ubatch_at(self, n_ctx: int) -> int:
+        """The ubatch llama_context uses: a causal model's batch is at most its context."""
+        return min(self.n_ubatch, self.n_batch, n_ctx)
+
+
+@dataclass
+class Buffers:
+    """One device's buffers, in bytes."""
+    device: str
+    model: int = 0
+    kv: int = 0
+    compute: int = 0
+    output: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.model + self.kv + self.compute + self.output
+
+
+@dataclass
+class KVCache:
+    cells: int                       # per stream
+    streams: int
+    layers: int
+    k_bytes: int
+    v_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.k_bytes + self.v_bytes
+
+
+@dataclass
+class LlamaCppEstimate:
+    model: str
+    engine: str
+    settings: LlamaCppSettings
+    n_ctx: int
+    layers_on_gpu: int
+    kv: KVCache
+    buffers: dict[str, Buffers]      # by device: "CPU", "GPU0", ...
+    weights_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+
+def padded_ctx(settings: LlamaCppSettings) -> tuple[int, int, int]:
+    """(n_ctx, cells per stream, streams) as llama_context sets them."""
+    n_ctx = math.ceil(settings.ctx_size / CTX_PAD) * CTX_PAD
+    if settings.kv_unified or settings.parallel == 1:
+        return n_ctx, n_ctx, 1
+    per_stream = math.ceil(n_ctx // settings.parallel / CTX_PAD) * CTX_PAD
+    return per_stream * settings.parallel, per_stream, settings.parallel
+
+
+def kv_cache(model: GGUFModel, settings: LlamaCppSettings) -> KVCache:
+    """The KV cache llama_kv_cache allocates: every layer with KV heads, its cells in each stream."""
+    _, cells, streams = padded_ctx(settings)
+    k = v = 0
+    layers = 0
+    for heads in model.n_head_kv:
+        if not heads:
+            continue
+        layers += 1
+        k += row_bytes(settings.cache_type_k.upper(), heads * model.head_dim_k) * cells * streams
+        v += row_bytes(settings.cache_type_v.upper(), heads * model.head_dim_v) * cells * streams
+    return KVCache(cells, streams, layers, k, v)
+
+
+def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None, *, engine: str = "llama.cpp",
+                      gpus: int = 0) -> LlamaCppEstimate:
+    """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
+    settings = settings or LlamaCppSettings()
+    if type_size(settings.cache_type_v.upper())[0] > 1 and settings.flash_attn == "off":   # a quantized V
+        raise MemfitError(f"--cache-type-v {settings.cache_type_v}: a quantized V cache needs flash attention "
+                          "(llama.cpp refuses it with --flash-attn off).")
+    n_ctx, _, _ = padded_ctx(settings)
+    ngl = model.n_layer + 1 if settings.n_gpu_layers < 0 else settings.n_gpu_layers
+    on_gpu = min(ngl, model.n_layer + 1) if gpus else 0
+    first_gpu_slot = model.n_layer + 1 - on_gpu
+
+    def device_of(slot: int) -> str:   # slot: a layer, or n_layer for the output head
+        return "GPU0" if gpus and slot >= first_gpu_slot else "CPU"
+
+    buffers = {"CPU": Buffers("CPU")}
+    if gpus:
+        buffers["GPU0"] = Buffers("GPU0")
+    for tensor in model.tensors:
+        if tensor.layer is not None:
+            buffers[device_of(tensor.layer)].model += tensor.nbytes
+        elif tensor.name.startswith(("token_embd", "per_layer_token_embd", "token_types", "position_embd")):
+            buffers["CPU"].model += tensor.nbytes
+        else:
+            buffers[device_of(model.n_layer)].model += tensor.nbytes
+    if model.tied_embeddings and device_of(model.n_layer) != "CPU":
+        embedding = next(t for t in model.tensors if t.name == "token_embd.weight")
+        buffers[device_of(model.n_layer)].model += embedding.nbytes   # the head's own copy
+    kv = kv_cache(model, settings)
+    per_layer = kv.bytes // max(1, kv.layers)
+    for layer, heads in enumerate(model.n_head_kv):
+        if heads:
+            buffers["CPU" if settings.no_kv_offload else device_of(layer)].kv += per_layer
+    flash = settings.flash_attention(bool(gpus))
+    buffers["CPU"].output = model.n_vocab * max(settings.parallel, 1) * 4
+    compute_device = "GPU0" if on_gpu else "CPU"
+    buffers[compute_device].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells,
+                                                                   flash_attn=flash)
+    return LlamaCppEstimate(model=model.name, engine=engine, settings=settings, n_ctx=n_ctx, layers_on_gpu=on_gpu,
+                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes)

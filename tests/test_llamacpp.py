@@ -1,0 +1,140 @@
+"""llama.cpp's buffers: memfit against real llama.cpp loads here (benchmarks/llamacpp_cpu_run.py's record, and live
+where ./.venv-llama holds the build), a GGUF file read from its header, and the command line."""
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+from memfit.cli.main import main
+from memfit.core.errors import MemfitError
+from memfit.serving.gguf_file import read_gguf
+from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check, recorder = _benchmark("llamacpp_cpu_check"), _benchmark("llamacpp_cpu_run")
+compare, model_of, settings_of, write_gguf = check.compare, check.model_of, check.settings_of, recorder.write_gguf
+
+LLAMA_VENV_PYTHON = os.path.join(REPO, ".venv-llama", "bin", "python")
+with open(check.RECORD) as fh:
+    RUNS = json.load(fh)["runs"]
+
+
+def assert_equal_to_the_log(row):
+    """Every figure as llama.cpp printed it: the weights' bytes exact, the KV cells exact, the KV and output MiB to
+    the log's 2 decimals, the compute buffer to its 4."""
+    for key in ("weights", "kv_cells", "kv_mib", "output_mib", "compute_mib"):
+        assert row[key][0] == row[key][1], (row["case"], key, row[key])
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[f"{r['model']}-{r['quant']}-{i}" for i, r in enumerate(RUNS)])
+def test_every_recorded_load_is_predicted_as_llamacpp_allocated_it(run):
+    """Dense GQA, MHA, tied embeddings and Qwen2's biases; F32 to Q3_K_M and IQ4_XS; contexts that llama.cpp pads,
+    ubatches above the context, flash attention on, off and auto, quantized K and V caches, split and unified
+    slots: weights, KV cache, output and compute buffer equal to llama.cpp's own figures."""
+    assert_equal_to_the_log(compare(run))
+
+
+def test_the_record_covers_the_settings_that_change_the_buffers():
+    settings = [r["settings"] for r in RUNS]
+    assert {s.get("flash_attn", "off") for s in settings} == {"on", "off", "auto"}
+    assert {s.get("type_v") for s in settings} >= {None, "q8_0", "q4_0"}
+    assert any(s.get("n_seq_max", 1) > 1 and not s.get("kv_unified") for s in settings)
+    assert any(s.get("kv_unified") for s in settings)
+    assert any(s["n_ctx"] % 256 for s in settings) and any(s["n_ctx"] < s.get("n_ubatch", 512) for s in settings)
+    # what the settings change: flash attention drops the float32 scores; slots split the cells, not the bytes
+    by = {(r["quant"], json.dumps(r["settings"], sort_keys=True)): r for r in RUNS if r["model"] == "gqa"}
+    plain, flash = by["Q4_K_M", '{"n_ctx": 4096}'], by["Q4_K_M", '{"flash_attn": "on", "n_ctx": 4096}']
+    assert flash["compute_buffers_mib"]["CPU"] < plain["compute_buffers_mib"]["CPU"] / 5
+    slots = by["Q4_K_M", '{"n_ctx": 4096, "n_seq_max": 4}']
+    assert slots["kv"]["cells"] * 4 == plain["kv"]["cells"] and slots["kv"]["mib"] == plain["kv"]["mib"]
+
+
+def test_a_gguf_file_is_read_from_its_header(tmp_path):
+    """The file written by the gguf package gives the model the record's load read: same tensors, same buffers."""
+    run = RUNS[0]
+    path = str(tmp_path / "gqa.gguf")
+    write_gguf(path, **run["hparams"])
+    model = read_gguf(path)
+    recorded = model_of(run)
+    assert [(t.name, t.type, t.shape) for t in model.tensors] == [(t.name, t.type, t.shape) for t in recorded.tensors]
+    assert (model.n_layer, model.n_head, model.n_head_kv, model.head_dim_k, model.n_vocab) == (
+        recorded.n_layer, recorded.n_head, recorded.n_head_kv, recorded.head_dim_k, recorded.n_vocab)
+    assert model.weights_bytes == run["model_size_bytes"]
+    settings = settings_of(run)
+    assert estimate_llamacpp(model, settings).buffers["CPU"] == estimate_llamacpp(recorded, settings).buffers["CPU"]
+
+
+def test_the_command_line_reads_a_gguf_file_and_prints_the_buffers(tmp_path, capsys):
+    path = str(tmp_path / "model.gguf")
+    write_gguf(path, **RUNS[0]["hparams"])
+    assert main(["estimate", path, "--task", "serve", "--engine", "llama.cpp", "-c", "1000", "-fa", "off",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    run = RUNS[0]   # the same model at n_ctx 1000 without flash attention
+    assert data["cpu_model_bytes"] == run["model_size_bytes"] and data["kv_cells"] == run["kv"]["cells"]
+    assert round(data["cpu_compute_bytes"] / 2**20, 4) == run["compute_buffers_mib"]["CPU"]
+    assert data["command"] == "llama-server -m model.gguf -c 1000 --flash-attn off"
+    assert main(["estimate", path, "--task", "serve", "--engine", "llama.cpp"]) == 0
+    assert "KV" in capsys.readouterr().out
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:   # argparse's own refusals
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["llama-3.1-8b"], "not modelled yet"),
+    (["missing.gguf"], "no such GGUF file"),
+    (["{path}", "-ctv", "q8_0", "-fa", "off"], "needs flash attention"),
+    (["{path}", "-c", "0"], "--ctx-size 0"),
+    (["{path}", "-ctk", "q9"], "invalid choice"),
+    (["{path}", "--gpus", "-1"], "--gpus -1"),
+])
+def test_bad_llamacpp_input_is_one_line(argv, fragment, tmp_path, capsys):
+    path = str(tmp_path / "model.gguf")
+    write_gguf(path, **RUNS[0]["hparams"])
+    code, out, err = run(capsys, "estimate", *[a.format(path=path) for a in argv], "--task", "serve", "--engine",
+                         "llama.cpp")
+    assert code == 2 and fragment in err and out == "" and len(err.strip().splitlines()) == 1
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(MemfitError, match="not a GGUF file"):
+        read_gguf(str(bad))
+
+
+def test_settings_are_checked_as_llamacpp_checks_them():
+    with pytest.raises(MemfitError, match="--n-ubatch 0"):
+        LlamaCppSettings(n_ubatch=0)
+    with pytest.raises(MemfitError, match="on, off or auto"):
+        LlamaCppSettings(flash_attn="yes")
+
+
+@pytest.mark.skipif(not os.path.exists(LLAMA_VENV_PYTHON), reason="llama.cpp is built by scripts/setup_llamacpp.sh")
+def test_llamacpp_loads_here_as_memfit_predicts():
+    """llama.cpp itself, run now: three of the record's cases loaded again (MHA at a small ubatch, split slots, a
+    quantized cache with flash attention) equal memfit's prediction."""
+    cases = [13, 8, 7]
+    child = subprocess.run([LLAMA_VENV_PYTHON, os.path.join(REPO, "benchmarks", "llamacpp_cpu_run.py"),
+                            *[f"--case={i}" for i in cases]], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    for run in json.loads(child.stdout)["runs"]:
+        assert_equal_to_the_log(compare(run))
