@@ -99,7 +99,10 @@ def run(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["llama-3.1-8b"], "not modelled yet"),
+    (["llama-3.1-8b"], "Give --quant"),
+    (["{path}", "--quant", "Q4_K_M"], "already quantized"),
+    (["gemma-3-12b", "--quant", "Q4_K_M"], "not modelled"),
+    (["llama-3.1-8b", "--quant", "Q9"], "--quant Q9"),
     (["missing.gguf"], "no such GGUF file"),
     (["{path}", "-ctv", "q8_0", "-fa", "off"], "needs flash attention"),
     (["{path}", "-c", "0"], "--ctx-size 0"),
@@ -138,3 +141,53 @@ def test_llamacpp_loads_here_as_memfit_predicts():
     assert child.returncode == 0, child.stderr[-2000:]
     for run in json.loads(child.stdout)["runs"]:
         assert_equal_to_the_log(compare(run))
+
+
+def test_the_recipe_gives_each_tensor_the_type_llamacpps_quantizer_gave_it():
+    """Every tensor of every file llama.cpp's quantizer wrote here (the record: 16 layers for its more-bits layers,
+    an FFN whose rows do not split into 256-blocks for its fallbacks, 17 file types) gets the same ggml type from
+    memfit's recipe, so the same bytes."""
+    from memfit.serving.gguf_file import GGUFTensor
+    from memfit.serving.gguf_recipe import quantize
+
+    checked = set()
+    for run in RUNS:
+        source = model_of(run)
+        source.tensors = [GGUFTensor(t.name, "F32", t.shape) for t in source.tensors]
+        written = quantize(source, run["quant"])
+        expected = [kind for _, kind, _ in run["tensors"]]
+        assert [t.type for t in written.tensors] == expected, (run["model"], run["quant"])
+        assert written.weights_bytes == run["model_size_bytes"]
+        checked.add(run["quant"])
+    assert len(checked) >= 17
+
+
+@pytest.mark.parametrize("model, quant, settings, gpu_mib, cpu_mib, kv_mib", [
+    # published load logs (../shared/data/published_llamacpp.md): the model buffers and KV llama.cpp printed
+    ("llama-3.1-8b", "Q4_K_M", dict(ctx_size=8192, parallel=4, kv_unified=True), 4403.49, 281.81, (1024.0, 0.0)),
+    ("qwen2.5-7b", "Q4_K_M", dict(ctx_size=4096), 4168.09, 292.36, (224.0, 0.0)),             # R11, R13
+    ("qwen2.5-7b", "Q4_K_M", dict(ctx_size=8192, n_gpu_layers=27), 3883.68, 576.77, (416.0, 32.0)),   # R14
+    ("qwen2.5-32b", "Q4_K_M", {}, 18508.35, 417.66, None),                                     # R22, R23
+    ("llama-3.1-70b", "Q4_0", dict(ctx_size=4096), 37546.98, 563.62, (1280.0, 0.0)),           # R24
+    ("mistral-7b", "Q4_K_M", dict(ctx_size=1024), 4095.05, 70.31, (128.0, 0.0)),               # R10
+])
+def test_a_hub_models_gguf_is_sized_as_published_load_logs_show(model, quant, settings, gpu_mib, cpu_mib, kv_mib):
+    """A Hugging Face model written as llama.cpp's converter and quantizer would: its buffers on the GPU and CPU,
+    to the MiB hundredth the published logs print, with the layer split -ngl gives."""
+    from memfit.serving.llamacpp import gguf_model
+
+    result = estimate_llamacpp(gguf_model(model, quant), LlamaCppSettings(**settings), gpus=1)
+    gpu, cpu = result.buffers["GPU0"], result.buffers["CPU"]
+    assert (round(gpu.model / 2**20, 2), round(cpu.model / 2**20, 2)) == (gpu_mib, cpu_mib)
+    if kv_mib:
+        assert (gpu.kv / 2**20, cpu.kv / 2**20) == kv_mib
+
+
+def test_a_full_offloads_gpu_compute_buffer_is_the_published_one():
+    """Qwen2.5-7B Q4_K_M at 4096 with flash attention (R11's CUDA and R13's Vulkan logs: 304.00 MiB): the graph on
+    the GPU takes the embeddings as an input from the host, and its peak is the logits beside the final norm."""
+    from memfit.serving.llamacpp import gguf_model
+
+    result = estimate_llamacpp(gguf_model("qwen2.5-7b", "Q4_K_M"), LlamaCppSettings(ctx_size=4096, flash_attn="on"),
+                               gpus=1)
+    assert round(result.buffers["GPU0"].compute / 2**20, 2) == 304.00

@@ -7,8 +7,15 @@ import argparse
 from memfit.cli.console import output_console, print_json
 from memfit.core.errors import MemfitError
 from memfit.core.units import format_bytes
-from memfit.serving.gguf_file import read_gguf
-from memfit.serving.llamacpp import CACHE_TYPES, FLASH_ATTN, LlamaCppEstimate, LlamaCppSettings, estimate_llamacpp
+from memfit.serving.gguf_recipe import FILE_TYPES
+from memfit.serving.llamacpp import (
+    CACHE_TYPES,
+    FLASH_ATTN,
+    LlamaCppEstimate,
+    LlamaCppSettings,
+    estimate_llamacpp,
+    gguf_model,
+)
 
 # (flags, LlamaCppSettings field, argparse options, help): llama-server's own names and short forms
 FLAGS = (
@@ -32,11 +39,14 @@ FLAGS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Each buffer llama.cpp allocates when it loads a GGUF model: the weights on each device, the "
                           "KV cache, the compute and output buffers (read from the file's header; no weight is read).")
-    parser.add_argument("model", nargs="?", help="a .gguf file")
+    parser.add_argument("model", nargs="?", help="a .gguf file, or a Hugging Face model (catalog name, config.json, "
+                                                 "folder or hub id) with --quant")
+    parser.add_argument("--quant", type=str.upper, metavar="TYPE",
+                        help=f"the GGUF llama.cpp's quantizer would write: {', '.join(FILE_TYPES)}")
     parser.add_argument("--task", choices=("serve",), required=True, help="serve: load the model to serve it")
     parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
     parser.add_argument("--gpus", type=int, default=0, metavar="N",
-                        help="GPUs the layers go to (default 0: the CPU alone, as checked here)")
+                        help="GPUs the layers go to (default 0: the CPU alone; 1: one GPU)")
     group = parser.add_argument_group("llama.cpp settings (its own names)")
     for flags, field, options, text in FLAGS:
         group.add_argument(*flags, dest=field, default=None, help=text, **options)
@@ -60,7 +70,9 @@ def to_json(result: LlamaCppEstimate) -> dict:
         "cpu_compute_bytes": cpu.compute, "gpu_compute_bytes": gpu.compute if gpu else 0,
         "output_bytes": cpu.output, "host_bytes": cpu.total, "gpu_buffers_bytes": gpu.total if gpu else 0,
         "weights_bytes": result.weights_bytes,
-        "sources": {"weights": "the GGUF header's tensor types and shapes", "kv": source, "compute": source,
+        "sources": {"weights": "the GGUF header's tensor types and shapes" if result.source.endswith(".gguf") else
+                    "llama.cpp's converter and quantizer rules (checked per tensor on files it wrote here)",
+                    "kv": source, "compute": source,
                     "gpu": "the same rules on a GPU: not yet checked against a GPU's log"},
         "command": command_line(result),
     }
@@ -68,7 +80,8 @@ def to_json(result: LlamaCppEstimate) -> dict:
 
 def command_line(result: LlamaCppEstimate) -> str:
     s, default = result.settings, LlamaCppSettings()
-    words = ["llama-server", "-m", result.model, "-c", str(s.ctx_size)]
+    words = ["llama-server", "-m", result.model if result.source.endswith(".gguf") else "MODEL.gguf",
+             "-c", str(s.ctx_size)]
     for flags, field, _, _ in FLAGS[1:]:
         value = getattr(s, field)
         if value != getattr(default, field):
@@ -78,26 +91,25 @@ def command_line(result: LlamaCppEstimate) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if not args.model:
-        raise MemfitError("name a .gguf file: llama.cpp loads GGUF models.")
-    if not args.model.endswith(".gguf"):
-        raise MemfitError(f"{args.model}: --engine llama.cpp reads a .gguf file's header; a Hugging Face model's "
-                          "GGUF sizes (llama.cpp's quantization recipe, --quant) are not modelled yet.")
+        raise MemfitError("name a .gguf file, or a Hugging Face model with --quant Q4_K_M (or another type).")
     if args.gpus < 0:
         raise MemfitError(f"--gpus {args.gpus}: 0 (the CPU alone) or more.")
-    result = estimate_llamacpp(read_gguf(args.model), settings_from(args), gpus=min(args.gpus, 1))
+    result = estimate_llamacpp(gguf_model(args.model, args.quant), settings_from(args), gpus=min(args.gpus, 1))
     if args.gpus > 1:
         result.notes.append("several GPUs: the layers are shown on the first (--tensor-split is not modelled yet)")
     if args.json:
         print_json(to_json(result))
         return 0
     console = output_console()
+    slots = result.layers_on_gpu
     console.print(f"{result.model} on llama.cpp: n_ctx {result.n_ctx} ({result.kv.cells} cells x {result.kv.streams} "
-                  f"stream(s)), {result.layers_on_gpu} of the layers + head on the GPU")
+                  f"stream(s)); {slots} of the {result.n_layer + 1} layer slots (the layers, then the output head) "
+                  "on the GPU")
     for name, buffers in result.buffers.items():
         console.print(f"  {name:<5} model {format_bytes(buffers.model):>11}  KV {format_bytes(buffers.kv):>11}  "
                       f"compute {format_bytes(buffers.compute):>11}  output {format_bytes(buffers.output):>10}  "
                       f"total {format_bytes(buffers.total):>11}")
     for note in result.notes:
-        console.print(f"  note: {note}")
+        console.print(f"note: {note}")
     console.print(command_line(result))
     return 0

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from memfit.serving.llamacpp import LlamaCppSettings
 
 CPU_ALIGNMENT = 32       # ggml's TENSOR_ALIGNMENT: the CPU buffer type's
+GPU_ALIGNMENT = 128      # ggml-cuda's buffer type's (assumed for other GPU backends)
 IN_PLACE = {"ADD", "MUL", "SCALE", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}   # ggml_op_can_inplace's, those used
 
 
@@ -160,20 +161,33 @@ def _free(tensor: Tensor, address: dict[Tensor, int], blocks: _Blocks) -> None:
     blocks.release(address.pop(tensor), tensor.nbytes)
 
 
-def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool) -> Graph:
+def _inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool) -> list[tuple[str, int]]:
+    """The graph's inputs after the tokens, in ggml's order: positions, the cache rows K and V are written to (V's
+    per element when it is stored transposed, without flash attention), the attention mask (F16 with flash
+    attention) and the output rows."""
+    v_rows = 1 if flash_attn else max(model.n_head_kv) * model.head_dim_v
+    return [("inp_pos", tokens * 4), ("attn_inp_k_idxs", tokens * 8), ("attn_inp_v_idxs", tokens * 8 * v_rows),
+            ("attn_inp_kq_mask", n_kv * tokens * (2 if flash_attn else 4)), ("out_ids", tokens * 4)]
+
+
+def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool, on_gpu: bool = False) -> Graph:
     """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral): `tokens` in the
-    ubatch, every one an output, against `n_kv` cells."""
+    ubatch, every one an output, against `n_kv` cells. `on_gpu`: the part a GPU holding every layer runs, whose inputs
+    are copies of the host's (ggml's scheduler keeps inputs, and the lookup in the host's token embedding, on the
+    CPU): the embeddings come in as an input."""
     graph = Graph()
     outputs = tokens
     f32 = 4
     embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
-    inp_tokens = graph.input("inp_tokens", tokens * 4)
-    graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: never read here
-    inp_pos = graph.input("inp_pos", tokens * 4)
-    k_idxs = graph.input("attn_inp_k_idxs", tokens * 8)
-    v_idxs = graph.input("attn_inp_v_idxs", tokens * 8 * (1 if flash_attn else max(model.n_head_kv) * model.head_dim_v))
-    mask = graph.input("attn_inp_kq_mask", n_kv * tokens * (2 if flash_attn else f32))
-    out_ids = graph.input("out_ids", outputs * 4)
+    if on_gpu:
+        x = graph.input("embd", embd * tokens * f32)
+    else:
+        inp_tokens = graph.input("inp_tokens", tokens * 4)
+        graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: never read
+    inp_pos, k_idxs, v_idxs, mask, out_ids = (graph.input(name, size) for name, size in _inputs(model, tokens, n_kv,
+                                                                                                 flash_attn))
+    if not on_gpu:
+        x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
     names = {t.name for t in model.tensors}
 
     def projection(layer: int, name: str, width: int, src: Tensor, rows: int) -> Tensor:
@@ -182,7 +196,6 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool)
             out = graph.op("ADD", f"{name}_b", out.nbytes, out, graph.external(f"blk.{layer}.{name}.bias"))
         return out
 
-    x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
     for layer in range(model.n_layer):
         kv_heads = model.n_head_kv[layer]
         norm = graph.op("RMS_NORM", "norm", embd * tokens * f32, x)
@@ -227,8 +240,18 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool)
 
 
 def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool,
-                         alignment: int = CPU_ALIGNMENT) -> int:
-    """The compute buffer llama.cpp reserves: the larger of its prompt graph (a full ubatch) and its one-token
-    graph."""
-    return max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn), alignment)
+                         on_gpu: bool = False) -> int:
+    """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
+    full ubatch) and its one-token graph."""
+    alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
+    return max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn, on_gpu=on_gpu), alignment)
                for tokens in (settings.n_ubatch_at(n_ctx), 1))
+
+
+def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool) -> int:
+    """With every layer on a GPU, the host's compute buffer: the graph's inputs (the tokens, the unused embeddings
+    input, positions, cache rows, mask, output rows) and the embedding lookup's result, which the GPU copies."""
+    tokens = settings.n_ubatch_at(n_ctx)
+    sizes = [tokens * 4, model.n_embd * tokens * 4] + [size for _, size in _inputs(model, tokens, n_kv, flash_attn)]
+    sizes.append(model.n_embd * tokens * 4)
+    return sum(-(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT for size in sizes)

@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass, field
 
 from memfit.core.errors import MemfitError
-from memfit.serving.ggml_graph import compute_buffer_bytes
-from memfit.serving.gguf_file import GGUFModel, row_bytes, type_size
+from memfit.serving.ggml_graph import compute_buffer_bytes, host_compute_bytes
+from memfit.serving.gguf_file import GGUFModel, read_gguf, row_bytes, type_size
+from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 
 ENGINES = ("llama.cpp", "ollama")
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
@@ -93,14 +94,34 @@ class KVCache:
 @dataclass
 class LlamaCppEstimate:
     model: str
+    source: str                      # the .gguf file, or the recipe the tensors came from
     engine: str
     settings: LlamaCppSettings
     n_ctx: int
+    n_layer: int
     layers_on_gpu: int
     kv: KVCache
     buffers: dict[str, Buffers]      # by device: "CPU", "GPU0", ...
     weights_bytes: int
     notes: list[str] = field(default_factory=list)
+
+
+def gguf_model(model: str, quant: str | None = None) -> GGUFModel:
+    """A .gguf file's model (read from its header), or a Hugging Face model (a catalog name, config.json, folder or
+    hub id) as llama.cpp's tools would write it in `quant` (a file type such as Q4_K_M)."""
+    from memfit.specs.model_configs import find_config
+
+    if model.endswith(".gguf"):
+        if quant:
+            raise MemfitError(f"--quant {quant}: {model} is already quantized (its header gives each tensor's type); "
+                              "--quant writes a Hugging Face model's GGUF.")
+        return read_gguf(model)
+    if not quant:
+        raise MemfitError(f"{model}: which GGUF? Give --quant (one of {', '.join(FILE_TYPES)}), or a .gguf file.")
+    found = find_config(model)
+    if found is None:
+        raise MemfitError(f"{model!r}: not a .gguf file, a catalog name (memfit models), a config.json or a hub id.")
+    return quantize(from_config(found.name, found.hf_config, found.where), quant)
 
 
 def padded_ctx(settings: LlamaCppSettings) -> tuple[int, int, int]:
@@ -161,8 +182,18 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
             buffers["CPU" if settings.no_kv_offload else device_of(layer)].kv += per_layer
     flash = settings.flash_attention(bool(gpus))
     buffers["CPU"].output = model.n_vocab * max(settings.parallel, 1) * 4
-    compute_device = "GPU0" if on_gpu else "CPU"
-    buffers[compute_device].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells,
-                                                                   flash_attn=flash)
-    return LlamaCppEstimate(model=model.name, engine=engine, settings=settings, n_ctx=n_ctx, layers_on_gpu=on_gpu,
-                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes)
+    notes = []
+    if on_gpu == model.n_layer + 1:
+        buffers["GPU0"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash,
+                                                       on_gpu=True)
+        buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
+        notes.append("the GPU's compute buffer: llama.cpp's graph on the GPU, checked against published logs only; the "
+                     "CUDA context and driver pools are not included")
+    else:
+        buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
+        if on_gpu:
+            notes.append(f"{on_gpu} of {model.n_layer + 1} layers on the GPU: the compute buffers of a partial offload "
+                         "(a graph split between GPU and CPU) are not modelled yet; shown as the CPU's alone")
+    return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
+                            n_layer=model.n_layer, layers_on_gpu=on_gpu,
+                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, notes=notes)
