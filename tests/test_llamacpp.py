@@ -191,3 +191,16 @@ def test_a_full_offloads_gpu_compute_buffer_is_the_published_one():
     result = estimate_llamacpp(gguf_model("qwen2.5-7b", "Q4_K_M"), LlamaCppSettings(ctx_size=4096, flash_attn="on"),
                                gpus=1)
     assert round(result.buffers["GPU0"].compute / 2**20, 2) == 304.00
+
+
+def test_published_load_logs_are_reproduced_within_the_targets():
+    """benchmarks/published_llamacpp.py: every row of the calibration set memfit can express, at its release's rules
+    (the KV padding, the output buffer, set_rows' index inputs, the F32 mask cast for flash attention, the
+    embeddings input): the weights and KV to the hundredth of a MiB, the compute buffers within the target."""
+    bench = _benchmark("published_llamacpp")
+    totals = bench.summary(bench.run())
+    assert totals["weights_and_kv"]["figures"] >= 40 and totals["weights_and_kv"]["mean_abs_error"] <= 0.005
+    assert totals["compute"]["figures"] >= 15 and totals["compute"]["mean_abs_error"] <= 0.10
+    exact = {(r["id"], r["metric"]) for r in bench.run() if r["metric"] != "-" and r["error"] == 0}
+    assert {("R01", "gpu_compute"), ("R01", "host_compute"), ("R06", "gpu_compute"), ("R11", "gpu_compute"),
+            ("R35", "gpu_compute")} <= exact

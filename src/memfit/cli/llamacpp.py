@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the GGUF llama.cpp's quantizer would write: {', '.join(FILE_TYPES)}")
     parser.add_argument("--task", choices=("serve",), required=True, help="serve: load the model to serve it")
     parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
+    parser.add_argument("--engine-version", metavar="YYYY-MM", help="the llama.cpp build's date, where its rules "
+                        "changed (default: the newest modelled; Ollama: the llama.cpp it vendors)")
     parser.add_argument("--gpus", type=int, default=0, metavar="N",
                         help="GPUs the layers go to (default 0: the CPU alone; 1: one GPU)")
     group = parser.add_argument_group("llama.cpp settings (its own names)")
@@ -55,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> LlamaCppSettings:
-    return LlamaCppSettings(**{field: getattr(args, field) for _, field, _, _ in FLAGS
-                               if getattr(args, field) is not None})
+    given = {field: getattr(args, field) for _, field, _, _ in FLAGS if getattr(args, field) is not None}
+    return LlamaCppSettings(engine_version=args.engine_version, **given)
 
 
 def to_json(result: LlamaCppEstimate) -> dict:

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from memfit.serving.gguf_file import GGUFModel
     from memfit.serving.llamacpp import LlamaCppSettings
+    from memfit.serving.llamacpp_releases import Release
 
 CPU_ALIGNMENT = 32       # ggml's TENSOR_ALIGNMENT: the CPU buffer type's
 GPU_ALIGNMENT = 128      # ggml-cuda's buffer type's (assumed for other GPU backends)
+MASK_PAD = 32            # GGML_KQ_MASK_PAD before PR 17910: the mask's tokens padded to it (value assumed)
 IN_PLACE = {"ADD", "MUL", "SCALE", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}   # ggml_op_can_inplace's, those used
 
 
@@ -161,20 +163,27 @@ def _free(tensor: Tensor, address: dict[Tensor, int], blocks: _Blocks) -> None:
     blocks.release(address.pop(tensor), tensor.nbytes)
 
 
-def _inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool) -> list[tuple[str, int]]:
-    """The graph's inputs after the tokens, in ggml's order: positions, the cache rows K and V are written to (V's
-    per element when it is stored transposed, without flash attention), the attention mask (F16 with flash
-    attention) and the output rows."""
+def _inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool, release: Release) -> list[tuple[str, int]]:
+    """The graph's inputs after the tokens, in ggml's order: positions, the cache rows K and V are written to (since
+    set_rows; V's per element when it is stored transposed, without flash attention), the attention mask (F16 with
+    flash attention since PR 23764, F32 before and without; its tokens padded to 32 before PR 17910) and the output
+    rows (since PR 6017)."""
+    rows = tokens if release.has("no_mask_pad") else -(-tokens // MASK_PAD) * MASK_PAD
+    mask = ("attn_inp_kq_mask", n_kv * rows * (2 if flash_attn and release.has("f16_mask") else 4))
+    out_ids = [("out_ids", tokens * 4)] if release.has("output_per_sequence") else []
+    if not release.has("kv_set_rows"):
+        return [("inp_pos", tokens * 4), mask, *out_ids]
     v_rows = 1 if flash_attn else max(model.n_head_kv) * model.head_dim_v
     return [("inp_pos", tokens * 4), ("attn_inp_k_idxs", tokens * 8), ("attn_inp_v_idxs", tokens * 8 * v_rows),
-            ("attn_inp_kq_mask", n_kv * tokens * (2 if flash_attn else 4)), ("out_ids", tokens * 4)]
+            mask, *out_ids]
 
 
-def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool, on_gpu: bool = False) -> Graph:
+def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool, release: Release,
+                  on_gpu: bool = False) -> Graph:
     """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral): `tokens` in the
-    ubatch, every one an output, against `n_kv` cells. `on_gpu`: the part a GPU holding every layer runs, whose inputs
-    are copies of the host's (ggml's scheduler keeps inputs, and the lookup in the host's token embedding, on the
-    CPU): the embeddings come in as an input."""
+    ubatch, every one an output, against `n_kv` cells, as `release` builds it. `on_gpu`: the part a GPU holding every
+    layer runs, whose inputs are copies of the host's (ggml's scheduler keeps inputs, and the lookup in the host's
+    token embedding, on the CPU): the embeddings come in as an input."""
     graph = Graph()
     outputs = tokens
     f32 = 4
@@ -183,11 +192,15 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
         x = graph.input("embd", embd * tokens * f32)
     else:
         inp_tokens = graph.input("inp_tokens", tokens * 4)
-        graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: never read
-    inp_pos, k_idxs, v_idxs, mask, out_ids = (graph.input(name, size) for name, size in _inputs(model, tokens, n_kv,
-                                                                                                 flash_attn))
+        if release.has("embd_input"):
+            graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: unread
+    inputs = {name: graph.input(name, size) for name, size in _inputs(model, tokens, n_kv, flash_attn, release)}
+    inp_pos, mask, out_ids = inputs["inp_pos"], inputs["attn_inp_kq_mask"], inputs.get("out_ids")
+    k_idxs, v_idxs = inputs.get("attn_inp_k_idxs"), inputs.get("attn_inp_v_idxs")
     if not on_gpu:
         x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
+    if flash_attn and mask.nbytes == n_kv * tokens * 4:   # an F32 mask: flash attention reads it cast to F16
+        mask = graph.op("CPY", "kq_mask_f16", n_kv * tokens * 2, mask)
     names = {t.name for t in model.tensors}
 
     def projection(layer: int, name: str, width: int, src: Tensor, rows: int) -> Tensor:
@@ -206,8 +219,10 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
         k = projection(layer, "attn_k", kv_heads * head_dim, norm, tokens)
         k = graph.op("ROPE", "Kcur", k.nbytes, graph.view(k), inp_pos)
         cache_k, cache_v = graph.external(f"cache_k_l{layer}"), graph.external(f"cache_v_l{layer}")
-        graph.op("SET_ROWS", "k_set", 0, graph.view(cache_k), graph.view(k), k_idxs).external = True
-        graph.op("SET_ROWS", "v_set", 0, graph.view(cache_v), graph.view(v), v_idxs).external = True
+        for cache, cur, rows in ((cache_k, k, k_idxs), (cache_v, v, v_idxs)):   # written into the cache (a view)
+            written = graph.op("SET_ROWS" if rows else "CPY", "cache_write", 0, graph.view(cache), graph.view(cur),
+                               *([rows] if rows else []))
+            written.external = True
         q_view = graph.view(q)
         if flash_attn:
             attn = graph.op("FLASH_ATTN_EXT", "fattn", model.head_dim_v * heads * tokens * f32, q_view,
@@ -219,7 +234,7 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
             kqv = graph.op("MUL_MAT", "kqv", model.head_dim_v * tokens * heads * f32, graph.view(cache_v), kq)
             attn = graph.op("CONT", "kqv_out", kqv.nbytes, graph.view(kqv))
         out = projection(layer, "attn_output", embd, attn, tokens)
-        if layer == model.n_layer - 1:   # only the output rows go on
+        if layer == model.n_layer - 1 and out_ids:   # only the output rows go on (since PR 6017)
             out = graph.op("GET_ROWS", "out_rows", embd * outputs * f32, out, out_ids)
             x = graph.op("GET_ROWS", "inp_rows", embd * outputs * f32, x, out_ids)
             tokens = outputs
@@ -244,14 +259,15 @@ def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx:
     """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
     full ubatch) and its one-token graph."""
     alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
-    return max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn, on_gpu=on_gpu), alignment)
+    return max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn, release=settings.release,
+                                      on_gpu=on_gpu), alignment)
                for tokens in (settings.n_ubatch_at(n_ctx), 1))
 
 
 def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool) -> int:
     """With every layer on a GPU, the host's compute buffer: the graph's inputs (the tokens, the unused embeddings
     input, positions, cache rows, mask, output rows) and the embedding lookup's result, which the GPU copies."""
-    tokens = settings.n_ubatch_at(n_ctx)
-    sizes = [tokens * 4, model.n_embd * tokens * 4] + [size for _, size in _inputs(model, tokens, n_kv, flash_attn)]
-    sizes.append(model.n_embd * tokens * 4)
+    tokens, release = settings.n_ubatch_at(n_ctx), settings.release
+    sizes = [tokens * 4] + ([model.n_embd * tokens * 4] if release.has("embd_input") else [])
+    sizes += [size for _, size in _inputs(model, tokens, n_kv, flash_attn, release)] + [model.n_embd * tokens * 4]
     return sum(-(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT for size in sizes)

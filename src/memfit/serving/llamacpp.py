@@ -14,19 +14,20 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from memfit.core.errors import MemfitError
 from memfit.serving.ggml_graph import compute_buffer_bytes, host_compute_bytes
-from memfit.serving.gguf_file import GGUFModel, read_gguf, row_bytes, type_size
+from memfit.serving.gguf_file import GGUFModel, GGUFTensor, read_gguf, row_bytes, type_size
 from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
+from memfit.serving.llamacpp_releases import Release
 
 ENGINES = ("llama.cpp", "ollama")
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
-CTX_PAD = 256   # llama_context pads n_ctx (and each stream's share) to a multiple of 256
+CUDA_ROW_PADDING = 512   # ggml-cuda's MATRIX_ROW_PADDING (elements)
+CUDA_ALIGNMENT = 128     # ggml-cuda's buffer alignment
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class LlamaCppSettings:
     parallel: int = 1
     kv_unified: bool = False
     no_kv_offload: bool = False
+    embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
+    engine_version: str | None = None   # the build's date, YYYY-MM[-DD]; None: the newest modelled
 
     def __post_init__(self) -> None:
         for name in ("ctx_size", "n_batch", "n_ubatch", "parallel"):
@@ -54,6 +57,11 @@ class LlamaCppSettings:
                                   f"{', '.join(CACHE_TYPES)}.")
         if self.flash_attn not in FLASH_ATTN:
             raise MemfitError(f"--flash-attn {self.flash_attn}: on, off or auto.")
+        Release(self.engine_version)   # a malformed version: one line
+
+    @property
+    def release(self) -> Release:
+        return Release(self.engine_version)
 
     def flash_attention(self, has_gpu: bool) -> bool:
         """auto: on where every backend runs it (the CPU's and CUDA's do)."""
@@ -124,18 +132,29 @@ def gguf_model(model: str, quant: str | None = None) -> GGUFModel:
     return quantize(from_config(found.name, found.hf_config, found.where), quant)
 
 
-def padded_ctx(settings: LlamaCppSettings) -> tuple[int, int, int]:
-    """(n_ctx, cells per stream, streams) as llama_context sets them."""
-    n_ctx = math.ceil(settings.ctx_size / CTX_PAD) * CTX_PAD
-    if settings.kv_unified or settings.parallel == 1:
-        return n_ctx, n_ctx, 1
-    per_stream = math.ceil(n_ctx // settings.parallel / CTX_PAD) * CTX_PAD
+def gpu_tensor_bytes(tensor: GGUFTensor) -> int:
+    """A weight's bytes in a CUDA buffer: a quantized row length not a multiple of 512 gets one row's padding up to
+    it (ggml-cuda's get_alloc_size, MATRIX_ROW_PADDING), and every tensor starts 128-byte aligned."""
+    size = tensor.nbytes
+    block = type_size(tensor.type)[0]
+    if block > 1 and tensor.shape[0] % CUDA_ROW_PADDING:
+        size += row_bytes(tensor.type, CUDA_ROW_PADDING - tensor.shape[0] % CUDA_ROW_PADDING)
+    return -(-size // CUDA_ALIGNMENT) * CUDA_ALIGNMENT
+
+
+def padded_ctx(settings: LlamaCppSettings, flash_attn: bool) -> tuple[int, int, int]:
+    """(n_ctx, cells per stream, streams) as llama_context and its KV cache set them in the release."""
+    release = settings.release
+    n_ctx = release.cells(settings.ctx_size, flash_attn) if release.has("ctx_pad_256") else settings.ctx_size
+    if settings.kv_unified or settings.parallel == 1 or not release.has("kv_streams"):
+        return n_ctx, release.cells(n_ctx, flash_attn), 1
+    per_stream = release.cells(n_ctx // settings.parallel, flash_attn)
     return per_stream * settings.parallel, per_stream, settings.parallel
 
 
-def kv_cache(model: GGUFModel, settings: LlamaCppSettings) -> KVCache:
+def kv_cache(model: GGUFModel, settings: LlamaCppSettings, flash_attn: bool) -> KVCache:
     """The KV cache llama_kv_cache allocates: every layer with KV heads, its cells in each stream."""
-    _, cells, streams = padded_ctx(settings)
+    _, cells, streams = padded_ctx(settings, flash_attn)
     k = v = 0
     layers = 0
     for heads in model.n_head_kv:
@@ -154,7 +173,8 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     if type_size(settings.cache_type_v.upper())[0] > 1 and settings.flash_attn == "off":   # a quantized V
         raise MemfitError(f"--cache-type-v {settings.cache_type_v}: a quantized V cache needs flash attention "
                           "(llama.cpp refuses it with --flash-attn off).")
-    n_ctx, _, _ = padded_ctx(settings)
+    flash = settings.flash_attention(bool(gpus))
+    n_ctx, _, _ = padded_ctx(settings, flash)
     ngl = model.n_layer + 1 if settings.n_gpu_layers < 0 else settings.n_gpu_layers
     on_gpu = min(ngl, model.n_layer + 1) if gpus else 0
     first_gpu_slot = model.n_layer + 1 - on_gpu
@@ -167,21 +187,22 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         buffers["GPU0"] = Buffers("GPU0")
     for tensor in model.tensors:
         if tensor.layer is not None:
-            buffers[device_of(tensor.layer)].model += tensor.nbytes
+            device = device_of(tensor.layer)
         elif tensor.name.startswith(("token_embd", "per_layer_token_embd", "token_types", "position_embd")):
-            buffers["CPU"].model += tensor.nbytes
+            device = "CPU"
         else:
-            buffers[device_of(model.n_layer)].model += tensor.nbytes
+            device = device_of(model.n_layer)
+        buffers[device].model += gpu_tensor_bytes(tensor) if device != "CPU" else tensor.nbytes
     if model.tied_embeddings and device_of(model.n_layer) != "CPU":
         embedding = next(t for t in model.tensors if t.name == "token_embd.weight")
-        buffers[device_of(model.n_layer)].model += embedding.nbytes   # the head's own copy
-    kv = kv_cache(model, settings)
+        buffers[device_of(model.n_layer)].model += gpu_tensor_bytes(embedding)   # the head's own copy
+    kv = kv_cache(model, settings, flash)
     per_layer = kv.bytes // max(1, kv.layers)
     for layer, heads in enumerate(model.n_head_kv):
         if heads:
             buffers["CPU" if settings.no_kv_offload else device_of(layer)].kv += per_layer
-    flash = settings.flash_attention(bool(gpus))
-    buffers["CPU"].output = model.n_vocab * max(settings.parallel, 1) * 4
+    rows = settings.parallel if settings.release.has("output_per_sequence") else min(settings.n_batch, n_ctx)
+    buffers["CPU"].output = (model.n_vocab + (model.n_embd if settings.embeddings else 0)) * rows * 4
     notes = []
     if on_gpu == model.n_layer + 1:
         buffers["GPU0"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash,
