@@ -204,3 +204,49 @@ def test_published_load_logs_are_reproduced_within_the_targets():
     exact = {(r["id"], r["metric"]) for r in bench.run() if r["metric"] != "-" and r["error"] == 0}
     assert {("R01", "gpu_compute"), ("R01", "host_compute"), ("R06", "gpu_compute"), ("R11", "gpu_compute"),
             ("R35", "gpu_compute")} <= exact
+
+
+with open(os.path.join(REPO, "tests", "data", "llama_server_flags.txt")) as fh:
+    LLAMA_FLAGS = {line for line in fh.read().split() if line.startswith("-")}
+
+
+def test_a_32b_on_a_12_gb_card_plans_a_partial_offload_with_its_speed(capsys):
+    """The issue's case: Qwen2.5-32B on an RTX 3060 with 32 GiB of RAM at 8192 tokens. Every plan leaves llama.cpp's
+    fit margin on the card and the system's share of the RAM, splits the layers (no 32B file fits 12 GB), and gets
+    faster as its file gets smaller; the exported command uses only flags llama.cpp's argument parser has."""
+    from memfit.serving.llamacpp_plan import FIT_TARGET, HOST_RESERVE
+
+    code, out, err = run(capsys, "plan", "qwen2.5-32b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+                         "32GiB", "--ctx-size", "8192", "--json", "--top", "30")
+    data = json.loads(out)
+    assert code == 0 and data["feasible"] and data["plans"], err
+    for plan in data["plans"]:
+        assert 0 < plan["n_gpu_layers"] < plan["layer_slots"] and plan["decode_tokens_per_s"] > 0
+        assert plan["gpu_bytes"] <= 11.76 * 2**30 - FIT_TARGET and plan["host_bytes"] <= 32 * 2**30 - HOST_RESERVE
+    quality = [p["ppl_increase"] for p in data["plans"]]
+    assert quality == sorted(quality)
+    f16_kv = {p["quant"]: p for p in data["plans"] if p["cache_type_k"] == "f16"}
+    assert f16_kv["Q4_K_M"]["decode_tokens_per_s"] > f16_kv["Q8_0"]["decode_tokens_per_s"]
+    assert f16_kv["Q4_K_M"]["n_gpu_layers"] > f16_kv["Q8_0"]["n_gpu_layers"]
+    code, out, _ = run(capsys, "plan", "qwen2.5-32b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+                       "32GiB", "--ctx-size", "8192", "--export", "llama-server")
+    words = out.split()
+    assert code == 0 and words[0] == "llama-server"
+    assert {w for w in words if w.startswith("-")} <= LLAMA_FLAGS, words
+
+
+def test_the_estimates_flags_and_command_are_llamacpps_own():
+    from memfit.cli.llamacpp import FLAGS
+
+    assert {flag for flags, _, _, _ in FLAGS for flag in flags} <= LLAMA_FLAGS
+
+
+def test_a_host_too_small_names_the_ram_that_would_do(capsys):
+    code, out, _ = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+                       "16GiB", "-c", "8192", "--json")
+    data = json.loads(out)
+    assert code == 0 and not data["feasible"] and "--host-ram" in data["reason"]
+    needed = int(data["reason"].split("--host-ram ")[1].split("GiB")[0])
+    code, out, _ = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+                       f"{needed}GiB", "-c", "8192", "--json")
+    assert json.loads(out)["feasible"]

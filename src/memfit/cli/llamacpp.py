@@ -19,7 +19,8 @@ from memfit.serving.llamacpp import (
 
 # (flags, LlamaCppSettings field, argparse options, help): llama-server's own names and short forms
 FLAGS = (
-    (("-c", "--ctx-size"), "ctx_size", {"type": int, "metavar": "N"}, "context size (default 4096)"),
+    (("-c", "--ctx-size"), "ctx_size", {"type": int, "metavar": "N"},
+     "context size (default: the model's training context, llama.cpp's 0)"),
     (("-ngl", "--n-gpu-layers"), "n_gpu_layers", {"type": int, "metavar": "N"},
      "layers on the GPU (default -1: all; with --gpus 0, none)"),
     (("-b", "--batch-size"), "n_batch", {"type": int, "metavar": "N"}, "logical batch (default 2048)"),
@@ -83,7 +84,7 @@ def to_json(result: LlamaCppEstimate) -> dict:
 def command_line(result: LlamaCppEstimate) -> str:
     s, default = result.settings, LlamaCppSettings()
     words = ["llama-server", "-m", result.model if result.source.endswith(".gguf") else "MODEL.gguf",
-             "-c", str(s.ctx_size)]
+             "-c", str(s.ctx_size or 0)]
     for flags, field, _, _ in FLAGS[1:]:
         value = getattr(s, field)
         if value != getattr(default, field):

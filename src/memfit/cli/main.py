@@ -31,8 +31,8 @@ TASK_MODULES = {("estimate", "serve"): "memfit.cli.serve", ("explain-oom", "serv
                 ("plan", "serve"): "memfit.cli.serve_plan"}
 
 
-# serving on llama.cpp: its own flags (llama-server's names)
-ENGINE_MODULES = {("estimate", "serve", "llama.cpp"): "memfit.cli.llamacpp"}
+# llama.cpp: its own flags (llama-server's names), with or without --task serve
+ENGINE_MODULES = {("estimate", "llama.cpp"): "memfit.cli.llamacpp", ("plan", "llama.cpp"): "memfit.cli.llamacpp_plan"}
 
 
 def flag_in(argv: list[str], flag: str) -> str | None:
@@ -110,7 +110,7 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
         commands[name] = subparsers.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
         if name == chosen:
             task, engine = task_in(list(argv or ())) or "", flag_in(list(argv or ()), "--engine") or ""
-            module = ENGINE_MODULES.get((name, task, engine), TASK_MODULES.get((name, task), module))
+            module = ENGINE_MODULES.get((name, engine), TASK_MODULES.get((name, task), module))
             importlib.import_module(module).add_arguments(commands[name])
     return parser, commands
 

@@ -257,11 +257,20 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
 def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool,
                          on_gpu: bool = False) -> int:
     """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
-    full ubatch) and its one-token graph."""
-    alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
-    return max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn, release=settings.release,
-                                      on_gpu=on_gpu), alignment)
-               for tokens in (settings.n_ubatch_at(n_ctx), 1))
+    full ubatch) and its one-token graph. It depends on the model's shapes, not on its tensors' types: a planner
+    asking for many quantizations replays each graph once."""
+    shapes = (model.n_layer, model.n_embd, model.n_head, tuple(model.n_head_kv), model.head_dim_k, model.head_dim_v,
+              model.n_ff, model.n_vocab, tuple(sorted(t.name for t in model.tensors if t.name.endswith(".bias"))))
+    key = (shapes, settings.n_ubatch_at(n_ctx), n_kv, flash_attn, settings.release, on_gpu)
+    if key not in _REPLAYED:
+        alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
+        _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn,
+                                                    release=settings.release, on_gpu=on_gpu), alignment)
+                             for tokens in (settings.n_ubatch_at(n_ctx), 1))
+    return _REPLAYED[key]
+
+
+_REPLAYED: dict[tuple, int] = {}   # compute buffers by the graph's shapes and settings
 
 
 def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool) -> int:

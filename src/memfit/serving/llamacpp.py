@@ -14,7 +14,7 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError
 from memfit.serving.ggml_graph import compute_buffer_bytes, host_compute_bytes
@@ -33,7 +33,7 @@ CUDA_ALIGNMENT = 128     # ggml-cuda's buffer alignment
 @dataclass(frozen=True)
 class LlamaCppSettings:
     """llama.cpp's load settings with its own names and its defaults (llama-server's, current release)."""
-    ctx_size: int = 4096
+    ctx_size: int | None = None      # None (llama.cpp's 0): the context the model was trained with
     n_gpu_layers: int = -1           # -1: every layer (llama-server's default)
     n_batch: int = 2048
     n_ubatch: int = 512
@@ -48,7 +48,7 @@ class LlamaCppSettings:
 
     def __post_init__(self) -> None:
         for name in ("ctx_size", "n_batch", "n_ubatch", "parallel"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise MemfitError(f"--{name.replace('_', '-')} {getattr(self, name)}: it takes a whole number of 1 or "
                                   "more.")
         for name in ("cache_type_k", "cache_type_v"):
@@ -143,9 +143,10 @@ def gpu_tensor_bytes(tensor: GGUFTensor) -> int:
 
 
 def padded_ctx(settings: LlamaCppSettings, flash_attn: bool) -> tuple[int, int, int]:
-    """(n_ctx, cells per stream, streams) as llama_context and its KV cache set them in the release."""
-    release = settings.release
-    n_ctx = release.cells(settings.ctx_size, flash_attn) if release.has("ctx_pad_256") else settings.ctx_size
+    """(n_ctx, cells per stream, streams) as llama_context and its KV cache set them in the release (the context
+    given: estimate_llamacpp resolves llama.cpp's 0)."""
+    release, asked = settings.release, settings.ctx_size or 0
+    n_ctx = release.cells(asked, flash_attn) if release.has("ctx_pad_256") else asked
     if settings.kv_unified or settings.parallel == 1 or not release.has("kv_streams"):
         return n_ctx, release.cells(n_ctx, flash_attn), 1
     per_stream = release.cells(n_ctx // settings.parallel, flash_attn)
@@ -170,6 +171,8 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                       gpus: int = 0) -> LlamaCppEstimate:
     """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
     settings = settings or LlamaCppSettings()
+    if settings.ctx_size is None:   # llama.cpp's -c 0: the training context (--fit may shrink it: not modelled)
+        settings = replace(settings, ctx_size=model.n_ctx_train or 4096)
     if type_size(settings.cache_type_v.upper())[0] > 1 and settings.flash_attn == "off":   # a quantized V
         raise MemfitError(f"--cache-type-v {settings.cache_type_v}: a quantized V cache needs flash attention "
                           "(llama.cpp refuses it with --flash-attn off).")
@@ -212,9 +215,14 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                      "CUDA context and driver pools are not included")
     else:
         buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
-        if on_gpu:
-            notes.append(f"{on_gpu} of {model.n_layer + 1} layers on the GPU: the compute buffers of a partial offload "
-                         "(a graph split between GPU and CPU) are not modelled yet; shown as the CPU's alone")
+        if on_gpu:   # an upper bound: each device's buffer as if it ran every layer
+            on_cpu = [t for t in model.tensors if t.layer is not None and device_of(t.layer) == "CPU"]
+            copied = max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
+            buffers["GPU0"].compute = copied + compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells,
+                                                                    flash_attn=flash, on_gpu=True)
+            notes.append(f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU: each compute buffer is bounded "
+                         "from above (as if its device ran every layer; the GPU's also holds the largest CPU-held "
+                         "weight, which it copies to run a prompt's matrix products); not checked against a log")
     return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
                             n_layer=model.n_layer, layers_on_gpu=on_gpu,
                             kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, notes=notes)

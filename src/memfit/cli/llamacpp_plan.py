@@ -1,0 +1,89 @@
+"""`memfit plan MODEL --engine llama.cpp --gpu G --host-ram R --ctx-size L`: the GGUF quantization, KV cache type and
+layer split that fit one GPU and the host, best quality first, each with its speed; --export writes plan 1's
+llama-server command or an Ollama Modelfile."""
+from __future__ import annotations
+
+import argparse
+
+from memfit.cli.console import output_console, print_json
+from memfit.core.errors import MemfitError
+from memfit.core.units import GiB, parse_bytes
+from memfit.serving.llamacpp_plan import HOST_BANDWIDTH_GBPS, QUALITY, QUALITY_SOURCE, LlamaCppPlan, plan_llamacpp
+from memfit.specs.hardware import get_gpu
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Plan llama.cpp on your machine: the GGUF quantization, KV cache type and layers on the GPU "
+                          "(-ngl) that fit its VRAM and your RAM, best quality first, with the speed of each.")
+    parser.add_argument("model", nargs="?", help="a Hugging Face model: catalog name, config.json, folder or hub id")
+    parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
+    parser.add_argument("--gpu", required=True, help="the GPU (memfit gpus)")
+    parser.add_argument("--host-ram", required=True, metavar="SIZE", help="the machine's RAM, e.g. 32GiB")
+    parser.add_argument("-c", "--ctx-size", type=int, metavar="N", help="context (default: the model's)")
+    parser.add_argument("-np", "--parallel", type=int, default=1, metavar="N", help="sequence slots (default 1)")
+    parser.add_argument("--objective", choices=("quality", "fastest"), default="quality",
+                        help="quality: the least perplexity first (default); fastest: the most tokens/s first")
+    parser.add_argument("--host-bandwidth", type=float, default=HOST_BANDWIDTH_GBPS, metavar="GB/s",
+                        help=f"the host RAM's bandwidth (default {HOST_BANDWIDTH_GBPS:g}: dual-channel DDR4-3200)")
+    parser.add_argument("--top", type=int, default=5, help="plans shown (default 5)")
+    parser.add_argument("--export", choices=("llama-server", "ollama"), help="write plan 1's command or Modelfile")
+    parser.add_argument("--out", metavar="FILE", help="where --export writes (default: standard output)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(run=run)
+
+
+def plan_json(plan: LlamaCppPlan, model: str) -> dict:
+    buffers = plan.estimate.buffers
+    return {"quant": plan.quant, "n_gpu_layers": plan.estimate.layers_on_gpu, "layer_slots": plan.estimate.n_layer + 1,
+            "ctx_size": plan.settings.ctx_size, "cache_type_k": plan.settings.cache_type_k,
+            "cache_type_v": plan.settings.cache_type_v, "flash_attn": plan.settings.flash_attn,
+            "gpu_bytes": plan.gpu_bytes, "host_bytes": plan.host_bytes,
+            "gpu_model_bytes": buffers["GPU0"].model, "cpu_model_bytes": buffers["CPU"].model,
+            "decode_tokens_per_s": plan.decode_tokens_per_s, "prompt_tokens_per_s": plan.prompt_tokens_per_s,
+            "ppl_increase": plan.ppl_increase, "command": plan.command(), "modelfile": plan.modelfile(model)}
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.model:
+        raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
+    if args.parallel < 1 or args.top < 1 or (args.ctx_size is not None and args.ctx_size < 1):
+        raise MemfitError("--ctx-size, --parallel and --top take a whole number of 1 or more.")
+    if args.host_bandwidth <= 0:
+        raise MemfitError(f"--host-bandwidth {args.host_bandwidth:g}: GB/s, more than 0.")
+    gpu = get_gpu(args.gpu)
+    host_ram = parse_bytes(args.host_ram, "--host-ram")
+    result = plan_llamacpp(args.model, gpu, host_ram_bytes=host_ram, ctx_size=args.ctx_size, parallel=args.parallel,
+                           objective=args.objective, host_bandwidth_gbps=args.host_bandwidth)
+    if args.export:
+        if not result.plans:
+            raise MemfitError(f"nothing to export: {result.reason}")
+        best = result.plans[0]
+        text = best.command() + "\n" if args.export == "llama-server" else best.modelfile(args.model)
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(text)
+        else:
+            print(text, end="")
+        return 0
+    if args.json:
+        print_json({"schema": "memfit.llamacpp-plan/1", "model": args.model, "gpu": gpu.name,
+                    "host_ram_bytes": host_ram, "feasible": bool(result.plans), "reason": result.reason,
+                    "plans": [plan_json(p, args.model) for p in result.plans[:args.top]],
+                    "rejected": result.rejected, "ppl_source": QUALITY_SOURCE,
+                    "speed_source": "memfit's first model (llamacpp_plan.py): not calibrated against llama-bench"})
+        return 0
+    console = output_console()
+    if not result.plans:
+        console.print(f"{args.model} on {gpu.name} with {host_ram / GiB:.0f} GiB of RAM: {result.reason}")
+        return 0
+    console.print(f"{args.model} in llama.cpp on one {gpu.name} ({gpu.memory_bytes / GiB:.2f} GiB) and "
+                  f"{host_ram / GiB:.0f} GiB of RAM, {args.objective} first; searched {', '.join(QUALITY)}")
+    for i, plan in enumerate(result.plans[:args.top], 1):
+        layers = f"{plan.estimate.layers_on_gpu}/{plan.estimate.n_layer + 1}"
+        console.print(f"{i}. {plan.quant:<7} KV {plan.settings.cache_type_k:<5} -ngl {layers:<6} GPU "
+                      f"{plan.gpu_bytes / GiB:5.2f} GiB  host {plan.host_bytes / GiB:5.2f} GiB  "
+                      f"~{plan.decode_tokens_per_s:6.1f} tok/s generating, ~{plan.prompt_tokens_per_s:7.0f} reading  "
+                      f"ppl +{plan.ppl_increase:.2%}")
+    console.print(f"plan 1: {result.plans[0].command()}")
+    console.print(f"perplexity: {QUALITY_SOURCE}; speed: memfit's first model, not calibrated against llama-bench")
+    return 0

@@ -1,0 +1,145 @@
+"""`memfit plan MODEL --engine llama.cpp --gpu G --host-ram R --ctx-size L`: the GGUF quantization, KV cache type and
+layer split (-ngl) that fit one GPU and the host's RAM, best quality first (or fastest), each with its speed.
+
+Fit, as llama.cpp's --fit judges it: the GPU's buffers plus its CUDA context leave --fit-target (1024 MiB by
+default) free; the host holds the CPU's layers (mapped from the file), its KV cache, compute and output buffers, and
+keeps HOST_RESERVE for the system (assumed). Quality: each type's published perplexity increase over F16
+(QUALITY_SOURCE). Speed (a first model, not calibrated against llama-bench): a generated token reads every weight
+once, the GPU's layers at the GPU's memory bandwidth and the CPU's at the host's, each at BANDWIDTH_SHARE of its
+peak, plus the KV cache at half the context; a prompt's tokens are bound by the GPU's FLOP/s at MATMUL_SHARE, and a
+partial offload copies the CPU's weights over the host link once per ubatch (llama.cpp's op offload).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from memfit.core.errors import MemfitError
+from memfit.core.units import GiB, MiB
+from memfit.serving.gguf_file import GGUFModel
+from memfit.serving.llamacpp import LlamaCppEstimate, LlamaCppSettings, estimate_llamacpp, gguf_model
+from memfit.specs.hardware import GPU
+
+# perplexity increase over F16 on wiki.test, Llama-3-70B (the type, its share); types without a figure are not searched
+QUALITY = {"Q8_0": 0.0003, "Q6_K": 0.0047, "Q5_K_M": 0.0123, "Q5_K_S": 0.0189, "Q4_K_M": 0.0483, "Q4_K_S": 0.0615,
+           "IQ4_XS": 0.0707, "Q3_K_L": 0.1663, "Q3_K_M": 0.1875, "Q3_K_S": 0.2895, "Q2_K": 0.6873}
+QUALITY_SOURCE = ("Llama-3-70B perplexity on wiki.test against F16, dranger003 in llama.cpp PR 6745 "
+                  "(github.com/ggml-org/llama.cpp/pull/6745#issuecomment-2093892514)")
+FIT_TARGET = 1024 * MiB          # llama.cpp's --fit-target default: left free on each GPU
+HOST_RESERVE = 2 * GiB           # assumed: what the operating system and other programs keep of host RAM
+HOST_BANDWIDTH_GBPS = 50.0       # assumed default: dual-channel DDR4-3200 (51.2 GB/s peak)
+BANDWIDTH_SHARE = 0.7            # assumed share of peak bandwidth a decode step reads at (not calibrated)
+MATMUL_SHARE = 0.4               # assumed share of the GPU's FP16 FLOP/s a prompt's matrix products reach
+KV_TYPES = ("f16", "q8_0")       # q8_0: about half the KV bytes, at a small accuracy cost
+KV_Q8_COST = 0.001               # assumed: a q8_0 KV cache's perplexity increase (no published figure bundled)
+
+
+@dataclass
+class LlamaCppPlan:
+    quant: str
+    settings: LlamaCppSettings
+    estimate: LlamaCppEstimate
+    gpu_bytes: int                   # the GPU's buffers and CUDA context
+    host_bytes: int
+    decode_tokens_per_s: float
+    prompt_tokens_per_s: float
+    ppl_increase: float
+
+    @property
+    def full_offload(self) -> bool:
+        return self.estimate.layers_on_gpu == self.estimate.n_layer + 1
+
+    def command(self) -> str:
+        s = self.settings
+        words = ["llama-server", "-m", f"MODEL-{self.quant}.gguf", "-c", str(s.ctx_size or self.estimate.n_ctx),
+                 "-ngl", str(self.estimate.layers_on_gpu), "-fa", s.flash_attn]
+        if s.cache_type_k != "f16":
+            words += ["-ctk", s.cache_type_k, "-ctv", s.cache_type_v]
+        if s.parallel > 1:
+            words += ["-np", str(s.parallel)]
+        return " ".join(words)
+
+    def modelfile(self, model: str) -> str:
+        """Ollama's Modelfile for the plan (its num_ctx is per slot; OLLAMA_NUM_PARALLEL sets the slots)."""
+        s = self.settings
+        return "\n".join([f"FROM ./{model}-{self.quant}.gguf", f"PARAMETER num_ctx {(s.ctx_size or self.estimate.n_ctx) // s.parallel}",
+                          f"PARAMETER num_gpu {self.estimate.layers_on_gpu}"]) + "\n"
+
+
+@dataclass
+class LlamaCppPlanResult:
+    model: str
+    plans: list[LlamaCppPlan]
+    rejected: list[str] = field(default_factory=list)
+    least_host_bytes: int = 0        # the least host RAM any searched setup needs (0: none fit the GPU)
+
+    @property
+    def reason(self) -> str:
+        if self.plans:
+            return ""
+        if not self.least_host_bytes:
+            return "nothing fits: " + "; ".join(self.rejected[:3])
+        return (f"nothing fits the host: the setup that needs the least host RAM still needs "
+                f"{self.least_host_bytes / GiB:.1f} GiB (with {HOST_RESERVE / GiB:.0f} GiB kept for the system: "
+                f"--host-ram {-(-(self.least_host_bytes + HOST_RESERVE) // GiB)}GiB would do)")
+
+
+def _speed(estimate: LlamaCppEstimate, gguf: GGUFModel, gpu: GPU, host_bandwidth_gbps: float) -> tuple[float, float]:
+    """(tokens/s generating, tokens/s reading a prompt): the first model the module docstring states."""
+    gpu_buffers, cpu_buffers = estimate.buffers["GPU0"], estimate.buffers["CPU"]
+    embedding = next((t.nbytes for t in gguf.tensors if t.name == "token_embd.weight"), 0)
+    cpu_weights = max(0, cpu_buffers.model - embedding)   # a token reads one row of the embedding
+    kv_read = 0.5
+    step = (gpu_buffers.model + kv_read * gpu_buffers.kv) / (gpu.memory_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
+    step += (cpu_weights + kv_read * cpu_buffers.kv) / (host_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
+    params = sum(t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in gguf.tensors if t.layer is not None)
+    ubatch = estimate.settings.n_ubatch
+    prompt = 2 * params * ubatch / ((gpu.bf16_tflops or gpu.fp16_tflops) * 1e12 * MATMUL_SHARE)
+    prompt += cpu_weights / (gpu.host_link_gbps * 1e9)    # op offload: the CPU's weights cross the host link
+    return 1 / step, ubatch / prompt
+
+
+def _fits(estimate: LlamaCppEstimate, gpu: GPU, host_ram_bytes: int) -> tuple[bool, bool, int, int]:
+    gpu_bytes = estimate.buffers["GPU0"].total + gpu.context_bytes
+    host_bytes = estimate.buffers["CPU"].total
+    return gpu_bytes <= gpu.memory_bytes - FIT_TARGET, host_bytes <= host_ram_bytes - HOST_RESERVE, gpu_bytes, \
+        host_bytes
+
+
+def plan_llamacpp(model: str, gpu: GPU, *, host_ram_bytes: int, ctx_size: int | None = None, parallel: int = 1,
+                  objective: str = "quality", host_bandwidth_gbps: float = HOST_BANDWIDTH_GBPS,
+                  quants: tuple[str, ...] = tuple(QUALITY)) -> LlamaCppPlanResult:
+    """Every searched quantization and KV type at the most layers on the GPU that fit, ranked."""
+    if objective not in ("quality", "fastest"):
+        raise MemfitError(f"--objective {objective}: quality (the least perplexity first) or fastest.")
+    plans, rejected, least_host = [], [], 0
+    for quant in quants:
+        gguf = gguf_model(model, quant)
+        for kv_type in KV_TYPES:
+            settings = LlamaCppSettings(ctx_size=ctx_size, parallel=parallel, flash_attn="on",
+                                        cache_type_k=kv_type, cache_type_v=kv_type)
+            best = None
+            low, high = 0, gguf.n_layer + 1      # the most layer slots on the GPU that fit it
+            while low <= high:
+                middle = (low + high) // 2
+                estimate = estimate_llamacpp(gguf, replace(settings, n_gpu_layers=middle), gpus=1)
+                gpu_fits, _, _, _ = _fits(estimate, gpu, host_ram_bytes)
+                if gpu_fits:
+                    best, low = estimate, middle + 1
+                else:
+                    high = middle - 1
+            if best is None:
+                rejected.append(f"{quant}, KV {kv_type}: not even the output head fits {gpu.name}")
+                continue
+            _, host_fits, gpu_bytes, host_bytes = _fits(best, gpu, host_ram_bytes)
+            if not host_fits:
+                least_host = min(least_host or host_bytes, host_bytes)
+                rejected.append(f"{quant}, KV {kv_type}: the host needs {host_bytes / GiB:.1f} GiB with "
+                                f"{best.layers_on_gpu} layer slots on the GPU ({host_ram_bytes / GiB:.0f} GiB "
+                                f"less {HOST_RESERVE / GiB:.0f} for the system)")
+                continue
+            decode, prompt = _speed(best, gguf, gpu, host_bandwidth_gbps)
+            plans.append(LlamaCppPlan(quant, best.settings, best, gpu_bytes, host_bytes, decode, prompt,
+                                      QUALITY[quant] + (KV_Q8_COST if kv_type == "q8_0" else 0.0)))
+    key = (lambda p: (p.ppl_increase, -p.decode_tokens_per_s)) if objective == "quality" else (
+        lambda p: (-p.decode_tokens_per_s, p.ppl_increase))
+    return LlamaCppPlanResult(model, sorted(plans, key=key), rejected, least_host)
