@@ -61,7 +61,8 @@ class LlamaCppPlan:
     def modelfile(self, model: str) -> str:
         """Ollama's Modelfile for the plan (its num_ctx is per slot; OLLAMA_NUM_PARALLEL sets the slots)."""
         s = self.settings
-        return "\n".join([f"FROM ./{model}-{self.quant}.gguf", f"PARAMETER num_ctx {(s.ctx_size or self.estimate.n_ctx) // s.parallel}",
+        per_slot = (s.ctx_size or self.estimate.n_ctx) // s.parallel
+        return "\n".join([f"FROM ./{model}-{self.quant}.gguf", f"PARAMETER num_ctx {per_slot}",
                           f"PARAMETER num_gpu {self.estimate.layers_on_gpu}"]) + "\n"
 
 
