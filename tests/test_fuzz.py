@@ -322,6 +322,34 @@ def test_serve_plan_arguments(model, engine, pairs):
     assert_clean(*cli(*argv))
 
 
+llamacpp_flags = st.lists(st.one_of(
+    st.tuples(st.sampled_from(("-c", "-ngl", "-b", "-ub", "-np", "--gpus")), numbers),
+    st.tuples(st.sampled_from(("-ctk", "-ctv")), st.sampled_from(("f16", "q8_0", "q4_0", "bf16", "q9", ""))),
+    st.tuples(st.just("-fa"), st.sampled_from(("on", "off", "auto", "yes", ""))),
+    st.tuples(st.just("--quant"), st.sampled_from(("Q4_K_M", "q8_0", "IQ2_XXS", "MXFP4_MOE", "Q9", ""))),
+    st.tuples(st.just("--engine-version"), st.sampled_from(("2024-03-18", "2025-08", "2026-13", "b2459", ""))),
+    st.sampled_from((("-kvu",), ("-nkvo",))),
+), max_size=5)
+
+
+@settings(FUZZ, max_examples=max(3, EXAMPLES // 2))
+@given(st.sampled_from(("llama-3.1-8b", "qwen3-8b", "gemma-3-12b", "tiny-llama", "missing.gguf", "")), llamacpp_flags)
+def test_llamacpp_arguments(model, pairs):
+    """`memfit estimate --engine llama.cpp`: any model and llama.cpp setting is an estimate or one line, exit 2."""
+    argv = ["estimate", model, "--task", "serve", "--engine", "llama.cpp", "--json"]
+    assert_clean(*cli(*argv, *[x for pair in pairs for x in pair]))
+
+
+@settings(FUZZ, max_examples=max(3, EXAMPLES // 4))
+@given(st.sampled_from(("llama-3.2-1b", "qwen2.5-0.5b", "tiny-bert", "nope")),
+       st.sampled_from(("rtx-3060", "t4", "h1000")), st.sampled_from(("32GiB", "1GiB", "0", "x")),
+       st.sampled_from(("4096", "0", "-1", "x")), st.sampled_from(("quality", "fastest", "x")))
+def test_llamacpp_plan_arguments(model, gpu, ram, ctx, objective):
+    """`memfit plan --engine llama.cpp`: any machine and context is plans, a refusal, or one line and exit 2."""
+    assert_clean(*cli("plan", model, "--engine", "llama.cpp", "--gpu", gpu, "--host-ram", ram, "-c", ctx,
+                      "--objective", objective, "--json"))
+
+
 SERVING_FAILURES = (
     "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
     "the engine.",
