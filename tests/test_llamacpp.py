@@ -250,3 +250,39 @@ def test_a_host_too_small_names_the_ram_that_would_do(capsys):
     code, out, _ = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
                        f"{needed}GiB", "-c", "8192", "--json")
     assert json.loads(out)["feasible"]
+
+
+OOM_LOG = """llama_context: n_ctx         = 32768
+llama_context: n_ubatch      = 512
+llama_context: flash_attn    = 0
+load_tensors: offloaded 33/33 layers to GPU
+ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device 0: cudaMalloc failed: out of memory
+llama_kv_cache_init: failed to allocate buffer for kv cache
+"""
+
+
+def test_an_allocation_failure_names_its_buffer_and_the_fixes_that_fit(tmp_path, capsys):
+    """Llama-3.1-8B Q4_K_M at 32768 tokens on an 8 GB card: the KV cache failed (4 GiB, the log's size); the settings
+    come from the log; each fix the explanation lists fits the card by memfit's own estimate, and the context and
+    layers it names are the largest that do (one more would not)."""
+    from memfit.serving.llamacpp import gguf_model
+    from memfit.serving.llamacpp_oom import gpu_budget
+    from memfit.specs.hardware import get_gpu
+
+    log = tmp_path / "oom.log"
+    log.write_text(OOM_LOG)
+    code, out, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--model", "llama-3.1-8b", "--quant",
+                         "Q4_K_M", "--gpu", "rtx-4060", "--json")
+    data = json.loads(out)
+    assert code == 0, err
+    assert data["buffer"] == "kv" and data["failed_bytes"] == 4096 * 2**20
+    assert data["settings_from_log"] == {"ctx_size": 32768, "n_ubatch": 512, "n_gpu_layers": 33, "flash_attn": "off"}
+    budget = gpu_budget(get_gpu("rtx-4060"))
+    changes = {f["change"].split(" (")[0]: f["gpu_bytes"] for f in data["fixes"]}
+    assert changes and all(used <= budget for used in changes.values())
+    context = int(next(c for c in changes if c.startswith("-c ")).split()[1])
+    model = gguf_model("llama-3.1-8b", "Q4_K_M")
+    over = estimate_llamacpp(model, LlamaCppSettings(ctx_size=context + 256, flash_attn="off"), gpus=1)
+    assert over.buffers["GPU0"].total > budget
+    code, _, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--gpu", "t4")
+    assert code == 2 and "name the model" in err
