@@ -286,3 +286,23 @@ def test_an_allocation_failure_names_its_buffer_and_the_fixes_that_fit(tmp_path,
     assert over.buffers["GPU0"].total > budget
     code, _, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--gpu", "t4")
     assert code == 2 and "name the model" in err
+
+
+def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
+    """--engine ollama with Ollama's names: R01's load (Ollama 0.5.4, num_ctx 2048 x 4 slots, Llama-3.1-8B Q4_K_M)
+    gives the log's KV, compute and output buffers (one cache of 8192 cells; the output holds embeddings too), and
+    the Modelfile's parameters; llama.cpp's names are refused there, Ollama's elsewhere."""
+    code, out, err = run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "ollama", "--quant",
+                         "Q4_K_M", "--num-ctx", "2048", "--num-parallel", "4", "--gpus", "1", "--engine-version",
+                         "2024-12", "--json")
+    data = json.loads(out)
+    assert code == 0, err
+    mib = {k: round(data[k] / 2**20, 2) for k in ("gpu_kv_bytes", "gpu_compute_bytes", "cpu_compute_bytes",
+                                                 "output_bytes")}
+    assert mib == {"gpu_kv_bytes": 1024.0, "gpu_compute_bytes": 560.0, "cpu_compute_bytes": 24.01,
+                   "output_bytes": 2.02}
+    assert "PARAMETER num_ctx 2048" in data["command"] and data["kv_cells"] == 8192
+    assert run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "ollama", "--quant", "Q4_K_M",
+               "-c", "100")[0] == 2
+    assert run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "llama.cpp", "--quant", "Q4_K_M",
+               "--num-ctx", "100")[0] == 2

@@ -17,6 +17,7 @@ from memfit.serving.llamacpp import (
     gguf_model,
 )
 
+OLLAMA_NUM_CTX = 4096   # Ollama's default num_ctx (2048 before 0.6.4; by VRAM in the newest releases)
 # (flags, LlamaCppSettings field, argparse options, help): llama-server's own names and short forms
 FLAGS = (
     (("-c", "--ctx-size"), "ctx_size", {"type": int, "metavar": "N"},
@@ -45,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", type=str.upper, metavar="TYPE",
                         help=f"the GGUF llama.cpp's quantizer would write: {', '.join(FILE_TYPES)}")
     parser.add_argument("--task", choices=("serve",), required=True, help="serve: load the model to serve it")
-    parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
+    parser.add_argument("--engine", choices=("llama.cpp", "ollama"), required=True,
+                        help="llama.cpp, or Ollama's llama runner (its names below)")
     parser.add_argument("--engine-version", metavar="YYYY-MM", help="the llama.cpp build's date, where its rules "
                         "changed (default: the newest modelled; Ollama: the llama.cpp it vendors)")
     parser.add_argument("--gpus", type=int, default=0, metavar="N",
@@ -53,13 +55,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("llama.cpp settings (its own names)")
     for flags, field, options, text in FLAGS:
         group.add_argument(*flags, dest=field, default=None, help=text, **options)
+    ollama = parser.add_argument_group("Ollama's settings (--engine ollama; its llama runner: one cache of num_ctx x "
+                                       "num_parallel cells, embeddings in the output buffer)")
+    ollama.add_argument("--num-ctx", type=int, metavar="N", help=f"context per slot (default {OLLAMA_NUM_CTX})")
+    ollama.add_argument("--num-parallel", type=int, metavar="N", help="slots, OLLAMA_NUM_PARALLEL (default 1)")
+    ollama.add_argument("--num-gpu", type=int, metavar="N", help="layers on the GPU (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(run=run)
 
 
 def settings_from(args: argparse.Namespace) -> LlamaCppSettings:
     given = {field: getattr(args, field) for _, field, _, _ in FLAGS if getattr(args, field) is not None}
-    return LlamaCppSettings(engine_version=args.engine_version, **given)
+    ollama = {name: getattr(args, name, None) for name in ("num_ctx", "num_parallel", "num_gpu")}
+    if getattr(args, "engine", "llama.cpp") != "ollama":
+        if any(value is not None for value in ollama.values()):
+            raise MemfitError("--num-ctx, --num-parallel and --num-gpu are Ollama's: give --engine ollama (or "
+                              "llama.cpp's -c, -np and -ngl).")
+        return LlamaCppSettings(engine_version=args.engine_version, **given)
+    if given:
+        names = sorted(flags[-1] for flags, field, _, _ in FLAGS if field in given)
+        raise MemfitError(f"--engine ollama takes Ollama's names (--num-ctx, --num-parallel, --num-gpu), not "
+                          f"llama.cpp's ({', '.join(names)}).")
+    slots = ollama["num_parallel"] or 1
+    num_ctx = ollama["num_ctx"] or OLLAMA_NUM_CTX
+    if slots < 1 or num_ctx < 1:
+        raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
+    # Ollama's llama runner: n_ctx = num_ctx x num_parallel in one unified cache, a 512-token batch, embeddings on
+    return LlamaCppSettings(ctx_size=num_ctx * slots, parallel=slots, kv_unified=True, n_batch=512, embeddings=True,
+                            flash_attn="off", n_gpu_layers=-1 if ollama["num_gpu"] is None else ollama["num_gpu"],
+                            engine_version=args.engine_version)
 
 
 def to_json(result: LlamaCppEstimate) -> dict:
@@ -82,7 +106,12 @@ def to_json(result: LlamaCppEstimate) -> dict:
 
 
 def command_line(result: LlamaCppEstimate) -> str:
+    """llama-server's command line for the estimate's settings, or for Ollama the Modelfile's parameters."""
     s, default = result.settings, LlamaCppSettings()
+    if result.engine == "ollama":
+        layers = "" if s.n_gpu_layers < 0 else f"\nPARAMETER num_gpu {s.n_gpu_layers}"
+        return (f"FROM ./{result.model if result.source.endswith('.gguf') else 'MODEL.gguf'}\nPARAMETER num_ctx "
+                f"{(s.ctx_size or 0) // s.parallel}{layers}\n(OLLAMA_NUM_PARALLEL={s.parallel})")
     words = ["llama-server", "-m", result.model if result.source.endswith(".gguf") else "MODEL.gguf",
              "-c", str(s.ctx_size or 0)]
     for flags, field, _, _ in FLAGS[1:]:
@@ -97,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError("name a .gguf file, or a Hugging Face model with --quant Q4_K_M (or another type).")
     if args.gpus < 0:
         raise MemfitError(f"--gpus {args.gpus}: 0 (the CPU alone) or more.")
-    result = estimate_llamacpp(gguf_model(args.model, args.quant), settings_from(args), gpus=min(args.gpus, 1))
+    result = estimate_llamacpp(gguf_model(args.model, args.quant), settings_from(args), engine=args.engine,
+                               gpus=min(args.gpus, 1))
     if args.gpus > 1:
         result.notes.append("several GPUs: the layers are shown on the first (--tensor-split is not modelled yet)")
     if args.json:
@@ -105,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     console = output_console()
     slots = result.layers_on_gpu
-    console.print(f"{result.model} on llama.cpp: n_ctx {result.n_ctx} ({result.kv.cells} cells x {result.kv.streams} "
-                  f"stream(s)); {slots} of the {result.n_layer + 1} layer slots (the layers, then the output head) "
-                  "on the GPU")
+    console.print(f"{result.model} on {result.engine}: n_ctx {result.n_ctx} ({result.kv.cells} cells x "
+                  f"{result.kv.streams} stream(s)); {slots} of the {result.n_layer + 1} layer slots (the layers, then "
+                  "the output head) on the GPU")
     for name, buffers in result.buffers.items():
         console.print(f"  {name:<5} model {format_bytes(buffers.model):>11}  KV {format_bytes(buffers.kv):>11}  "
                       f"compute {format_bytes(buffers.compute):>11}  output {format_bytes(buffers.output):>10}  "
