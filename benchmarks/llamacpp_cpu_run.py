@@ -28,6 +28,7 @@ MODELS = {
     "mha": dict(arch="llama", n_embd=256, n_layer=3, n_head=4, n_head_kv=4, n_ff=768, n_vocab=1200),
     "tied": dict(arch="llama", n_embd=256, n_layer=2, n_head=4, n_head_kv=1, n_ff=512, n_vocab=800, tied=True),
     "qwen2": dict(arch="qwen2", n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1500, tied=True),
+    "qwen3": dict(arch="qwen3", n_embd=256, n_layer=3, n_head=4, n_head_kv=2, n_ff=512, n_vocab=900, tied=True),
     # 16 layers: the recipe's more-bits layers (first and last eighth, every third between); an FFN of 320, whose
     # rows do not split into the K types' 256-blocks (their fallbacks)
     "deep": dict(arch="llama", n_embd=256, n_layer=16, n_head=4, n_head_kv=1, n_ff=320, n_vocab=512),
@@ -53,6 +54,8 @@ CASES = [
     ("tied", "IQ4_XS", dict(n_ctx=1024)),
     ("qwen2", "Q4_K_M", dict(n_ctx=2048)),
     ("qwen2", "Q8_0", dict(n_ctx=2048, flash_attn="on", n_seq_max=2)),
+    ("qwen3", "Q4_K_M", dict(n_ctx=2048)),
+    ("qwen3", "Q6_K", dict(n_ctx=1024, flash_attn="on")),
 ] + [("deep", quant, dict(n_ctx=512)) for quant in ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q3_K_L", "Q3_K_S", "Q2_K",
                                                      "Q4_K_S", "Q5_K_S", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")]
 
@@ -90,6 +93,9 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
         tensor(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
         tensor(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
         tensor(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        if arch == "qwen3":   # RMS norms on each head's Q and K
+            tensor(f"blk.{i}.attn_q_norm.weight", head_dim)
+            tensor(f"blk.{i}.attn_k_norm.weight", head_dim)
         if arch == "qwen2":
             tensor(f"blk.{i}.attn_q.bias", n_head * head_dim)
             tensor(f"blk.{i}.attn_k.bias", n_head_kv * head_dim)

@@ -135,7 +135,7 @@ def test_settings_are_checked_as_llamacpp_checks_them():
 def test_llamacpp_loads_here_as_memfit_predicts():
     """llama.cpp itself, run now: three of the record's cases loaded again (MHA at a small ubatch, split slots, a
     quantized cache with flash attention) equal memfit's prediction."""
-    cases = [13, 8, 7]
+    cases = [14, 8, 7]
     child = subprocess.run([LLAMA_VENV_PYTHON, os.path.join(REPO, "benchmarks", "llamacpp_cpu_run.py"),
                             *[f"--case={i}" for i in cases]], capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
@@ -306,3 +306,14 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
                "-c", "100")[0] == 2
     assert run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "llama.cpp", "--quant", "Q4_K_M",
                "--num-ctx", "100")[0] == 2
+
+
+def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
+    """A GGUF of a mixture of experts or a sliding-window model: its weights come from the header, but its KV cache
+    and compute graph are not llama's; memfit says so rather than print the wrong buffers."""
+    from dataclasses import replace as changed
+
+    model = model_of(RUNS[0])
+    for different in (changed(model, n_expert=8), changed(model, n_swa=1024), changed(model, arch="gemma3")):
+        with pytest.raises(MemfitError, match="not modelled.*its weights alone"):
+            estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))

@@ -23,6 +23,7 @@ from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
 ENGINES = ("llama.cpp", "ollama")
+GRAPHS = ("llama", "qwen2", "qwen3")   # llama.cpp architectures whose graph memfit replays (mistral's is llama's)
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
@@ -171,6 +172,10 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                       gpus: int = 0) -> LlamaCppEstimate:
     """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
     settings = settings or LlamaCppSettings()
+    if model.arch not in GRAPHS or model.n_expert or model.n_swa:
+        kind = "a mixture of experts" if model.n_expert else "sliding-window attention" if model.n_swa else model.arch
+        raise MemfitError(f"{model.name}: llama.cpp's buffers for {kind} are not modelled (memfit replays the graphs "
+                          f"of {', '.join(GRAPHS)}); its weights alone: {model.weights_bytes / 2**30:.2f} GiB.")
     if settings.ctx_size is None:   # llama.cpp's -c 0: the training context (--fit may shrink it: not modelled)
         settings = replace(settings, ctx_size=model.n_ctx_train or 4096)
     if type_size(settings.cache_type_v.upper())[0] > 1 and settings.flash_attn == "off":   # a quantized V
