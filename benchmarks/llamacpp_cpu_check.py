@@ -11,6 +11,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from llamacpp_cpu_run import expand
 
 from memfit.serving.gguf_file import GGUFModel, GGUFTensor
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
@@ -53,10 +56,14 @@ def compare(run: dict) -> dict:
     }
 
 
-def main() -> None:
+def load_record() -> dict:
     with open(RECORD) as fh:
-        record = json.load(fh)
-    rows = [compare(run) for run in record["runs"]]
+        return json.load(fh)
+
+
+def main() -> None:
+    record = load_record()
+    rows = [compare(run) for run in expand(record)]
     lines = [f"memfit against llama.cpp (llama-cpp-python {record['llama_cpp_python']}, CPU) loading tiny GGUF models "
              "here", "",
              f"{'case':<62} {'weights B':>10} {'KV cells':>9} {'KV MiB':>13} {'out MiB':>11} {'compute MiB':>21}"]

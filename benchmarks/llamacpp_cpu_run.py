@@ -198,6 +198,25 @@ def run_case(folder: str, model: str, quant: str, settings: dict) -> dict:
             **parse(child.stderr)}
 
 
+def compact(result: dict) -> dict:
+    """The record as written: each quantized file's tensor table once (under "files", a tensor a line: "name TYPE
+    256x1000"), each load naming its file."""
+    files: dict[str, list[str]] = {}
+    runs = []
+    for run in result["runs"]:
+        name = f"{run['model']}-{run['quant']}"
+        files[name] = [f"{tensor} {kind} {'x'.join(map(str, shape))}" for tensor, kind, shape in run["tensors"]]
+        runs.append({**{k: v for k, v in run.items() if k != "tensors"}, "file": name})
+    return {**result, "files": files, "runs": runs}
+
+
+def expand(record: dict) -> list[dict]:
+    """The record's loads, each with its file's tensor table ([name, type, shape])."""
+    tables = {name: [[t, kind, [int(n) for n in shape.split("x")]]
+                     for t, kind, shape in (line.split() for line in rows)] for name, rows in record["files"].items()}
+    return [{**run, "tensors": tables[run["file"]]} for run in record["runs"]]
+
+
 def record(cases: list) -> list[dict]:
     import llama_cpp
 
@@ -221,7 +240,7 @@ def main() -> None:
     if args.record:
         (result,) = record(CASES)
         with open(RESULT, "w") as fh:
-            json.dump(result, fh, indent=1)
+            json.dump(compact(result), fh, indent=1)
             fh.write("\n")
         print(f"wrote {RESULT}: {len(result['runs'])} loads")
         return

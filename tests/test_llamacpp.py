@@ -26,8 +26,7 @@ check, recorder = _benchmark("llamacpp_cpu_check"), _benchmark("llamacpp_cpu_run
 compare, model_of, settings_of, write_gguf = check.compare, check.model_of, check.settings_of, recorder.write_gguf
 
 LLAMA_VENV_PYTHON = os.path.join(REPO, ".venv-llama", "bin", "python")
-with open(check.RECORD) as fh:
-    RUNS = json.load(fh)["runs"]
+RUNS = recorder.expand(check.load_record())
 
 
 def assert_equal_to_the_log(row):
@@ -163,7 +162,7 @@ def test_the_recipe_gives_each_tensor_the_type_llamacpps_quantizer_gave_it():
 
 
 @pytest.mark.parametrize("model, quant, settings, gpu_mib, cpu_mib, kv_mib", [
-    # published load logs (../shared/data/published_llamacpp.md): the model buffers and KV llama.cpp printed
+    # published load logs (benchmarks/published_llamacpp.md): the model buffers and KV llama.cpp printed
     ("llama-3.1-8b", "Q4_K_M", dict(ctx_size=8192, parallel=4, kv_unified=True), 4403.49, 281.81, (1024.0, 0.0)),
     ("qwen2.5-7b", "Q4_K_M", dict(ctx_size=4096), 4168.09, 292.36, (224.0, 0.0)),             # R11, R13
     ("qwen2.5-7b", "Q4_K_M", dict(ctx_size=8192, n_gpu_layers=27), 3883.68, 576.77, (416.0, 32.0)),   # R14
@@ -315,5 +314,5 @@ def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
 
     model = model_of(RUNS[0])
     for different in (changed(model, n_expert=8), changed(model, n_swa=1024), changed(model, arch="gemma3")):
-        with pytest.raises(MemfitError, match="not modelled.*its weights alone"):
+        with pytest.raises(MemfitError, match=r"not modelled.*its weights alone"):
             estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))
