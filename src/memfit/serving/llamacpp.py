@@ -4,11 +4,11 @@ device llama.cpp puts it (llama.cpp's names: --ctx-size, --n-gpu-layers, --n-uba
 Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cache.cpp; the release llama-cpp-python
 0.3.36 vendors) state them and its load logs here show them (benchmarks/llamacpp_cpu_run.py):
 - weights: the token embedding stays on the CPU; with -ngl N the last N of the n_layer + 1 slots (the extra one
-  the output head) go to the GPUs, split by --tensor-split (default: each GPU's free memory). A tied embedding is
-  loaded a second time as the head, on the head's device.
-- KV cache: n_ctx rounded up to 256; split over --parallel streams unless unified (each stream n_ctx / streams,
-  rounded up to 256); per layer cells x (n_head_kv x head_dim_k in type_k's bytes + the same for V), on the
-  layer's device unless --no-kv-offload.
+  the output head) go to the GPU (one GPU modelled: --tensor-split is not). A tied embedding is loaded a second time
+  as the head, on the head's device.
+- KV cache: n_ctx rounded up as the release pads it (to 256 now; llamacpp_releases.py); split over --parallel
+  streams unless unified (each stream n_ctx / streams, rounded up); per layer cells x (n_head_kv x head_dim_k in
+  type_k's bytes + the same for V), on the layer's device unless --no-kv-offload.
 - output buffer: n_vocab floats per sequence slot (the logits of the last token of each), in host memory.
 - compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py).
 """
@@ -22,7 +22,6 @@ from memfit.serving.gguf_file import GGUFModel, GGUFTensor, read_gguf, row_bytes
 from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
-ENGINES = ("llama.cpp", "ollama")
 GRAPHS = ("llama", "qwen2", "qwen3")   # llama.cpp architectures whose graph memfit replays (mistral's is llama's)
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
@@ -64,7 +63,8 @@ class LlamaCppSettings:
     def release(self) -> Release:
         return Release(self.engine_version)
 
-    def flash_attention(self, has_gpu: bool) -> bool:
+    @property
+    def flash(self) -> bool:
         """auto: on where every backend runs it (the CPU's and CUDA's do)."""
         return self.flash_attn != "off"
 
@@ -181,7 +181,7 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     if type_size(settings.cache_type_v.upper())[0] > 1 and settings.flash_attn == "off":   # a quantized V
         raise MemfitError(f"--cache-type-v {settings.cache_type_v}: a quantized V cache needs flash attention "
                           "(llama.cpp refuses it with --flash-attn off).")
-    flash = settings.flash_attention(bool(gpus))
+    flash = settings.flash
     n_ctx, _, _ = padded_ctx(settings, flash)
     ngl = model.n_layer + 1 if settings.n_gpu_layers < 0 else settings.n_gpu_layers
     on_gpu = min(ngl, model.n_layer + 1) if gpus else 0
