@@ -8,7 +8,14 @@ import argparse
 from memfit.cli.console import output_console, print_json
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, parse_bytes
-from memfit.serving.llamacpp_plan import HOST_BANDWIDTH_GBPS, QUALITY, QUALITY_SOURCE, LlamaCppPlan, plan_llamacpp
+from memfit.serving.llamacpp_plan import (
+    HOST_BANDWIDTH_GBPS,
+    QUALITY,
+    QUALITY_SOURCE,
+    SPEED_SOURCE,
+    LlamaCppPlan,
+    plan_llamacpp,
+)
 from memfit.specs.hardware import get_gpu
 
 
@@ -70,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                     "host_ram_bytes": host_ram, "feasible": bool(result.plans), "reason": result.reason,
                     "plans": [plan_json(p, args.model) for p in result.plans[:args.top]],
                     "rejected": result.rejected, "ppl_source": QUALITY_SOURCE,
-                    "speed_source": "memfit's first model (llamacpp_plan.py): not calibrated against llama-bench"})
+                    "speed_source": SPEED_SOURCE})
         return 0
     console = output_console()
     if not result.plans:
@@ -85,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
                       f"~{plan.decode_tokens_per_s:6.1f} tok/s generating, ~{plan.prompt_tokens_per_s:7.0f} reading  "
                       f"ppl +{plan.ppl_increase:.2%}")
     console.print(f"plan 1: {result.plans[0].command()}")
-    console.print(f"perplexity: {QUALITY_SOURCE}; speed: memfit's first model, not calibrated against llama-bench")
+    console.print(f"perplexity: {QUALITY_SOURCE}; speed: {SPEED_SOURCE}")
     return 0

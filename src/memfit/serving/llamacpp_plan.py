@@ -8,6 +8,10 @@ keeps HOST_RESERVE for the system (assumed). Quality: each type's published perp
 once, the GPU's layers at the GPU's memory bandwidth and the CPU's at the host's, each at BANDWIDTH_SHARE of its
 peak, plus the KV cache at half the context; a prompt's tokens are bound by the GPU's FLOP/s at MATMUL_SHARE, and a
 partial offload copies the CPU's weights over the host link once per ubatch (llama.cpp's op offload).
+
+Checked by hand against one published llama-bench table (RTX 3090, LLaMA-7B, llama.cpp PR 4766, January 2024): F16
+generation +1 %, but Q4_0 +38 %, Q3_K_S +148 %, Q2_K +169 % (the quantized kernels did not read at the bandwidth's
+share then), prompts -36 %. So the speeds order the setups of one file type; across low-bit types they are too fast.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ HOST_RESERVE = 2 * GiB           # assumed: what the operating system and other 
 HOST_BANDWIDTH_GBPS = 50.0       # assumed default: dual-channel DDR4-3200 (51.2 GB/s peak)
 BANDWIDTH_SHARE = 0.7            # assumed share of peak bandwidth a decode step reads at (not calibrated)
 MATMUL_SHARE = 0.4               # assumed share of the GPU's FP16 FLOP/s a prompt's matrix products reach
+SPEED_SOURCE = ("memfit's first model (serving/llamacpp_plan.py), not calibrated: against a published RTX 3090 "
+                "llama-bench table, F16 generation +1 %, Q4_0 +38 %, Q2_K +169 % (too fast for low-bit types)")
 KV_TYPES = ("f16", "q8_0")       # q8_0: about half the KV bytes, at a small accuracy cost
 KV_Q8_COST = 0.001               # assumed: a q8_0 KV cache's perplexity increase (no published figure bundled)
 
