@@ -50,8 +50,10 @@ def assert_close(analytic, traced, peak_tol=0.05, component_tol=0.10):
 def test_every_family_matches_the_trace(name, precision, target):
     gpu = get_gpu(target) if target != "cpu" else None
     seq = 64
-    # inference at batch 1 on a GPU target: tests/test_gpu_target.py, every precision and attention
-    for task, batch in (("train", 1), ("train", 4), ("inference", 4)):
+    # inference at batch 1 on a GPU target: tests/test_gpu_target.py, every precision and attention. Training at
+    # batch 1 takes the model's own one-sequence paths (views where more sequences copy), the same on every device:
+    # checked on the CPU target (the suite's time)
+    for task, batch in ((("train", 1),) if target == "cpu" else ()) + (("train", 4), ("inference", 4)):
         extra = {"new_tokens": 3} if task == "inference" and name not in ("tiny-bert", "tiny-vit") else {}
         workload = ResolvedWorkload(model=name, task=task, batch_size=batch, seq_len=seq, precision=precision,
                                     **extra)
