@@ -316,3 +316,46 @@ def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
     for different in (changed(model, n_expert=8), changed(model, n_swa=1024), changed(model, arch="gemma3")):
         with pytest.raises(MemfitError, match=r"not modelled.*its weights alone"):
             estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))
+
+
+def test_a_notebook_reaches_llamacpp_with_its_config_object_or_through_memfit_estimate():
+    """What a user tried from a notebook: a transformers config object, and memfit.estimate(..., engine=...)."""
+    from transformers import LlamaConfig
+
+    import memfit
+    from memfit.serving import estimate_gguf
+
+    config = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=512, vocab_size=1000, tie_word_embeddings=False)
+    run = next(r for r in RUNS if r["model"] == "gqa" and r["quant"] == "Q4_K_M")
+    from_notebook = estimate_gguf(config, quant="Q4_K_M", ctx_size=4096)
+    assert from_notebook.weights_bytes == run["model_size_bytes"]
+    via_estimate = memfit.estimate("llama-3.1-8b", task="serve", engine="llama.cpp", quant="Q4_K_M", gpu="rtx-4090",
+                                   ctx_size=8192)
+    assert round(via_estimate.buffers["GPU0"].model / 2**20, 2) == 4403.49
+    with pytest.raises(MemfitError, match="Did you mean: ctx_size"):
+        estimate_gguf(config, quant="Q4_K_M", ctx=4096)
+    with pytest.raises(MemfitError, match="llama.cpp or ollama"):
+        memfit.estimate("llama-3.1-8b", task="serve", engine="llamacpp")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["estimate", "bartowski/Llama-3.2-3B-Instruct-GGUF", "--task", "serve", "--engine", "llama.cpp"],
+     "repository of GGUF files"),
+    (["plan", "{path}", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram", "16GiB"], "searches file types"),
+])
+def test_what_a_new_user_typed_is_answered_in_one_line(argv, fragment, tmp_path, capsys):
+    path = str(tmp_path / "model.gguf")
+    write_gguf(path, **RUNS[0]["hparams"])
+    code, out, err = run(capsys, *[a.format(path=path) for a in argv])
+    assert code == 2 and fragment in err and out == ""
+
+
+def test_a_truncated_log_still_names_the_failed_allocation(tmp_path, capsys):
+    log = tmp_path / "cut.log"
+    log.write_text("llama_context: n_ctx = 8192\nggml_backend_cuda_buffer_type_alloc_buffer: allocating 1024.00 MiB on "
+                   "device 0: cudaMalloc failed: out of mem")
+    code, out, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--model", "llama-3.1-8b",
+                         "--quant", "Q4_K_M", "--gpu", "rtx-4060", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["buffer"] == "gpu" and data["failed_bytes"] == 2**30, err

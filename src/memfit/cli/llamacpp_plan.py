@@ -53,6 +53,10 @@ def plan_json(plan: LlamaCppPlan, model: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise MemfitError("name a model (memfit models lists them), a config.json or a hub id.")
+    if args.model.endswith(".gguf"):
+        raise MemfitError(f"{args.model}: a .gguf file has its file type already, and the planner searches file "
+                          "types: name the Hugging Face model it was made from (its hub id or config.json); for this "
+                          "file's buffers at a given -ngl, memfit estimate FILE.gguf --task serve --engine llama.cpp.")
     if args.parallel < 1 or args.top < 1 or (args.ctx_size is not None and args.ctx_size < 1):
         raise MemfitError("--ctx-size, --parallel and --top take a whole number of 1 or more.")
     if args.host_bandwidth <= 0:

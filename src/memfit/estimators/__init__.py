@@ -18,6 +18,7 @@ from memfit.estimators.breakdown import MemoryEstimate
 from memfit.estimators.sdpa_backend import grouped_math_note
 from memfit.estimators.traced import traced_estimate
 from memfit.serving.estimate import ServingEstimate
+from memfit.serving.releases import LOCAL_ENGINES
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.live import live_workload
 from memfit.specs.workload import Workload
@@ -79,6 +80,8 @@ def estimate(workload, batch=None, *, method="auto", gpu=None, optimizer=None, s
             raise MemfitError("task='serve' takes a model's name (or its config) and the engine's settings as "
                               "keywords: "
                               "memfit.estimate('llama-3.1-8b', task='serve', engine='vllm', gpu='l4', ...).")
+        if options.get("engine") in LOCAL_ENGINES:   # llama.cpp's buffers: its own settings
+            return serving.estimate_gguf(workload, gpu=gpu, **options)
         return serving.estimate(workload, gpu or "h100", **options)
     live = workload if isinstance(workload, nn.Module) else None   # held: the registry keeps a weak reference
     unknown = sorted(set(options) - ESTIMATE_OPTIONS)

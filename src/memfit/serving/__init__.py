@@ -6,11 +6,14 @@ the rest becomes. No torch: an answer in well under a second.
     e = estimate("llama-3.1-8b", engine="vllm", gpu="l4", max_model_len=16384)
     print(e.starts, e.kv_cache_tokens, e.max_concurrency, e.refusal)
 
-`memfit.estimate("llama-3.1-8b", task="serve", engine="vllm", gpu="l4", ...)` is the same call.
+`memfit.estimate("llama-3.1-8b", task="serve", engine="vllm", gpu="l4", ...)` is the same call. llama.cpp's
+buffers for a .gguf file, or a Hugging Face model with quant="Q4_K_M": estimate_gguf(model, ...), or
+memfit.estimate(model, task="serve", engine="llama.cpp", quant=..., ...).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from memfit.core.errors import MemfitError, closest
 from memfit.serving.estimate import ServingEstimate, estimate_serving
@@ -20,7 +23,10 @@ from memfit.serving.settings import ServeSettings
 from memfit.specs.hardware import GPU, get_gpu
 from memfit.specs.model_configs import FoundConfig, find_config
 
-__all__ = ["Load", "ServeSettings", "ServedModel", "ServingEstimate", "estimate", "load_model"]
+if TYPE_CHECKING:
+    from memfit.serving.llamacpp import LlamaCppEstimate
+
+__all__ = ["Load", "ServeSettings", "ServedModel", "ServingEstimate", "estimate", "estimate_gguf", "load_model"]
 _FIELDS = [f.name for f in dataclasses.fields(ServeSettings)]
 
 
@@ -43,11 +49,30 @@ def load_model(model) -> ServedModel:
     return served_model(found)
 
 
+def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None, gpu: GPU | str | None = None,
+                  **settings) -> LlamaCppEstimate:
+    """llama.cpp's buffers (a LlamaCppEstimate) for `model`: a .gguf file, or a Hugging Face model (name, config.json,
+    hub id, a transformers config or its dict) written as `quant`; with a `gpu`, the layers -ngl puts on one GPU,
+    else the CPU alone; `settings`: LlamaCppSettings' fields (ctx_size=..., n_gpu_layers=..., flash_attn=...)."""
+    from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp, gguf_model
+
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(LlamaCppSettings)})
+    if unknown:
+        names = [f.name for f in dataclasses.fields(LlamaCppSettings)]
+        raise MemfitError(f"unknown llama.cpp setting(s) {', '.join(unknown)}; it takes {', '.join(names)}."
+                          f"{closest(unknown[0], names)}")
+    if isinstance(gpu, str):
+        get_gpu(gpu)   # an unknown name: one line
+    return estimate_llamacpp(gguf_model(model, quant), LlamaCppSettings(**settings), engine=engine,
+                             gpus=0 if gpu is None else 1)
+
+
 def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = None, load: Load | dict | None = None,
              **knobs) -> ServingEstimate:
     """The engine's start-up on `gpu` with `settings` (or the ServeSettings fields as keywords: engine="vllm",
     max_model_len=..., tensor_parallel=..., gpu_memory_utilization=...); with a `load` (a Load, or its fields:
-    {"input_len": 1024, "output_len": 256, "num_prompts": 200, "max_concurrency": 16}), how fast it serves it."""
+    {"input_len": 1024, "output_len": 256, "num_prompts": 200, "max_concurrency": 16}), how fast it serves it.
+    llama.cpp and Ollama: estimate_gguf."""
     if settings is None:
         unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(ServeSettings)})
         if unknown:

@@ -115,16 +115,30 @@ class LlamaCppEstimate:
     notes: list[str] = field(default_factory=list)
 
 
-def gguf_model(model: str, quant: str | None = None) -> GGUFModel:
-    """A .gguf file's model (read from its header), or a Hugging Face model (a catalog name, config.json, folder or
-    hub id) as llama.cpp's tools would write it in `quant` (a file type such as Q4_K_M)."""
+def gguf_model(model, quant: str | None = None) -> GGUFModel:
+    """A .gguf file's model (read from its header), or a Hugging Face model (a catalog name, config.json, folder,
+    hub id, or a notebook's config: a transformers config or its dict) as llama.cpp's tools would write it in `quant`
+    (a file type such as Q4_K_M)."""
     from memfit.specs.model_configs import find_config
 
+    if hasattr(model, "to_dict"):   # a transformers config (model.config in a notebook)
+        model = model.to_dict()
+    if isinstance(model, dict):
+        if not quant:
+            raise MemfitError(f"a config given: which GGUF? Give quant= (one of {', '.join(FILE_TYPES)}).")
+        name = str(model.get("_name_or_path") or model.get("model_type") or "the config given")
+        return quantize(from_config(name, model, "the config given"), quant)
+    if not isinstance(model, str) or not model.strip():
+        raise MemfitError(f"name a .gguf file or a model (memfit models lists them), got {model!r}.")
     if model.endswith(".gguf"):
         if quant:
             raise MemfitError(f"--quant {quant}: {model} is already quantized (its header gives each tensor's type); "
                               "--quant writes a Hugging Face model's GGUF.")
         return read_gguf(model)
+    if "/" in model and "gguf" in model.lower() and not model.endswith(".json"):
+        raise MemfitError(f"{model} names a repository of GGUF files on the hub: memfit reads one .gguf file's header, "
+                          "and the hub is not reached from here. Download the file you run (the repository's Files "
+                          "tab) and give its path, or name the base model with --quant.")
     if not quant:
         raise MemfitError(f"{model}: which GGUF? Give --quant (one of {', '.join(FILE_TYPES)}), or a .gguf file.")
     found = find_config(model)

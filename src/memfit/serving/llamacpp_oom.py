@@ -28,7 +28,7 @@ FAILURES = (   # (buffer, pattern), the first that matches names the buffer
                            r"alloc_tensor_range: failed", re.I)),
     ("host", re.compile(r"model requires more system memory \(([\d.]+) (GiB|MiB)\) than is available "
                         r"\(([\d.]+) (GiB|MiB)\)")),
-    ("gpu", re.compile(r"cudaMalloc failed: out of memory|out of memory|ErrorOutOfDeviceMemory", re.I)),
+    ("gpu", re.compile(r"cudaMalloc failed|out of memory|ErrorOutOfDeviceMemory", re.I)),
 )
 SUMMARIES = {
     "weights": "the weights the GPU holds did not fit it at load",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from memfit.core.errors import MemfitError
 
 ENGINES = ("vllm", "sglang", "tgi")
+LOCAL_ENGINES = ("llama.cpp", "ollama")   # GGUF engines: their own settings (serving/llamacpp.py)
 NEWEST = {"vllm": "0.32.0", "sglang": "0.5.9", "tgi": "3.3.6"}
 OLDEST = {"vllm": "0.4.0", "sglang": "0.4.0", "tgi": "1.0.0"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from memfit.core.errors import MemfitError, closest
-from memfit.serving.releases import ENGINES, Release, release_of
+from memfit.serving.releases import ENGINES, LOCAL_ENGINES, Release, release_of
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 ENTRYPOINTS = ("server", "offline")
@@ -44,8 +44,9 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
-            raise MemfitError(f"unknown serving engine {self.engine!r}; choose {', '.join(ENGINES)}."
-                              f"{closest(str(self.engine), ENGINES)}")
+            raise MemfitError(f"unknown serving engine {self.engine!r}; choose {', '.join(ENGINES)}, or "
+                              f"{' or '.join(LOCAL_ENGINES)} for GGUF models (their own flags)."
+                              f"{closest(str(self.engine), ENGINES + LOCAL_ENGINES)}")
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
