@@ -335,7 +335,7 @@ def test_a_notebook_reaches_llamacpp_with_its_config_object_or_through_memfit_es
     assert round(via_estimate.buffers["GPU0"].model / 2**20, 2) == 4403.49
     with pytest.raises(MemfitError, match="Did you mean: ctx_size"):
         estimate_gguf(config, quant="Q4_K_M", ctx=4096)
-    with pytest.raises(MemfitError, match="llama.cpp or ollama"):
+    with pytest.raises(MemfitError, match=r"llama\.cpp or ollama"):
         memfit.estimate("llama-3.1-8b", task="serve", engine="llamacpp")
 
 
