@@ -359,3 +359,21 @@ def test_a_truncated_log_still_names_the_failed_allocation(tmp_path, capsys):
                          "--quant", "Q4_K_M", "--gpu", "rtx-4060", "--json")
     data = json.loads(out)
     assert code == 0 and data["buffer"] == "gpu" and data["failed_bytes"] == 2**30, err
+
+
+def test_the_planners_stated_speed_errors_are_the_ones_it_computes():
+    """SPEED_SOURCE (what the plan prints beside its speeds) quotes the speed model against a published RTX 3090
+    llama-bench table (LLaMA-7B, tg128, llama.cpp PR 4766); the quoted errors are recomputed here, so they cannot
+    drift from the model."""
+    from memfit.serving.llamacpp import gguf_model
+    from memfit.serving.llamacpp_plan import SPEED_SOURCE, _speed
+    from memfit.specs.hardware import get_gpu
+
+    published = {"F16": 48.52, "Q4_0": 121.82, "Q2_K": 92.69}   # tokens/s generating, llama.cpp master then
+    for quant, measured in published.items():
+        model = gguf_model("llama-2-7b", quant)
+        result = estimate_llamacpp(model, LlamaCppSettings(ctx_size=512, flash_attn="off", engine_version="2024-01"),
+                                   gpus=1)
+        generating, _ = _speed(result, model, get_gpu("rtx-3090"), 50.0)
+        assert f"{quant} {generating / measured - 1:+.0%}".replace("%", " %") in SPEED_SOURCE.replace(
+            "generation ", ""), (quant, generating)

@@ -12,7 +12,6 @@ from memfit.serving.gguf_recipe import FILE_TYPES
 from memfit.serving.llamacpp import gguf_model
 from memfit.serving.llamacpp_oom import fixes, gpu_budget, parse_failure, with_log_settings
 from memfit.specs.hardware import get_gpu
-from memfit.specs.model_configs import find_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     given = {field for _, field, _, _ in FLAGS if getattr(args, field) is not None}
     settings = with_log_settings(settings_from(args), failure, given)
     model = gguf_model(args.model, args.quant)
-    found = None if args.model.endswith(".gguf") else find_config(args.model)
-    ways_out = fixes(model, found.hf_config if found else None, gpu, settings)
+    ways_out = fixes(model, gpu, settings,
+                     None if args.model.endswith(".gguf") else lambda quant: gguf_model(args.model, quant))
     if args.json:
         print_json({"schema": "memfit.llamacpp-oom/1", "buffer": failure.buffer, "summary": failure.summary,
                     "line": failure.line, "failed_bytes": failure.failed_bytes, "settings_from_log": failure.settings,

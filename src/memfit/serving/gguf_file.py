@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError
 
@@ -52,8 +52,8 @@ class GGUFTensor:
 
 @dataclass
 class GGUFModel:
-    """What llama.cpp's buffers depend on. Per-layer lists where a model varies them (sliding-window layers,
-    heads per layer)."""
+    """What llama.cpp's buffers depend on (KV heads per layer, where a model varies them). n_swa and n_expert are
+    read so that a model whose graph memfit does not replay is refused (serving/llamacpp.py)."""
     name: str
     arch: str
     n_layer: int
@@ -66,10 +66,8 @@ class GGUFModel:
     n_vocab: int
     n_ctx_train: int
     tensors: list[GGUFTensor]
-    swa_layers: list[bool] = field(default_factory=list)   # per layer: a sliding-window layer
-    n_swa: int = 0
+    n_swa: int = 0               # a sliding window's tokens (0: none)
     n_expert: int = 0
-    n_expert_used: int = 0
     source: str = ""             # the file, or the recipe that wrote the tensor list
 
     @property
@@ -84,16 +82,10 @@ class GGUFModel:
         """No output.weight: the head reads token_embd.weight (llama.cpp loads it a second time, as the output)."""
         return not self.has("output.weight")
 
-    def is_swa(self, layer: int) -> bool:
-        return bool(self.swa_layers) and self.swa_layers[layer]
-
 
 def _field(fields: dict, key: str, default=None):
     value = fields.get(key)
-    if value is None:
-        return default
-    contents = value.contents()
-    return contents
+    return default if value is None else value.contents()
 
 
 def _per_layer(value, n_layer: int) -> list[int]:
@@ -132,18 +124,11 @@ def read_gguf(path: str) -> GGUFModel:
         tokens = fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else next(
             (t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
-    pattern = _field(fields, f"{arch}.attention.sliding_window_pattern")
-    n_swa = int(_field(fields, f"{arch}.attention.sliding_window", 0) or 0)
-    swa_layers: list[bool] = []
-    if n_swa and isinstance(pattern, list):
-        swa_layers = [bool(v) for v in pattern]
-    elif n_swa and pattern:
-        swa_layers = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]   # every pattern-th layer is global
     return GGUFModel(
         name=os.path.basename(path), arch=str(arch), n_layer=n_layer, n_embd=n_embd, n_head=max(n_head),
         n_head_kv=n_head_kv, head_dim_k=int(_field(fields, f"{arch}.attention.key_length", head_dim)),
         head_dim_v=int(_field(fields, f"{arch}.attention.value_length", head_dim)),
         n_ff=int(max(_per_layer(_field(fields, f"{arch}.feed_forward_length", 0), n_layer))),
         n_vocab=int(vocab), n_ctx_train=int(_field(fields, f"{arch}.context_length", 0)), tensors=tensors,
-        swa_layers=swa_layers, n_swa=n_swa, n_expert=int(_field(fields, f"{arch}.expert_count", 0) or 0),
-        n_expert_used=int(_field(fields, f"{arch}.expert_used_count", 0) or 0), source=path)
+        n_swa=int(_field(fields, f"{arch}.attention.sliding_window", 0) or 0),
+        n_expert=int(_field(fields, f"{arch}.expert_count", 0) or 0), source=path)

@@ -10,12 +10,12 @@ offloaded, flash attention, the cache types) is taken as the setting unless the 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, MiB
 from memfit.serving.gguf_file import GGUFModel
-from memfit.serving.gguf_recipe import from_config, quantize
 from memfit.serving.llamacpp import LlamaCppEstimate, LlamaCppSettings, estimate_llamacpp
 from memfit.serving.llamacpp_plan import QUALITY
 from memfit.specs.hardware import GPU
@@ -104,9 +104,11 @@ def gpu_budget(gpu: GPU) -> int:
     return gpu.memory_bytes - gpu.context_bytes
 
 
-def fixes(model: GGUFModel, config: dict | None, gpu: GPU, settings: LlamaCppSettings) -> list[Fix]:
+def fixes(model: GGUFModel, gpu: GPU, settings: LlamaCppSettings,
+          requantize: Callable[[str], GGUFModel] | None = None) -> list[Fix]:
     """Each single change that makes the GPU's buffers fit, the least disruptive first: flash attention, a q8_0 KV
-    cache, the longest context, the most layers, a smaller file type (from a Hugging Face config)."""
+    cache, the longest context, the most layers, and with `requantize` (the model in another file type: a Hugging
+    Face model's) a smaller file type."""
     budget = gpu_budget(gpu)
 
     def gpu_bytes(estimate: LlamaCppEstimate) -> int:
@@ -138,10 +140,9 @@ def fixes(model: GGUFModel, config: dict | None, gpu: GPU, settings: LlamaCppSet
                     gpu_bytes, budget)
     if most:
         consider(f"-ngl {most[0]} (of {model.n_layer + 1} layer slots)", most[1])
-    if config is not None:
+    if requantize is not None:
         for quant in QUALITY:
-            candidate = estimate_llamacpp(quantize(from_config(model.name, config, model.source), quant), settings,
-                                          gpus=1)
+            candidate = estimate_llamacpp(requantize(quant), settings, gpus=1)
             if gpu_bytes(candidate) < gpu_bytes(now) and gpu_bytes(candidate) <= budget:
                 consider(f"a {quant} file (perplexity +{QUALITY[quant]:.2%})", candidate)
                 break
