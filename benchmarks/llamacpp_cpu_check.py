@@ -30,7 +30,8 @@ def model_of(run: dict) -> GGUFModel:
     return GGUFModel(name=f"{run['model']}-{run['quant']}", arch=h["arch"], n_layer=h["n_layer"], n_embd=h["n_embd"],
                      n_head=h["n_head"], n_head_kv=[h["n_head_kv"]] * h["n_layer"],
                      head_dim_k=h["n_embd"] // h["n_head"], head_dim_v=h["n_embd"] // h["n_head"], n_ff=h["n_ff"],
-                     n_vocab=h["n_vocab"], n_ctx_train=4096,
+                     n_vocab=h["n_vocab"], n_ctx_train=4096, n_expert=h.get("n_expert", 0),
+                     n_expert_used=h.get("n_expert_used", 0), n_ff_exp=h.get("n_ff_exp") or h["n_ff"],
                      tensors=[GGUFTensor(name, kind, tuple(shape)) for name, kind, shape in run["tensors"]])
 
 

@@ -32,6 +32,13 @@ MODELS = {
     # 16 layers: the recipe's more-bits layers (first and last eighth, every third between); an FFN of 320, whose
     # rows do not split into the K types' 256-blocks (their fallbacks)
     "deep": dict(arch="llama", n_embd=256, n_layer=16, n_head=4, n_head_kv=1, n_ff=320, n_vocab=512),
+    # heads of 128: a quantized cache stores them rotated by 128 x 128 matrices (K) and 64 x 64 ones (V)
+    "head128": dict(arch="llama", n_embd=256, n_layer=2, n_head=2, n_head_kv=1, n_ff=512, n_vocab=700),
+    # mixtures of experts: Mixtral's 8 experts, 2 a token (llama.cpp's llama graph), Qwen3-MoE's many (qwen3moe)
+    "mixtral": dict(arch="llama", n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1000, n_expert=8,
+                    n_expert_used=2),
+    "qwen3moe": dict(arch="qwen3moe", n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=768, n_vocab=900, tied=True,
+                     n_expert=16, n_expert_used=4, n_ff_exp=256),
 }
 # (model, quantization, settings): each a load; the settings are llama.cpp's context parameters
 CASES = [
@@ -58,11 +65,23 @@ CASES = [
     ("qwen3", "Q6_K", dict(n_ctx=1024, flash_attn="on")),
 ] + [("deep", quant, dict(n_ctx=512)) for quant in ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q3_K_L", "Q3_K_S", "Q2_K",
                                                      "Q4_K_S", "Q5_K_S", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")]
+CASES += [
+    ("head128", "Q4_K_M", dict(n_ctx=2048, flash_attn="on", type_k="q4_0", type_v="q4_0")),
+    ("head128", "Q4_K_M", dict(n_ctx=2048, flash_attn="off", type_k="q8_0")),
+    ("mixtral", "Q4_K_M", dict(n_ctx=2048)),
+    ("mixtral", "Q2_K", dict(n_ctx=1024, n_ubatch=128)),
+    ("mixtral", "Q8_0", dict(n_ctx=2048, flash_attn="on", n_seq_max=2)),
+    ("mixtral", "MXFP4_MOE", dict(n_ctx=512)),
+    ("qwen3moe", "Q4_K_M", dict(n_ctx=2048)),
+    ("qwen3moe", "Q6_K", dict(n_ctx=4096, flash_attn="on", type_k="q8_0", type_v="q8_0")),
+    ("qwen3moe", "IQ4_XS", dict(n_ctx=1024, n_ubatch=256, n_batch=256)),
+]
 
 
 def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
-               n_vocab: int, tied: bool = False) -> None:
-    """A float32 model with llama.cpp's tensor names for `arch` (random weights: only the sizes matter)."""
+               n_vocab: int, tied: bool = False, n_expert: int = 0, n_expert_used: int = 0, n_ff_exp: int = 0) -> None:
+    """A float32 model with llama.cpp's tensor names for `arch` (random weights: only the sizes matter); with
+    `n_expert`, each layer's FFN a mixture of experts (the router and 3-D expert tensors, as the converter writes)."""
     import gguf
     import numpy as np
 
@@ -78,6 +97,11 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
     writer.add_vocab_size(n_vocab)
     writer.add_tokenizer_model("no_vocab")
     writer.add_file_type(0)
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+        if n_ff_exp:
+            writer.add_expert_feed_forward_length(n_ff_exp)
     rng = np.random.default_rng(0)
     head_dim = n_embd // n_head
 
@@ -93,7 +117,7 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
         tensor(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
         tensor(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
         tensor(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        if arch == "qwen3":   # RMS norms on each head's Q and K
+        if arch.startswith("qwen3"):   # RMS norms on each head's Q and K
             tensor(f"blk.{i}.attn_q_norm.weight", head_dim)
             tensor(f"blk.{i}.attn_k_norm.weight", head_dim)
         if arch == "qwen2":
@@ -102,6 +126,13 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
             tensor(f"blk.{i}.attn_v.bias", n_head_kv * head_dim)
         tensor(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
         tensor(f"blk.{i}.ffn_norm.weight", n_embd)
+        if n_expert:
+            width = n_ff_exp or n_ff
+            tensor(f"blk.{i}.ffn_gate_inp.weight", n_expert, n_embd)
+            tensor(f"blk.{i}.ffn_gate_exps.weight", n_expert, width, n_embd)
+            tensor(f"blk.{i}.ffn_up_exps.weight", n_expert, width, n_embd)
+            tensor(f"blk.{i}.ffn_down_exps.weight", n_expert, n_embd, width)
+            continue
         tensor(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         tensor(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         tensor(f"blk.{i}.ffn_down.weight", n_embd, n_ff)

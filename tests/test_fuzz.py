@@ -323,17 +323,18 @@ def test_serve_plan_arguments(model, engine, pairs):
 
 
 llamacpp_flags = st.lists(st.one_of(
-    st.tuples(st.sampled_from(("-c", "-ngl", "-b", "-ub", "-np", "--gpus")), numbers),
+    st.tuples(st.sampled_from(("-c", "-ngl", "-b", "-ub", "-np", "--gpus", "--n-cpu-moe")), numbers),
     st.tuples(st.sampled_from(("-ctk", "-ctv")), st.sampled_from(("f16", "q8_0", "q4_0", "bf16", "q9", ""))),
     st.tuples(st.just("-fa"), st.sampled_from(("on", "off", "auto", "yes", ""))),
     st.tuples(st.just("--quant"), st.sampled_from(("Q4_K_M", "q8_0", "IQ2_XXS", "MXFP4_MOE", "Q9", ""))),
     st.tuples(st.just("--engine-version"), st.sampled_from(("2024-03-18", "2025-08", "2026-13", "b2459", ""))),
-    st.sampled_from((("-kvu",), ("-nkvo",))),
+    st.sampled_from((("-kvu",), ("-nkvo",), ("-cmoe",))),
 ), max_size=5)
 
 
 @settings(FUZZ, max_examples=max(3, EXAMPLES // 2))
-@given(st.sampled_from(("llama-3.1-8b", "qwen3-8b", "gemma-3-12b", "tiny-llama", "missing.gguf", "")), llamacpp_flags)
+@given(st.sampled_from(("llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "tiny-llama",
+                        "missing.gguf", "")), llamacpp_flags)
 def test_llamacpp_arguments(model, pairs):
     """`memfit estimate --engine llama.cpp`: any model and llama.cpp setting is an estimate or one line, exit 2."""
     argv = ["estimate", model, "--task", "serve", "--engine", "llama.cpp", "--json"]

@@ -132,9 +132,10 @@ def test_settings_are_checked_as_llamacpp_checks_them():
 
 @pytest.mark.skipif(not os.path.exists(LLAMA_VENV_PYTHON), reason="llama.cpp is built by scripts/setup_llamacpp.sh")
 def test_llamacpp_loads_here_as_memfit_predicts():
-    """llama.cpp itself, run now: three of the record's cases loaded again (MHA at a small ubatch, split slots, a
-    quantized cache with flash attention) equal memfit's prediction."""
-    cases = [14, 8, 7]
+    """llama.cpp itself, run now: four of the record's cases loaded again (MHA at a small ubatch, split slots, a
+    quantized cache with flash attention, Qwen3-MoE's experts with a rotated q8_0 cache) equal memfit's
+    prediction."""
+    cases = [14, 8, 7, 41]
     child = subprocess.run([LLAMA_VENV_PYTHON, os.path.join(REPO, "benchmarks", "llamacpp_cpu_run.py"),
                             *[f"--case={i}" for i in cases]], capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
@@ -308,12 +309,12 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
 
 
 def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
-    """A GGUF of a mixture of experts or a sliding-window model: its weights come from the header, but its KV cache
+    """A GGUF of a sliding-window model or another architecture: its weights come from the header, but its KV cache
     and compute graph are not llama's; memfit says so rather than print the wrong buffers."""
     from dataclasses import replace as changed
 
     model = model_of(RUNS[0])
-    for different in (changed(model, n_expert=8), changed(model, n_swa=1024), changed(model, arch="gemma3")):
+    for different in (changed(model, n_swa=1024), changed(model, arch="gemma3")):
         with pytest.raises(MemfitError, match=r"not modelled.*its weights alone"):
             estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))
 
@@ -377,3 +378,91 @@ def test_the_planners_stated_speed_errors_are_the_ones_it_computes():
         generating, _ = _speed(result, model, get_gpu("rtx-3090"), 50.0)
         assert f"{quant} {generating / measured - 1:+.0%}".replace("%", " %") in SPEED_SOURCE.replace(
             "generation ", ""), (quant, generating)
+
+
+def test_a_mixture_of_experts_is_written_as_llamacpps_converter_and_quantizer_write_it():
+    """Mixtral (llama's graph, 8 experts) and Qwen3-MoE (qwen3moe, 128): a float32 router, each projection's experts in
+    one 3-D tensor; the quantizer's 8-expert rules give Mixtral's attn_k and attn_v Q8_0 and its attn_output Q5_K in
+    Q4_K_M, and leave Qwen3-MoE's alone."""
+    from memfit.serving.llamacpp import gguf_model
+
+    mixtral, qwen = gguf_model("mixtral-8x7b", "Q4_K_M"), gguf_model("qwen3-30b-a3b", "Q4_K_M")
+    assert (mixtral.arch, mixtral.n_expert, mixtral.n_expert_used, mixtral.n_ff_exp) == ("llama", 8, 2, 14336)
+    assert (qwen.arch, qwen.n_expert, qwen.n_expert_used, qwen.n_ff_exp) == ("qwen3moe", 128, 8, 768)
+    layer = {t.name[len("blk.0."):]: t for t in mixtral.tensors if t.layer == 0}
+    assert (layer["ffn_gate_inp.weight"].type, layer["ffn_gate_inp.weight"].shape) == ("F32", (4096, 8))
+    assert layer["ffn_down_exps.weight"].shape == (14336, 4096, 8)
+    assert {name: layer[name].type for name in ("attn_k.weight", "attn_v.weight", "attn_output.weight")} == {
+        "attn_k.weight": "Q8_0", "attn_v.weight": "Q8_0", "attn_output.weight": "Q5_K"}
+    qwen_layer = {t.name[len("blk.0."):]: t.type for t in qwen.tensors if t.layer == 0}
+    assert qwen_layer["attn_k.weight"] == "Q4_K" and qwen_layer["attn_q_norm.weight"] == "F32"
+
+
+def test_mixtral_layers_are_the_bytes_a_published_load_put_on_the_gpu():
+    """R28 (Ollama 0.1.28, March 2024, Mixtral-8x7B Q4_0, 23 of 33 on an RTX 3090): 17999.66 MiB on the GPU, the
+    25215.87 MiB file mapped on the CPU. That file's converter kept the router in F16 (now F32: 64 KiB a layer more)
+    and that llama.cpp's -ngl 23 meant 23 repeating layers (the head stayed on the CPU; now the head is one of the
+    23): memfit's layer tensors with those two differences give the log's figures to the hundredth."""
+    from memfit.serving.llamacpp import gguf_model, gpu_tensor_bytes
+
+    model = gguf_model("mixtral-8x7b", "Q4_0")
+    router = next(t for t in model.tensors if t.name == "blk.0.ffn_gate_inp.weight")
+    then = router.nbytes // 2   # the router in F16: 64 KiB less a layer, on the GPU and in the file
+    layers = sum(gpu_tensor_bytes(t) for t in model.tensors if t.layer is not None and t.layer >= 32 - 23)
+    assert round((layers - 23 * then) / 2**20, 2) == 17999.66
+    assert round((model.weights_bytes - 32 * then) / 2**20, 2) == 25215.87
+
+
+def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_memory(capsys):
+    """--n-cpu-moe N (llama.cpp's tensor override of blk.0..N-1's ffn_*_exps): those experts move to the CPU and
+    nothing else does; --cpu-moe moves every layer's; the command says it back; a dense model is told it moves
+    nothing."""
+    from memfit.serving.llamacpp import gguf_model, gpu_tensor_bytes
+
+    model = gguf_model("qwen3-30b-a3b", "Q4_K_M")
+    every = estimate_llamacpp(model, LlamaCppSettings(ctx_size=4096), gpus=1)
+    some = estimate_llamacpp(model, LlamaCppSettings(ctx_size=4096, n_cpu_moe=10), gpus=1)
+    moved = [t for t in model.tensors if t.layer is not None and t.layer < 10 and t.name.endswith("_exps.weight")]
+    assert len(moved) == 30
+    assert every.buffers["GPU0"].model - some.buffers["GPU0"].model == sum(gpu_tensor_bytes(t) for t in moved)
+    assert some.buffers["CPU"].model - every.buffers["CPU"].model == sum(t.nbytes for t in moved)
+    assert some.buffers["GPU0"].kv == every.buffers["GPU0"].kv and some.layers_on_gpu == every.layers_on_gpu
+    code, out, _ = run(capsys, "estimate", "qwen3-30b-a3b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
+                       "llama.cpp", "--gpus", "1", "-c", "4096", "-cmoe", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["command"].endswith("--cpu-moe") and data["gpu_model_bytes"] < 2**30
+    dense = estimate_llamacpp(model_of(RUNS[0]), LlamaCppSettings(ctx_size=1024, n_cpu_moe=2))
+    assert any("no experts" in note for note in dense.notes)
+
+
+def test_a_mixture_of_experts_plan_keeps_its_experts_on_the_cpu_and_reads_only_those_a_token_uses(capsys):
+    """Qwen3-30B-A3B on an RTX 3060: every layer on the GPU with the first layers' experts on the CPU (--n-cpu-moe)
+    beats splitting whole layers (-ngl) for the same file, since a token reads only 8 of the 128 experts; the
+    command llama-server is given uses only its own flags; Ollama has no such parameter, and the export says so."""
+    code, out, err = run(capsys, "plan", "qwen3-30b-a3b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+                         "32GiB", "-c", "8192", "--json", "--top", "40")
+    data = json.loads(out)
+    assert code == 0 and data["feasible"], err
+    q4 = [p for p in data["plans"] if p["quant"] == "Q4_K_M" and p["cache_type_k"] == "f16"]
+    experts, layers = sorted(q4, key=lambda p: -p["n_cpu_moe"])
+    assert experts["n_gpu_layers"] == 49 and 0 < experts["n_cpu_moe"] < 48 and layers["n_gpu_layers"] < 49
+    assert experts["decode_tokens_per_s"] > layers["decode_tokens_per_s"] and experts["modelfile"] is None
+    assert {w for w in experts["command"].split() if w.startswith("-")} <= LLAMA_FLAGS
+    code, _, err = run(capsys, "plan", "qwen3-30b-a3b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+                       "32GiB", "-c", "8192", "--export", "ollama")
+    assert code == 2 and "--export llama-server" in err
+
+
+def test_a_quantized_cache_is_rotated_from_the_release_that_rotates_it():
+    """PR 21038 (2026-04-01): a quantized K or V cache whose head size is a multiple of 64 stores rotated vectors:
+    a Hadamard matrix per cache (K's the largest power of two dividing the head, V's 64), as graph inputs. The record
+    holds 128-wide heads in q4_0 and q8_0 (equal to llama.cpp's compute buffer above); before the release, none."""
+    from memfit.serving.ggml_graph import rotations
+    from memfit.serving.llamacpp import gguf_model
+
+    model = gguf_model("llama-3.1-8b", "Q4_K_M")
+    assert rotations(model, LlamaCppSettings(cache_type_k="q8_0", cache_type_v="q4_0", flash_attn="on")) == (128, 64)
+    assert rotations(model, LlamaCppSettings(cache_type_k="q8_0")) == (128, 0)
+    assert rotations(model, LlamaCppSettings(cache_type_k="q8_0", engine_version="2026-03")) == (0, 0)
+    assert rotations(model_of(RUNS[0]), LlamaCppSettings(cache_type_k="q8_0")) == (0, 0)   # heads of 32
+    assert any(r["model"] == "head128" and r["settings"].get("type_k") == "q4_0" for r in RUNS)

@@ -35,6 +35,10 @@ FLAGS = (
      "one KV cache shared by the slots"),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", {"action": "store_const", "const": True},
      "keep the KV cache in host memory"),
+    (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", {"type": int, "metavar": "N"},
+     "a mixture of experts: keep the experts of the first N layers on the CPU"),
+    (("-cmoe", "--cpu-moe"), "n_cpu_moe", {"action": "store_const", "const": -1},
+     "keep every layer's experts on the CPU"),
 )
 
 
@@ -114,10 +118,12 @@ def command_line(result: LlamaCppEstimate) -> str:
                 f"{(s.ctx_size or 0) // s.parallel}{layers}\n(OLLAMA_NUM_PARALLEL={s.parallel})")
     words = ["llama-server", "-m", result.model if result.source.endswith(".gguf") else "MODEL.gguf",
              "-c", str(s.ctx_size or 0)]
-    for flags, field, _, _ in FLAGS[1:]:
+    switched = {(field, options["const"]) for _, field, options, _ in FLAGS if "const" in options}
+    for flags, field, options, _ in FLAGS[1:]:
         value = getattr(s, field)
-        if value != getattr(default, field):
-            words += [flags[1]] if value is True else [flags[1], str(value)]
+        if value == getattr(default, field) or ("const" in options) != ((field, value) in switched):
+            continue   # unchanged, or said by the other flag of the setting (--cpu-moe is --n-cpu-moe -1)
+        words += [flags[1]] if "const" in options else [flags[1], str(value)]
     return " ".join(words)
 
 

@@ -44,6 +44,7 @@ def plan_json(plan: LlamaCppPlan, model: str) -> dict:
     return {"quant": plan.quant, "n_gpu_layers": plan.estimate.layers_on_gpu, "layer_slots": plan.estimate.n_layer + 1,
             "ctx_size": plan.settings.ctx_size, "cache_type_k": plan.settings.cache_type_k,
             "cache_type_v": plan.settings.cache_type_v, "flash_attn": plan.settings.flash_attn,
+            "n_cpu_moe": plan.settings.n_cpu_moe,
             "gpu_bytes": plan.gpu_bytes, "host_bytes": plan.host_bytes,
             "gpu_model_bytes": buffers["GPU0"].model, "cpu_model_bytes": buffers["CPU"].model,
             "decode_tokens_per_s": plan.decode_tokens_per_s, "prompt_tokens_per_s": plan.prompt_tokens_per_s,
@@ -70,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
             raise MemfitError(f"nothing to export: {result.reason}")
         best = result.plans[0]
         text = best.command() + "\n" if args.export == "llama-server" else best.modelfile(args.model)
+        if text is None:
+            raise MemfitError(f"plan 1 keeps the experts of {best.settings.n_cpu_moe} layers on the CPU (llama.cpp's "
+                              "--n-cpu-moe), which a Modelfile cannot say: --export llama-server.")
         if args.out:
             with open(args.out, "w") as fh:
                 fh.write(text)
@@ -90,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{args.model} in llama.cpp on one {gpu.name} ({gpu.memory_bytes / GiB:.2f} GiB) and "
                   f"{host_ram / GiB:.0f} GiB of RAM, {args.objective} first; searched {', '.join(QUALITY)}")
     for i, plan in enumerate(result.plans[:args.top], 1):
-        layers = f"{plan.estimate.layers_on_gpu}/{plan.estimate.n_layer + 1}"
-        console.print(f"{i}. {plan.quant:<7} KV {plan.settings.cache_type_k:<5} -ngl {layers:<6} GPU "
+        console.print(f"{i}. {plan.quant:<7} KV {plan.settings.cache_type_k:<5} {plan.split:<24} GPU "
                       f"{plan.gpu_bytes / GiB:5.2f} GiB  host {plan.host_bytes / GiB:5.2f} GiB  "
                       f"~{plan.decode_tokens_per_s:6.1f} tok/s generating, ~{plan.prompt_tokens_per_s:7.0f} reading  "
                       f"ppl +{plan.ppl_increase:.2%}")

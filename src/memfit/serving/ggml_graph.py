@@ -12,25 +12,30 @@ reached. Views (reshape, permute) and the weights and KV cache (their own buffer
 The graph (llama-graph.cpp, src/models/llama.cpp): per layer RMS norm, the Q/K/V projections (bias adds in place),
 RoPE, K and V written into the cache, then without flash attention KQ (n_kv x tokens x heads, float32), its
 softmax in place and KQV, made contiguous; with it one FLASH_ATTN_EXT; the output projection, the residual add, the
-FFN (gate, up, SwiGLU, down) and its residual add. In the last layer only the output rows are kept (GET_ROWS); then
-the final norm and the logits (n_vocab x outputs). Beside the tokens, the graph takes an input for embeddings given
-instead of tokens (ggml_build_forward_select, llama.cpp PR 18550): allocated, never read. The worst case llama.cpp
-reserves: a full ubatch of tokens, every one an output, against the whole cache (n_kv: the cells of one stream).
+FFN (gate, up, SwiGLU, down; a mixture of experts' as build_moe_ffn builds it: _experts) and its residual add. Qwen3
+norms each head's Q and K before RoPE; a quantized cache (since PR 21038) rotates Q, K and V by a Hadamard matrix
+product before they are stored, and the attention's output back. In the last layer only the output rows are kept
+(GET_ROWS); then the final norm and the logits (n_vocab x outputs). Beside the tokens, the graph takes an input for
+embeddings given instead of tokens (ggml_build_forward_select, llama.cpp PR 18550): allocated, never read. The worst
+case llama.cpp reserves: a full ubatch of tokens, every one an output, against the whole cache (n_kv: the cells of
+one stream).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memfit.serving.gguf_file import type_size
+
 if TYPE_CHECKING:
     from memfit.serving.gguf_file import GGUFModel
     from memfit.serving.llamacpp import LlamaCppSettings
-    from memfit.serving.llamacpp_releases import Release
 
 CPU_ALIGNMENT = 32       # ggml's TENSOR_ALIGNMENT: the CPU buffer type's
 GPU_ALIGNMENT = 128      # ggml-cuda's buffer type's (assumed for other GPU backends)
 MASK_PAD = 32            # GGML_KQ_MASK_PAD before PR 17910: the mask's tokens padded to it (value assumed)
-IN_PLACE = {"ADD", "MUL", "SCALE", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}   # ggml_op_can_inplace's, those used
+GRAPH_TENSORS = (".bias", "attn_q_norm.weight", "attn_k_norm.weight")   # optional weights that add graph nodes
+IN_PLACE = {"ADD", "MUL", "DIV", "SCALE", "CLAMP", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}   # ggml_op_can_inplace's
 
 
 @dataclass(eq=False)
@@ -163,28 +168,52 @@ def _free(tensor: Tensor, address: dict[Tensor, int], blocks: _Blocks) -> None:
     blocks.release(address.pop(tensor), tensor.nbytes)
 
 
-def _inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool, release: Release) -> list[tuple[str, int]]:
-    """The graph's inputs after the tokens, in ggml's order: positions, the cache rows K and V are written to (since
+def rotations(model: GGUFModel, settings: LlamaCppSettings) -> tuple[int, int]:
+    """The Hadamard matrices' sizes (0: none) for K (and Q) and for V: since PR 21038 a quantized cache type whose
+    head size is a multiple of 64 stores its vectors rotated; K's matrix is the largest power of two (64 or more)
+    dividing the head, V's is 64 (llama_kv_cache::build_input_k_rot, build_input_v_rot)."""
+    if not settings.release.has("kv_rotation"):
+        return 0, 0
+
+    def size(cache_type: str, head: int, largest: bool) -> int:
+        if type_size(cache_type.upper())[0] == 1 or head % 64:
+            return 0
+        n = 64
+        while largest and head % (2 * n) == 0:
+            n *= 2
+        return n
+
+    return (size(settings.cache_type_k, model.head_dim_k, True), size(settings.cache_type_v, model.head_dim_v, False))
+
+
+def _inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool, settings: LlamaCppSettings
+            ) -> list[tuple[str, int]]:
+    """The graph's inputs after the tokens, in the order its nodes first use them (ggml-alloc places them so):
+    positions, the rotations of a quantized cache (since PR 21038), the cache rows K and V are written to (since
     set_rows; V's per element when it is stored transposed, without flash attention), the attention mask (F16 with
     flash attention since PR 23764, F32 before and without; its tokens padded to 32 before PR 17910) and the output
     rows (since PR 6017)."""
+    release = settings.release
     rows = tokens if release.has("no_mask_pad") else -(-tokens // MASK_PAD) * MASK_PAD
     mask = ("attn_inp_kq_mask", n_kv * rows * (2 if flash_attn and release.has("f16_mask") else 4))
     out_ids = [("out_ids", tokens * 4)] if release.has("output_per_sequence") else []
+    rotate = [(name, n * n * 4) for name, n in zip(("attn_inp_k_rot", "attn_inp_v_rot"), rotations(model, settings))
+              if n]
     if not release.has("kv_set_rows"):
-        return [("inp_pos", tokens * 4), mask, *out_ids]
+        return [("inp_pos", tokens * 4), *rotate, mask, *out_ids]
     v_rows = 1 if flash_attn else max(model.n_head_kv) * model.head_dim_v
-    return [("inp_pos", tokens * 4), ("attn_inp_k_idxs", tokens * 8), ("attn_inp_v_idxs", tokens * 8 * v_rows),
-            mask, *out_ids]
+    return [("inp_pos", tokens * 4), *rotate, ("attn_inp_k_idxs", tokens * 8),
+            ("attn_inp_v_idxs", tokens * 8 * v_rows), mask, *out_ids]
 
 
-def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool, release: Release,
+def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool, settings: LlamaCppSettings,
                   on_gpu: bool = False) -> Graph:
     """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral): `tokens` in the
     ubatch, every one an output, against `n_kv` cells, as `release` builds it. `on_gpu`: the part a GPU holding every
     layer runs, whose inputs are copies of the host's (ggml's scheduler keeps inputs, and the lookup in the host's
     token embedding, on the CPU): the embeddings come in as an input."""
     graph = Graph()
+    release = settings.release
     outputs = tokens
     f32 = 4
     embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
@@ -194,8 +223,9 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
         inp_tokens = graph.input("inp_tokens", tokens * 4)
         if release.has("embd_input"):
             graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: unread
-    inputs = {name: graph.input(name, size) for name, size in _inputs(model, tokens, n_kv, flash_attn, release)}
+    inputs = {name: graph.input(name, size) for name, size in _inputs(model, tokens, n_kv, flash_attn, settings)}
     inp_pos, mask, out_ids = inputs["inp_pos"], inputs["attn_inp_kq_mask"], inputs.get("out_ids")
+    k_rot, v_rot = inputs.get("attn_inp_k_rot"), inputs.get("attn_inp_v_rot")
     k_idxs, v_idxs = inputs.get("attn_inp_k_idxs"), inputs.get("attn_inp_v_idxs")
     if not on_gpu:
         x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
@@ -209,15 +239,28 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
             out = graph.op("ADD", f"{name}_b", out.nbytes, out, graph.external(f"blk.{layer}.{name}.bias"))
         return out
 
+    def rope(layer: int, part: str, cur: Tensor) -> Tensor:
+        """RoPE on the heads (a view of the projection: new memory), after Qwen3's RMS norm of each head where the
+        model has one (the norm takes new memory, its weight and RoPE then work in place)."""
+        cur = graph.view(cur)
+        if f"blk.{layer}.attn_{part}_norm.weight" in names:
+            cur = graph.op("RMS_NORM", f"{part}_norm", cur.nbytes, cur)
+            cur = graph.op("MUL", f"{part}_normed", cur.nbytes, cur, graph.external(f"attn_{part}_norm.weight"))
+        return graph.op("ROPE", f"{part.upper()}cur", cur.nbytes, cur, inp_pos)
+
+    def rotated(cur: Tensor, rotation: Tensor | None) -> Tensor:
+        """llama_mul_mat_hadamard: the rows rotated by a matrix product (new memory), reshaped back."""
+        if rotation is None:
+            return cur
+        return graph.view(graph.op("MUL_MAT", "hadamard", cur.nbytes, rotation, graph.view(cur)))
+
     for layer in range(model.n_layer):
         kv_heads = model.n_head_kv[layer]
         norm = graph.op("RMS_NORM", "norm", embd * tokens * f32, x)
         norm = graph.op("MUL", "attn_norm", norm.nbytes, norm, graph.external("attn_norm.weight"))
-        q = projection(layer, "attn_q", heads * head_dim, norm, tokens)
-        q = graph.op("ROPE", "Qcur", q.nbytes, graph.view(q), inp_pos)
-        v = projection(layer, "attn_v", kv_heads * model.head_dim_v, norm, tokens)
-        k = projection(layer, "attn_k", kv_heads * head_dim, norm, tokens)
-        k = graph.op("ROPE", "Kcur", k.nbytes, graph.view(k), inp_pos)
+        q = rotated(rope(layer, "q", projection(layer, "attn_q", heads * head_dim, norm, tokens)), k_rot)
+        v = rotated(projection(layer, "attn_v", kv_heads * model.head_dim_v, norm, tokens), v_rot)
+        k = rotated(rope(layer, "k", projection(layer, "attn_k", kv_heads * head_dim, norm, tokens)), k_rot)
         cache_k, cache_v = graph.external(f"cache_k_l{layer}"), graph.external(f"cache_v_l{layer}")
         for cache, cur, rows in ((cache_k, k, k_idxs), (cache_v, v, v_idxs)):   # written into the cache (a view)
             written = graph.op("SET_ROWS" if rows else "CPY", "cache_write", 0, graph.view(cache), graph.view(cur),
@@ -233,7 +276,7 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
             kq = graph.op("SOFT_MAX", "kq_soft_max", kq.nbytes, kq, mask)
             kqv = graph.op("MUL_MAT", "kqv", model.head_dim_v * tokens * heads * f32, graph.view(cache_v), kq)
             attn = graph.op("CONT", "kqv_out", kqv.nbytes, graph.view(kqv))
-        out = projection(layer, "attn_output", embd, attn, tokens)
+        out = projection(layer, "attn_output", embd, rotated(attn, v_rot), tokens)
         if layer == model.n_layer - 1 and out_ids:   # only the output rows go on (since PR 6017)
             out = graph.op("GET_ROWS", "out_rows", embd * outputs * f32, out, out_ids)
             x = graph.op("GET_ROWS", "inp_rows", embd * outputs * f32, x, out_ids)
@@ -241,10 +284,13 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
         ffn_inp = graph.op("ADD", "ffn_inp", out.nbytes, out, x)
         norm = graph.op("RMS_NORM", "norm", ffn_inp.nbytes, ffn_inp)
         norm = graph.op("MUL", "ffn_norm", norm.nbytes, norm, graph.external("ffn_norm.weight"))
-        gate = projection(layer, "ffn_gate", ffn, norm, tokens)
-        up = projection(layer, "ffn_up", ffn, norm, tokens)
-        act = graph.op("GLU", "ffn_swiglu", up.nbytes, gate, up)
-        down = projection(layer, "ffn_down", embd, act, tokens)
+        if model.n_expert:
+            down = _experts(graph, model, layer, norm, tokens)
+        else:
+            gate = projection(layer, "ffn_gate", ffn, norm, tokens)
+            up = projection(layer, "ffn_up", ffn, norm, tokens)
+            act = graph.op("GLU", "ffn_swiglu", up.nbytes, gate, up)
+            down = projection(layer, "ffn_down", embd, act, tokens)
         x = graph.op("ADD", "l_out", down.nbytes, down, ffn_inp)
     norm = graph.op("RMS_NORM", "norm", x.nbytes, x)
     norm = graph.op("MUL", "result_norm", norm.nbytes, norm, graph.external("output_norm.weight"))
@@ -254,18 +300,53 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
     return graph
 
 
+def _experts(graph: Graph, model: GGUFModel, layer: int, x: Tensor, tokens: int) -> Tensor:
+    """llama.cpp's build_moe_ffn (Mixtral, Qwen3-MoE: softmax gating, the chosen experts' weights normalized): the
+    router's logits and their softmax (in place), the top experts (ARGSORT, viewed to the first n_expert_used),
+    their weights gathered, summed, clamped and divided; llama.cpp expands these before the experts. Then each
+    chosen expert's gate, up (MUL_MAT_ID: n_ff_exp x experts used x tokens), SwiGLU and down, weighted in place,
+    and the experts' outputs, views of one tensor, added up (the first ADD allocates, the rest add in place)."""
+    f32, used, embd, ffn = 4, model.n_expert_used, model.n_embd, model.n_ff_exp
+
+    def weight(name: str) -> Tensor:
+        return graph.external(f"blk.{layer}.{name}.weight")
+
+    logits = graph.op("MUL_MAT", "ffn_moe_logits", model.n_expert * tokens * f32, weight("ffn_gate_inp"), x)
+    probs = graph.op("SOFT_MAX", "ffn_moe_probs", logits.nbytes, logits)
+    probs_3d = graph.view(probs)
+    chosen = graph.view(graph.op("ARGSORT", "ffn_moe_argsort", model.n_expert * tokens * 4, probs), "ffn_moe_topk")
+    weights = graph.view(graph.op("GET_ROWS", "ffn_moe_weights", used * tokens * f32, probs_3d, chosen))
+    total = graph.op("SUM_ROWS", "ffn_moe_weights_sum", tokens * f32, weights)
+    total = graph.op("CLAMP", "ffn_moe_weights_sum_clamped", total.nbytes, total)
+    weights = graph.view(graph.op("DIV", "ffn_moe_weights_norm", weights.nbytes, weights, total))
+    x_3d = graph.view(x)
+    gate = graph.op("MUL_MAT_ID", "ffn_moe_gate", ffn * used * tokens * f32, weight("ffn_gate_exps"), x_3d, chosen)
+    up = graph.op("MUL_MAT_ID", "ffn_moe_up", gate.nbytes, weight("ffn_up_exps"), x_3d, chosen)
+    act = graph.op("GLU", "ffn_moe_swiglu", up.nbytes, gate, up)
+    experts = graph.op("MUL_MAT_ID", "ffn_moe_down", embd * used * tokens * f32, weight("ffn_down_exps"), act, chosen)
+    experts = graph.op("MUL", "ffn_moe_weighted", experts.nbytes, experts, weights)
+    each = [graph.view(experts, f"ffn_moe_expert_{i}") for i in range(used)]
+    if used == 1:   # a view is not contiguous: copied out
+        return graph.op("CONT", "ffn_moe_out", embd * tokens * f32, each[0])
+    out = each[0]
+    for view in each[1:]:
+        out = graph.op("ADD", "ffn_moe_out", embd * tokens * f32, out, view)
+    return out
+
+
 def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool,
                          on_gpu: bool = False) -> int:
     """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
     full ubatch) and its one-token graph. It depends on the model's shapes, not on its tensors' types: a planner
     asking for many quantizations replays each graph once."""
     shapes = (model.n_layer, model.n_embd, model.n_head, tuple(model.n_head_kv), model.head_dim_k, model.head_dim_v,
-              model.n_ff, model.n_vocab, tuple(sorted(t.name for t in model.tensors if t.name.endswith(".bias"))))
-    key = (shapes, settings.n_ubatch_at(n_ctx), n_kv, flash_attn, settings.release, on_gpu)
+              model.n_ff, model.n_vocab, model.n_expert, model.n_expert_used, model.n_ff_exp,
+              tuple(sorted(t.name for t in model.tensors if t.name.endswith(GRAPH_TENSORS))))
+    key = (shapes, settings.n_ubatch_at(n_ctx), n_kv, flash_attn, settings.release, rotations(model, settings), on_gpu)
     if key not in _REPLAYED:
         alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
         _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn,
-                                                    release=settings.release, on_gpu=on_gpu), alignment)
+                                                    settings=settings, on_gpu=on_gpu), alignment)
                              for tokens in (settings.n_ubatch_at(n_ctx), 1))
     return _REPLAYED[key]
 
@@ -278,5 +359,5 @@ def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: i
     input, positions, cache rows, mask, output rows) and the embedding lookup's result, which the GPU copies."""
     tokens, release = settings.n_ubatch_at(n_ctx), settings.release
     sizes = [tokens * 4] + ([model.n_embd * tokens * 4] if release.has("embd_input") else [])
-    sizes += [size for _, size in _inputs(model, tokens, n_kv, flash_attn, release)] + [model.n_embd * tokens * 4]
+    sizes += [size for _, size in _inputs(model, tokens, n_kv, flash_attn, settings)] + [model.n_embd * tokens * 4]
     return sum(-(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT for size in sizes)

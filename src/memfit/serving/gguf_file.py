@@ -52,8 +52,8 @@ class GGUFTensor:
 
 @dataclass
 class GGUFModel:
-    """What llama.cpp's buffers depend on (KV heads per layer, where a model varies them). n_swa and n_expert are
-    read so that a model whose graph memfit does not replay is refused (serving/llamacpp.py)."""
+    """What llama.cpp's buffers depend on (KV heads per layer, where a model varies them). n_swa is read so that a
+    model whose graph memfit does not replay is refused (serving/llamacpp.py)."""
     name: str
     arch: str
     n_layer: int
@@ -67,7 +67,9 @@ class GGUFModel:
     n_ctx_train: int
     tensors: list[GGUFTensor]
     n_swa: int = 0               # a sliding window's tokens (0: none)
-    n_expert: int = 0
+    n_expert: int = 0            # a mixture of experts: the experts of each layer's FFN (0: a dense FFN)
+    n_expert_used: int = 0       # the experts each token is routed to
+    n_ff_exp: int = 0            # an expert's FFN width
     source: str = ""             # the file, or the recipe that wrote the tensor list
 
     @property
@@ -131,4 +133,12 @@ def read_gguf(path: str) -> GGUFModel:
         n_ff=int(max(_per_layer(_field(fields, f"{arch}.feed_forward_length", 0), n_layer))),
         n_vocab=int(vocab), n_ctx_train=int(_field(fields, f"{arch}.context_length", 0)), tensors=tensors,
         n_swa=int(_field(fields, f"{arch}.attention.sliding_window", 0) or 0),
-        n_expert=int(_field(fields, f"{arch}.expert_count", 0) or 0), source=path)
+        n_expert=int(_field(fields, f"{arch}.expert_count", 0) or 0),
+        n_expert_used=int(_field(fields, f"{arch}.expert_used_count", 0) or 0),
+        n_ff_exp=int(_field(fields, f"{arch}.expert_feed_forward_length", 0) or 0) or _expert_width(tensors),
+        source=path)
+
+
+def _expert_width(tensors: list[GGUFTensor]) -> int:
+    """An expert's FFN width from its up projection (n_embd x n_ff_exp x n_expert; Mixtral's files name none)."""
+    return next((t.shape[1] for t in tensors if t.name.endswith("ffn_up_exps.weight")), 0)

@@ -142,7 +142,19 @@ def _recipe(tensor: GGUFTensor, kind: str, file_type: str, *, tied: bool, gqa: i
 
 
 # Hugging Face model types whose GGUF memfit writes: llama.cpp's architecture for each
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                 "qwen3_moe": "qwen3moe"}
+
+
+def _experts(name: str, config: dict) -> tuple[int, int, int]:
+    """(experts, experts per token, an expert's FFN width) of a mixture of experts; (0, 0, 0) for a dense FFN."""
+    n_expert = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if not n_expert:
+        return 0, 0, 0
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+        raise MemfitError(f"{name}: dense layers between the mixture-of-experts layers are not modelled.")
+    return (n_expert, int(config["num_experts_per_tok"]),
+            int(config.get("moe_intermediate_size") or config["intermediate_size"]))
 
 
 def from_config(name: str, config: dict, source: str) -> GGUFModel:
@@ -160,6 +172,7 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or embd // heads)
     ffn, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
+    n_expert, n_expert_used, ffn_exp = _experts(name, config)
     tied = bool(config.get("tie_word_embeddings", False))
     tensors = [GGUFTensor("token_embd.weight", "F16", (embd, vocab))]
     rope = config.get("rope_scaling") or {}
@@ -174,17 +187,24 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
         if arch == "qwen2":
             tensors += [GGUFTensor(blk + f"attn_{p}.bias", "F32", (n * head_dim,))
                         for p, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))]
-        if arch == "qwen3":
+        if arch.startswith("qwen3"):
             tensors += [GGUFTensor(blk + f"attn_{p}_norm.weight", "F32", (head_dim,)) for p in ("q", "k")]
         tensors += [GGUFTensor(blk + "attn_output.weight", "F16", (heads * head_dim, embd)),
-                    GGUFTensor(blk + "ffn_norm.weight", "F32", (embd,)),
-                    GGUFTensor(blk + "ffn_gate.weight", "F16", (embd, ffn)),
-                    GGUFTensor(blk + "ffn_up.weight", "F16", (embd, ffn)),
-                    GGUFTensor(blk + "ffn_down.weight", "F16", (ffn, embd))]
+                    GGUFTensor(blk + "ffn_norm.weight", "F32", (embd,))]
+        if n_expert:   # the router (kept in float32) and each projection's experts stacked in one 3-D tensor
+            tensors += [GGUFTensor(blk + "ffn_gate_inp.weight", "F32", (embd, n_expert)),
+                        GGUFTensor(blk + "ffn_gate_exps.weight", "F16", (embd, ffn_exp, n_expert)),
+                        GGUFTensor(blk + "ffn_up_exps.weight", "F16", (embd, ffn_exp, n_expert)),
+                        GGUFTensor(blk + "ffn_down_exps.weight", "F16", (ffn_exp, embd, n_expert))]
+        else:
+            tensors += [GGUFTensor(blk + "ffn_gate.weight", "F16", (embd, ffn)),
+                        GGUFTensor(blk + "ffn_up.weight", "F16", (embd, ffn)),
+                        GGUFTensor(blk + "ffn_down.weight", "F16", (ffn, embd))]
     tensors.append(GGUFTensor("output_norm.weight", "F32", (embd,)))
     if not tied:
         tensors.append(GGUFTensor("output.weight", "F16", (embd, vocab)))
     return GGUFModel(name=name, arch=arch, n_layer=layers, n_embd=embd, n_head=heads, n_head_kv=[kv_heads] * layers,
                      head_dim_k=head_dim, head_dim_v=head_dim, n_ff=ffn, n_vocab=vocab,
                      n_ctx_train=int(config.get("max_position_embeddings", 0)), tensors=tensors,
+                     n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=ffn_exp,
                      source=f"{source}, as llama.cpp's converter writes it")

@@ -5,7 +5,7 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
 0.3.36 vendors) state them and its load logs here show them (benchmarks/llamacpp_cpu_run.py):
 - weights: the token embedding stays on the CPU; with -ngl N the last N of the n_layer + 1 slots (the extra one
   the output head) go to the GPU (one GPU modelled: --tensor-split is not). A tied embedding is loaded a second time
-  as the head, on the head's device.
+  as the head, on the head's device. --n-cpu-moe N keeps the experts (ffn_*_exps) of the first N layers on the CPU.
 - KV cache: n_ctx rounded up as the release pads it (to 256 now; llamacpp_releases.py); split over --parallel
   streams unless unified (each stream n_ctx / streams, rounded up); per layer cells x (n_head_kv x head_dim_k in
   type_k's bytes + the same for V), on the layer's device unless --no-kv-offload.
@@ -22,7 +22,8 @@ from memfit.serving.gguf_file import GGUFModel, GGUFTensor, read_gguf, row_bytes
 from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
-GRAPHS = ("llama", "qwen2", "qwen3")   # llama.cpp architectures whose graph memfit replays (mistral's is llama's)
+# llama.cpp architectures whose graph memfit replays (mistral's and Mixtral's are llama's)
+GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
@@ -44,9 +45,13 @@ class LlamaCppSettings:
     kv_unified: bool = False
     no_kv_offload: bool = False
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
+    n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
     engine_version: str | None = None   # the build's date, YYYY-MM[-DD]; None: the newest modelled
 
     def __post_init__(self) -> None:
+        if self.n_cpu_moe < -1:
+            raise MemfitError(f"--n-cpu-moe {self.n_cpu_moe}: the number of layers whose experts stay on the CPU (0 "
+                              "or more).")
         for name in ("ctx_size", "n_batch", "n_ubatch", "parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise MemfitError(f"--{name.replace('_', '-')} {getattr(self, name)}: it takes a whole number of 1 or "
@@ -112,6 +117,7 @@ class LlamaCppEstimate:
     kv: KVCache
     buffers: dict[str, Buffers]      # by device: "CPU", "GPU0", ...
     weights_bytes: int
+    placement: dict[str, str] = field(default_factory=dict)   # each weight's device ("CPU", "GPU0")
     notes: list[str] = field(default_factory=list)
 
 
@@ -182,12 +188,22 @@ def kv_cache(model: GGUFModel, settings: LlamaCppSettings, flash_attn: bool) -> 
     return KVCache(cells, streams, layers, k, v)
 
 
+def _device(tensor: GGUFTensor, device_of, n_layer: int, cpu_moe: int) -> str:
+    """Where llama.cpp loads a weight: a layer's on its layer's device (its experts on the CPU in the first
+    --n-cpu-moe layers: llama.cpp's tensor override), the token embedding on the CPU, the rest with the head."""
+    if tensor.layer is not None:
+        return "CPU" if tensor.layer < cpu_moe and tensor.name.endswith("_exps.weight") else device_of(tensor.layer)
+    if tensor.name.startswith(("token_embd", "per_layer_token_embd", "token_types", "position_embd")):
+        return "CPU"
+    return device_of(n_layer)
+
+
 def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None, *, engine: str = "llama.cpp",
                       gpus: int = 0) -> LlamaCppEstimate:
     """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
     settings = settings or LlamaCppSettings()
-    if model.arch not in GRAPHS or model.n_expert or model.n_swa:
-        kind = "a mixture of experts" if model.n_expert else "sliding-window attention" if model.n_swa else model.arch
+    if model.arch not in GRAPHS or model.n_swa:
+        kind = "sliding-window attention" if model.n_swa else model.arch
         raise MemfitError(f"{model.name}: llama.cpp's buffers for {kind} are not modelled (memfit replays the graphs "
                           f"of {', '.join(GRAPHS)}); its weights alone: {model.weights_bytes / 2**30:.2f} GiB.")
     if settings.ctx_size is None:   # llama.cpp's -c 0: the training context (--fit may shrink it: not modelled)
@@ -207,13 +223,10 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     buffers = {"CPU": Buffers("CPU")}
     if gpus:
         buffers["GPU0"] = Buffers("GPU0")
+    cpu_moe = model.n_layer if settings.n_cpu_moe < 0 else settings.n_cpu_moe
+    placed = {tensor.name: _device(tensor, device_of, model.n_layer, cpu_moe) for tensor in model.tensors}
     for tensor in model.tensors:
-        if tensor.layer is not None:
-            device = device_of(tensor.layer)
-        elif tensor.name.startswith(("token_embd", "per_layer_token_embd", "token_types", "position_embd")):
-            device = "CPU"
-        else:
-            device = device_of(model.n_layer)
+        device = placed[tensor.name]
         buffers[device].model += gpu_tensor_bytes(tensor) if device != "CPU" else tensor.nbytes
     if model.tied_embeddings and device_of(model.n_layer) != "CPU":
         embedding = next(t for t in model.tensors if t.name == "token_embd.weight")
@@ -225,8 +238,10 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
             buffers["CPU" if settings.no_kv_offload else device_of(layer)].kv += per_layer
     rows = settings.parallel if settings.release.has("output_per_sequence") else min(settings.n_batch, n_ctx)
     buffers["CPU"].output = (model.n_vocab + (model.n_embd if settings.embeddings else 0)) * rows * 4
-    notes = []
-    if on_gpu == model.n_layer + 1:
+    notes = ["--n-cpu-moe: the model has no experts; it moves nothing"] if settings.n_cpu_moe and not model.n_expert \
+        else []
+    on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
+    if gpus and not on_cpu:
         buffers["GPU0"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash,
                                                        on_gpu=True)
         buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
@@ -235,13 +250,15 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     else:
         buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
         if on_gpu:   # an upper bound: each device's buffer as if it ran every layer
-            on_cpu = [t for t in model.tensors if t.layer is not None and device_of(t.layer) == "CPU"]
             copied = max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
             buffers["GPU0"].compute = copied + compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells,
                                                                     flash_attn=flash, on_gpu=True)
-            notes.append(f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU: each compute buffer is bounded "
-                         "from above (as if its device ran every layer; the GPU's also holds the largest CPU-held "
-                         "weight, which it copies to run a prompt's matrix products); not checked against a log")
+            held = f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU"
+            if cpu_moe and model.n_expert:
+                held += f", the experts of {min(cpu_moe, model.n_layer)} layers on the CPU"
+            notes.append(f"{held}: each compute buffer is bounded from above (as if its device ran every layer; the "
+                         "GPU's also holds the largest CPU-held weight, which it copies to run a prompt's matrix "
+                         "products); not checked against a log")
     return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
                             n_layer=model.n_layer, layers_on_gpu=on_gpu,
-                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, notes=notes)
+                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, placement=placed, notes=notes)

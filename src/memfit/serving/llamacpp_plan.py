@@ -51,6 +51,12 @@ class LlamaCppPlan:
     ppl_increase: float
 
     @property
+    def split(self) -> str:
+        """What goes where: -ngl's layer slots, and the first layers whose experts stay on the CPU."""
+        text = f"-ngl {self.estimate.layers_on_gpu}/{self.estimate.n_layer + 1}"
+        return text + f" --n-cpu-moe {self.settings.n_cpu_moe}" if self.settings.n_cpu_moe else text
+
+    @property
     def full_offload(self) -> bool:
         return self.estimate.layers_on_gpu == self.estimate.n_layer + 1
 
@@ -60,13 +66,18 @@ class LlamaCppPlan:
                  "-ngl", str(self.estimate.layers_on_gpu), "-fa", s.flash_attn]
         if s.cache_type_k != "f16":
             words += ["-ctk", s.cache_type_k, "-ctv", s.cache_type_v]
+        if s.n_cpu_moe:
+            words += ["--n-cpu-moe", str(s.n_cpu_moe)]
         if s.parallel > 1:
             words += ["-np", str(s.parallel)]
         return " ".join(words)
 
-    def modelfile(self, model: str) -> str:
-        """Ollama's Modelfile for the plan (its num_ctx is per slot; OLLAMA_NUM_PARALLEL sets the slots)."""
+    def modelfile(self, model: str) -> str | None:
+        """Ollama's Modelfile for the plan (its num_ctx is per slot; OLLAMA_NUM_PARALLEL sets the slots); None where
+        the plan keeps experts on the CPU, which Ollama has no parameter for."""
         s = self.settings
+        if s.n_cpu_moe:
+            return None
         per_slot = (s.ctx_size or self.estimate.n_ctx) // s.parallel
         return "\n".join([f"FROM ./{model}-{self.quant}.gguf", f"PARAMETER num_ctx {per_slot}",
                           f"PARAMETER num_gpu {self.estimate.layers_on_gpu}"]) + "\n"
@@ -91,17 +102,27 @@ class LlamaCppPlanResult:
 
 
 def _speed(estimate: LlamaCppEstimate, gguf: GGUFModel, gpu: GPU, host_bandwidth_gbps: float) -> tuple[float, float]:
-    """(tokens/s generating, tokens/s reading a prompt): the first model the module docstring states."""
-    gpu_buffers, cpu_buffers = estimate.buffers["GPU0"], estimate.buffers["CPU"]
-    embedding = next((t.nbytes for t in gguf.tensors if t.name == "token_embd.weight"), 0)
-    cpu_weights = max(0, cpu_buffers.model - embedding)   # a token reads one row of the embedding
+    """(tokens/s generating, tokens/s reading a prompt): the first model the module docstring states. A mixture of
+    experts reads, and multiplies by, the experts a token is routed to (n_expert_used of n_expert of each expert
+    tensor); a prompt's ubatch on a partial offload copies every CPU-held layer weight to the GPU once."""
+    read = {"GPU0": 0.0, "CPU": 0.0}
+    active = copied = 0.0
+    for tensor in gguf.tensors:
+        device = estimate.placement[tensor.name]
+        share = gguf.n_expert_used / gguf.n_expert if tensor.name.endswith("_exps.weight") else 1.0
+        if tensor.name == "token_embd.weight":   # a token reads one row of the embedding
+            share = 1 / tensor.shape[1]
+        read[device] += tensor.nbytes * share
+        if tensor.layer is not None:
+            active += tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) > 1 else 1) * share
+        if device == "CPU" and tensor.name != "token_embd.weight":
+            copied += tensor.nbytes
     kv_read = 0.5
-    step = (gpu_buffers.model + kv_read * gpu_buffers.kv) / (gpu.memory_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
-    step += (cpu_weights + kv_read * cpu_buffers.kv) / (host_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
-    params = sum(t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in gguf.tensors if t.layer is not None)
+    step = (read["GPU0"] + kv_read * estimate.buffers["GPU0"].kv) / (gpu.memory_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
+    step += (read["CPU"] + kv_read * estimate.buffers["CPU"].kv) / (host_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
     ubatch = estimate.settings.n_ubatch
-    prompt = 2 * params * ubatch / ((gpu.bf16_tflops or gpu.fp16_tflops) * 1e12 * MATMUL_SHARE)
-    prompt += cpu_weights / (gpu.host_link_gbps * 1e9)    # op offload: the CPU's weights cross the host link
+    prompt = 2 * active * ubatch / ((gpu.bf16_tflops or gpu.fp16_tflops) * 1e12 * MATMUL_SHARE)
+    prompt += copied / (gpu.host_link_gbps * 1e9)    # op offload: the CPU's weights cross the host link
     return 1 / step, ubatch / prompt
 
 
@@ -110,6 +131,22 @@ def _fits(estimate: LlamaCppEstimate, gpu: GPU, host_ram_bytes: int) -> tuple[bo
     host_bytes = estimate.buffers["CPU"].total
     return gpu_bytes <= gpu.memory_bytes - FIT_TARGET, host_bytes <= host_ram_bytes - HOST_RESERVE, gpu_bytes, \
         host_bytes
+
+
+def _most(settings: LlamaCppSettings, gguf: GGUFModel, gpu: GPU, *, experts: bool) -> LlamaCppEstimate | None:
+    """The most on the GPU that fits it, if anything does: layer slots (-ngl), or with `experts` every layer and the
+    experts of all but the fewest first layers (--n-cpu-moe)."""
+    best = None
+    low, high = 0, gguf.n_layer if experts else gguf.n_layer + 1
+    while low <= high:
+        middle = (low + high) // 2
+        at = replace(settings, n_cpu_moe=gguf.n_layer - middle) if experts else replace(settings, n_gpu_layers=middle)
+        estimate = estimate_llamacpp(gguf, at, gpus=1)
+        if _fits(estimate, gpu, 0)[0]:
+            best, low = estimate, middle + 1
+        else:
+            high = middle - 1
+    return best
 
 
 def plan_llamacpp(model: str, gpu: GPU, *, host_ram_bytes: int, ctx_size: int | None = None, parallel: int = 1,
@@ -124,29 +161,25 @@ def plan_llamacpp(model: str, gpu: GPU, *, host_ram_bytes: int, ctx_size: int | 
         for kv_type in KV_TYPES:
             settings = LlamaCppSettings(ctx_size=ctx_size, parallel=parallel, flash_attn="on",
                                         cache_type_k=kv_type, cache_type_v=kv_type)
-            best = None
-            low, high = 0, gguf.n_layer + 1      # the most layer slots on the GPU that fit it
-            while low <= high:
-                middle = (low + high) // 2
-                estimate = estimate_llamacpp(gguf, replace(settings, n_gpu_layers=middle), gpus=1)
-                gpu_fits, _, _, _ = _fits(estimate, gpu, host_ram_bytes)
-                if gpu_fits:
-                    best, low = estimate, middle + 1
-                else:
-                    high = middle - 1
-            if best is None:
-                rejected.append(f"{quant}, KV {kv_type}: not even the output head fits {gpu.name}")
-                continue
-            _, host_fits, gpu_bytes, host_bytes = _fits(best, gpu, host_ram_bytes)
-            if not host_fits:
-                least_host = min(least_host or host_bytes, host_bytes)
-                rejected.append(f"{quant}, KV {kv_type}: the host needs {host_bytes / GiB:.1f} GiB with "
-                                f"{best.layers_on_gpu} layer slots on the GPU ({host_ram_bytes / GiB:.0f} GiB "
-                                f"less {HOST_RESERVE / GiB:.0f} for the system)")
-                continue
-            decode, prompt = _speed(best, gguf, gpu, host_bandwidth_gbps)
-            plans.append(LlamaCppPlan(quant, best.settings, best, gpu_bytes, host_bytes, decode, prompt,
-                                      QUALITY[quant] + (KV_Q8_COST if kv_type == "q8_0" else 0.0)))
+            # the most layer slots on the GPU that fit it; a mixture of experts may instead keep every layer there
+            # and leave the experts of its first layers on the CPU (--n-cpu-moe: the fewest that fit)
+            splits = [_most(settings, gguf, gpu, experts=False)]
+            if gguf.n_expert:
+                splits.append(_most(settings, gguf, gpu, experts=True))
+            for best in splits:
+                if best is None:
+                    rejected.append(f"{quant}, KV {kv_type}: not even the output head fits {gpu.name}")
+                    continue
+                _, host_fits, gpu_bytes, host_bytes = _fits(best, gpu, host_ram_bytes)
+                if not host_fits:
+                    least_host = min(least_host or host_bytes, host_bytes)
+                    rejected.append(f"{quant}, KV {kv_type}: the host needs {host_bytes / GiB:.1f} GiB with "
+                                    f"{best.layers_on_gpu} layer slots on the GPU ({host_ram_bytes / GiB:.0f} GiB "
+                                    f"less {HOST_RESERVE / GiB:.0f} for the system)")
+                    continue
+                decode, prompt = _speed(best, gguf, gpu, host_bandwidth_gbps)
+                plans.append(LlamaCppPlan(quant, best.settings, best, gpu_bytes, host_bytes, decode, prompt,
+                                          QUALITY[quant] + (KV_Q8_COST if kv_type == "q8_0" else 0.0)))
     key = (lambda p: (p.ppl_increase, -p.decode_tokens_per_s)) if objective == "quality" else (
         lambda p: (-p.decode_tokens_per_s, p.ppl_increase))
     return LlamaCppPlanResult(model, sorted(plans, key=key), rejected, least_host)

@@ -21,6 +21,8 @@ CHANGES = {
     "ctx_pad_256": ("2025-11-07", "PR 17046: n_ctx padded to 256"),
     "no_mask_pad": ("2025-12-10", "PR 17910: the attention mask's tokens no longer padded (to 32)"),
     "embd_input": ("2026-01-18", "PR 18898: every graph also takes an embeddings input (ggml_build_forward_select)"),
+    "kv_rotation": ("2026-04-01", "PR 21038: a quantized KV cache stores Q, K and V rotated (Hadamard matrices as "
+                                  "graph inputs, a matrix product each, and one on the attention's output)"),
     "f16_mask": ("2026-05-27", "PR 23764: with flash attention the mask is made F16, not F32 then cast"),
 }
 _DATE = re.compile(r"^(\d{4})-(\d{2})(?:-(\d{2}))?$")

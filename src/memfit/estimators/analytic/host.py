@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, cast
 
 from memfit.core.dtypes import dtype_name
@@ -50,9 +51,17 @@ def offload_host_bytes(workload: ResolvedWorkload, gpu=None) -> tuple[int, int]:
 
 def parameter_sizes(workload: ResolvedWorkload, gpu=None) -> list[int]:
     family, spec = program_of(workload, gpu)
+    try:
+        return list(_declared_sizes(family, spec, workload.source.num_layers))
+    except TypeError:   # a spec that cannot be a cache key
+        return list(_declared_sizes.__wrapped__(family, spec, workload.source.num_layers))
+
+
+@functools.lru_cache(maxsize=64)   # a planner asks for the same model's sizes once per candidate
+def _declared_sizes(family, spec, num_layers: int) -> tuple[int, ...]:
     e = Engine(Policy("float32", None, "cpu", False))
-    family.declare_params(e, spec, workload.source.num_layers)
-    return [p.numel for p in e.params.values()]
+    family.declare_params(e, spec, num_layers)
+    return tuple(p.numel for p in e.params.values())
 
 
 # DeepSpeed 0.19's ZeRO-Infinity defaults (runtime/swap_tensor/constants.py, runtime/zero/offload_config.py, config.py)

@@ -29,23 +29,24 @@ def _allocated(eng: Engine, size: int) -> int:
 
 
 class Sym:
-    __slots__ = ("eng", "numel", "dtype", "grad", "category", "counted", "uid", "__weakref__")
+    __slots__ = ("eng", "numel", "dtype", "grad", "category", "counted", "uid", "nbytes", "__weakref__")
 
-    def __init__(self, eng: Engine, numel: int, dtype: str, grad: bool, category: str, counted: bool = True):
+    def __init__(self, eng: Engine, numel: int, dtype: str, grad: bool, category: str, counted: bool = True,
+                 stored_dtype: str | None = None):
+        """`stored_dtype`: what its bytes are stored in, when not `dtype` (a parameter's state_dtype)."""
         self.eng, self.numel, self.dtype, self.grad = eng, int(numel), dtype, grad
         self.category, self.counted = category, counted
         self.uid = next(_serial)
+        self.nbytes = _allocated(eng, self.numel * BYTES[stored_dtype or dtype])   # as the allocator rounds them
         if counted:
             eng._account(self, +1)
 
-    @property
-    def nbytes(self) -> int:
-        return _allocated(self.eng, self.numel * BYTES[self.dtype])
-
     def __del__(self):
         if self.counted:
-            with contextlib.suppress(Exception):   # at interpreter shutdown
+            try:   # noqa: SIM105 (contextlib.suppress would cost a call per tensor)
                 self.eng._account(self, -1)
+            except Exception:   # at interpreter shutdown
+                pass
 
 
 class Param(Sym):
@@ -60,16 +61,12 @@ class Param(Sym):
         # `dtype`: what the program computes with; `state_dtype`: what is stored (the parameter, its gradient and
         # optimizer states), which differs under FSDP2's MixedPrecisionPolicy (float32 shards gathered in bf16)
         self.state_dtype = state_dtype or dtype
-        super().__init__(eng, numel, dtype, trainable, "parameters")
+        super().__init__(eng, numel, dtype, trainable, "parameters", stored_dtype=self.state_dtype)
         self.name = name
         self.grad_sym: Sym | None = None
         self.lora: tuple[Param, Param] | None = None   # LoRA's (A, B) on this weight (techniques/adapters.py)
         self.frozen = False   # requires_grad=False (LoRA's base weights): autocast does not cache its casts
         self.quant: Quantized | None = None   # stored quantized, or fake-quantized (analytic/weights.py)
-
-    @property
-    def nbytes(self) -> int:
-        return _allocated(self.eng, self.numel * BYTES[self.state_dtype])
 
 
 @dataclass
