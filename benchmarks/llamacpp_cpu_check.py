@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from llamacpp_cpu_run import expand
 
-from memfit.serving.gguf_file import GGUFModel, GGUFTensor
+from memfit.serving.gguf_file import GGUFModel, GGUFTensor, swa_pattern
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,9 +29,13 @@ def model_of(run: dict) -> GGUFModel:
     h = run["hparams"]
     return GGUFModel(name=f"{run['model']}-{run['quant']}", arch=h["arch"], n_layer=h["n_layer"], n_embd=h["n_embd"],
                      n_head=h["n_head"], n_head_kv=[h["n_head_kv"]] * h["n_layer"],
-                     head_dim_k=h["n_embd"] // h["n_head"], head_dim_v=h["n_embd"] // h["n_head"], n_ff=h["n_ff"],
+                     head_dim_k=h.get("head_dim") or h["n_embd"] // h["n_head"],
+                     head_dim_v=h.get("head_dim") or h["n_embd"] // h["n_head"], n_ff=h["n_ff"],
                      n_vocab=h["n_vocab"], n_ctx_train=4096, n_expert=h.get("n_expert", 0),
-                     n_expert_used=h.get("n_expert_used", 0), n_ff_exp=h.get("n_ff_exp") or h["n_ff"],
+                     n_expert_used=h.get("n_expert_used", 0),
+                     n_ff_exp=(h.get("n_ff_exp") or h["n_ff"]) if h.get("n_expert") else 0,
+                     n_swa=h.get("n_swa", 0), swa_layers=swa_pattern(None, h["arch"], h["n_layer"]) if h.get("n_swa")
+                     else [],
                      tensors=[GGUFTensor(name, kind, tuple(shape)) for name, kind, shape in run["tensors"]])
 
 
@@ -40,21 +44,28 @@ def settings_of(run: dict) -> LlamaCppSettings:
     return LlamaCppSettings(ctx_size=s["n_ctx"], n_batch=s.get("n_batch", 2048), n_ubatch=s.get("n_ubatch", 512),
                             cache_type_k=s.get("type_k", "f16"), cache_type_v=s.get("type_v", "f16"),
                             flash_attn=s.get("flash_attn", "off"), parallel=s.get("n_seq_max", 1),
-                            kv_unified=s.get("kv_unified", False), n_gpu_layers=0)
+                            kv_unified=s.get("kv_unified", False), swa_full=s.get("swa_full", False), n_gpu_layers=0)
 
 
 def compare(run: dict) -> dict:
     """memfit's figures beside the run's (MiB, as llama.cpp prints them)."""
-    predicted = estimate_llamacpp(model_of(run), settings_of(run))
-    cpu = predicted.buffers["CPU"]
+    model = model_of(run)
+    predicted = estimate_llamacpp(model, settings_of(run))
+    cpu, swa = predicted.buffers["CPU"], run["kv"].get("swa", {})
     return {
         "case": f"{run['model']} {run['quant']} " + " ".join(f"{k}={v}" for k, v in run["settings"].items()),
         "weights": (predicted.weights_bytes, run["model_size_bytes"]),
-        "kv_cells": (predicted.kv.cells, run["kv"]["cells"]),
-        "kv_mib": (round(cpu.kv / MiB, 2), run["kv"]["mib"]),
+        "kv_cells": ((predicted.kv.cells, predicted.kv.swa_cells), (run["kv"]["cells"], swa.get("cells", 0))),
+        "kv_mib": (cache_mib(model, predicted), (run["kv"]["mib"], swa.get("mib", 0.0))),
         "output_mib": (round(cpu.output / MiB, 2), run["output_buffers_mib"]["CPU"]),
         "compute_mib": (round(cpu.compute / MiB, 4), run["compute_buffers_mib"]["CPU"]),
     }
+
+
+def cache_mib(model: GGUFModel, predicted) -> tuple[float, float]:
+    """Each cache's MiB as llama.cpp prints it: the full-attention layers', the sliding-window layers' (0 if none)."""
+    swa = sum(size for size, sliding in zip(predicted.kv.layer_bytes, model.swa_layers) if sliding)
+    return round((predicted.kv.bytes - swa) / MiB, 2), round(swa / MiB, 2)
 
 
 def load_record() -> dict:
@@ -67,7 +78,7 @@ def main() -> None:
     rows = [compare(run) for run in expand(record)]
     lines = [f"memfit against llama.cpp (llama-cpp-python {record['llama_cpp_python']}, CPU) loading tiny GGUF models "
              "here", "",
-             f"{'case':<62} {'weights B':>10} {'KV cells':>9} {'KV MiB':>13} {'out MiB':>11} {'compute MiB':>21}"]
+             f"{'case':<72} {'weights B':>10} {'KV cells':>9} {'KV MiB':>13} {'out MiB':>11} {'compute MiB':>21}"]
     errors = []
     for row in rows:
         w, cells, kv, out, comp = (row[k] for k in ("weights", "kv_cells", "kv_mib", "output_mib", "compute_mib"))
@@ -75,7 +86,8 @@ def main() -> None:
         errors.append(abs(error))
         marks = "" if w[0] == w[1] and cells[0] == cells[1] and kv[0] == kv[1] and out[0] == out[1] else "  MISMATCH"
         same_w, same_cells = "=" if w[0] == w[1] else w[0], "=" if cells[0] == cells[1] else cells[0]
-        lines.append(f"{row['case']:<62} {same_w:>10} {same_cells:>9} {kv[0]:>6}/{kv[1]:<6} {out[0]:>5}/{out[1]:<5} "
+        kv = tuple(round(sum(part), 2) for part in kv)   # both caches together
+        lines.append(f"{row['case']:<72} {same_w:>10} {same_cells:>9} {kv[0]:>6}/{kv[1]:<6} {out[0]:>5}/{out[1]:<5} "
                      f"{comp[0]:>9.4f}/{comp[1]:<9.4f} {error:+.1%}{marks}")
     exact = sum(r["weights"][0] == r["weights"][1] and r["kv_mib"][0] == r["kv_mib"][1]
                 and r["kv_cells"][0] == r["kv_cells"][1] for r in rows)

@@ -34,6 +34,9 @@ MODELS = {
     "deep": dict(arch="llama", n_embd=256, n_layer=16, n_head=4, n_head_kv=1, n_ff=320, n_vocab=512),
     # heads of 128: a quantized cache stores them rotated by 128 x 128 matrices (K) and 64 x 64 ones (V)
     "head128": dict(arch="llama", n_embd=256, n_layer=2, n_head=2, n_head_kv=1, n_ff=512, n_vocab=700),
+    # Gemma 3: heads of 128 beside an embedding of 256, five sliding-window layers (window 256) in six
+    "gemma3": dict(arch="gemma3", n_embd=256, n_layer=7, n_head=4, n_head_kv=2, n_ff=512, n_vocab=900, tied=True,
+                   head_dim=128, n_swa=256),
     # mixtures of experts: Mixtral's 8 experts, 2 a token (llama.cpp's llama graph), Qwen3-MoE's many (qwen3moe)
     "mixtral": dict(arch="llama", n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1000, n_expert=8,
                     n_expert_used=2),
@@ -68,6 +71,12 @@ CASES = [
 CASES += [
     ("head128", "Q4_K_M", dict(n_ctx=2048, flash_attn="on", type_k="q4_0", type_v="q4_0")),
     ("head128", "Q4_K_M", dict(n_ctx=2048, flash_attn="off", type_k="q8_0")),
+    ("gemma3", "Q4_K_M", dict(n_ctx=2048)),
+    ("gemma3", "Q8_0", dict(n_ctx=4096, flash_attn="on", n_ubatch=256)),
+    ("gemma3", "Q4_K_M", dict(n_ctx=4096, n_seq_max=4, kv_unified=True, flash_attn="on")),
+    ("gemma3", "Q6_K", dict(n_ctx=4096, n_seq_max=2, flash_attn="on", type_k="q8_0", type_v="q8_0")),
+    ("gemma3", "Q4_0", dict(n_ctx=640)),
+    ("gemma3", "Q4_K_M", dict(n_ctx=2048, swa_full=True)),
     ("mixtral", "Q4_K_M", dict(n_ctx=2048)),
     ("mixtral", "Q2_K", dict(n_ctx=1024, n_ubatch=128)),
     ("mixtral", "Q8_0", dict(n_ctx=2048, flash_attn="on", n_seq_max=2)),
@@ -79,9 +88,11 @@ CASES += [
 
 
 def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
-               n_vocab: int, tied: bool = False, n_expert: int = 0, n_expert_used: int = 0, n_ff_exp: int = 0) -> None:
+               n_vocab: int, tied: bool = False, n_expert: int = 0, n_expert_used: int = 0, n_ff_exp: int = 0,
+               head_dim: int = 0, n_swa: int = 0) -> None:
     """A float32 model with llama.cpp's tensor names for `arch` (random weights: only the sizes matter); with
-    `n_expert`, each layer's FFN a mixture of experts (the router and 3-D expert tensors, as the converter writes)."""
+    `n_expert`, each layer's FFN a mixture of experts (the router and 3-D expert tensors, as the converter writes);
+    Gemma 3's with its post-norms and, with `n_swa`, sliding-window layers (five in six)."""
     import gguf
     import numpy as np
 
@@ -93,7 +104,13 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head_kv)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(n_embd // n_head)
+    head_dim = head_dim or n_embd // n_head
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != n_embd // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if n_swa:
+        writer.add_sliding_window(n_swa)
     writer.add_vocab_size(n_vocab)
     writer.add_tokenizer_model("no_vocab")
     writer.add_file_type(0)
@@ -103,7 +120,6 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
         if n_ff_exp:
             writer.add_expert_feed_forward_length(n_ff_exp)
     rng = np.random.default_rng(0)
-    head_dim = n_embd // n_head
 
     def tensor(name: str, *shape: int) -> None:   # numpy order: (rows, columns)
         writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
@@ -117,7 +133,7 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
         tensor(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
         tensor(f"blk.{i}.attn_k.weight", n_head_kv * head_dim, n_embd)
         tensor(f"blk.{i}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        if arch.startswith("qwen3"):   # RMS norms on each head's Q and K
+        if arch.startswith(("qwen3", "gemma3")):   # RMS norms on each head's Q and K
             tensor(f"blk.{i}.attn_q_norm.weight", head_dim)
             tensor(f"blk.{i}.attn_k_norm.weight", head_dim)
         if arch == "qwen2":
@@ -125,6 +141,9 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
             tensor(f"blk.{i}.attn_k.bias", n_head_kv * head_dim)
             tensor(f"blk.{i}.attn_v.bias", n_head_kv * head_dim)
         tensor(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
+        if arch == "gemma3":   # RMS norms after the attention and after the FFN
+            tensor(f"blk.{i}.post_attention_norm.weight", n_embd)
+            tensor(f"blk.{i}.post_ffw_norm.weight", n_embd)
         tensor(f"blk.{i}.ffn_norm.weight", n_embd)
         if n_expert:
             width = n_ff_exp or n_ff
@@ -186,6 +205,7 @@ def load(path: str, settings: dict) -> dict:
     params.n_ubatch = settings.get("n_ubatch", 512)
     params.n_seq_max = settings.get("n_seq_max", 1)
     params.kv_unified = settings.get("kv_unified", False)
+    params.swa_full = settings.get("swa_full", False)   # llama-server's default (the C API's is a full-size cache)
     params.n_threads = params.n_threads_batch = 1
     params.flash_attn_type = {"on": 1, "off": 0, "auto": -1}[settings.get("flash_attn", "off")]
     for key in ("type_k", "type_v"):
@@ -205,11 +225,10 @@ def parse(log: str) -> dict:
     for key, pattern in PATTERNS.items():
         for name, mib in pattern.findall(log):
             out[key][name] = out[key].get(name, 0.0) + float(mib)
-    match = KV_SIZE.search(log)
-    if match:
-        out["kv"] = {"mib": float(match[1]), "cells": int(match[2]), "layers": int(match[3]),
-                     "seqs": int(match[5]), "type_k": match[6], "k_mib": float(match[7]), "type_v": match[8],
-                     "v_mib": float(match[9])}
+    caches = [{"mib": float(m[1]), "cells": int(m[2]), "layers": int(m[3]), "seqs": int(m[5]), "type_k": m[6],
+               "k_mib": float(m[7]), "type_v": m[8], "v_mib": float(m[9])} for m in KV_SIZE.finditer(log)]
+    if caches:   # a sliding-window model's second cache: the window's
+        out["kv"] = {**caches[0], **({"swa": caches[1]} if len(caches) > 1 else {})}
     return out
 
 

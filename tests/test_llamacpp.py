@@ -59,17 +59,22 @@ def test_the_record_covers_the_settings_that_change_the_buffers():
     assert slots["kv"]["cells"] * 4 == plain["kv"]["cells"] and slots["kv"]["mib"] == plain["kv"]["mib"]
 
 
-def test_a_gguf_file_is_read_from_its_header(tmp_path):
-    """The file written by the gguf package gives the model the record's load read: same tensors, same buffers."""
-    run = RUNS[0]
-    path = str(tmp_path / "gqa.gguf")
+@pytest.mark.parametrize("kind", ["gqa", "gemma3", "qwen3moe"])
+def test_a_gguf_file_is_read_from_its_header(kind, tmp_path):
+    """The file written by the gguf package gives the model the record's load read (a dense one, Gemma 3 with its
+    window and heads wider than n_embd / n_head, Qwen3-MoE's experts): same tensors, same buffers."""
+    run = next(r for r in RUNS if r["model"] == kind and r["quant"] in ("F32", "Q4_K_M"))
+    path = str(tmp_path / f"{kind}.gguf")
     write_gguf(path, **run["hparams"])
     model = read_gguf(path)
     recorded = model_of(run)
-    assert [(t.name, t.type, t.shape) for t in model.tensors] == [(t.name, t.type, t.shape) for t in recorded.tensors]
-    assert (model.n_layer, model.n_head, model.n_head_kv, model.head_dim_k, model.n_vocab) == (
-        recorded.n_layer, recorded.n_head, recorded.n_head_kv, recorded.head_dim_k, recorded.n_vocab)
-    assert model.weights_bytes == run["model_size_bytes"]
+    assert sorted((t.name, t.shape) for t in model.tensors) == sorted((t.name, t.shape) for t in recorded.tensors)
+    fields = ("n_layer", "n_head", "n_head_kv", "head_dim_k", "n_vocab", "n_swa", "swa_layers", "n_expert",
+              "n_expert_used", "n_ff_exp")
+    assert [getattr(model, f) for f in fields] == [getattr(recorded, f) for f in fields]
+    if run["quant"] == "F32":
+        assert model.weights_bytes == run["model_size_bytes"]
+    model.tensors = recorded.tensors   # the quantized file's types
     settings = settings_of(run)
     assert estimate_llamacpp(model, settings).buffers["CPU"] == estimate_llamacpp(recorded, settings).buffers["CPU"]
 
@@ -100,7 +105,7 @@ def run(capsys, *argv):
 @pytest.mark.parametrize("argv, fragment", [
     (["llama-3.1-8b"], "Give --quant"),
     (["{path}", "--quant", "Q4_K_M"], "already quantized"),
-    (["gemma-3-12b", "--quant", "Q4_K_M"], "not modelled"),
+    (["gpt-oss-20b", "--quant", "MXFP4_MOE"], "not modelled"),
     (["llama-3.1-8b", "--quant", "Q9"], "--quant Q9"),
     (["missing.gguf"], "no such GGUF file"),
     (["{path}", "-ctv", "q8_0", "-fa", "off"], "needs flash attention"),
@@ -309,12 +314,13 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
 
 
 def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
-    """A GGUF of a sliding-window model or another architecture: its weights come from the header, but its KV cache
-    and compute graph are not llama's; memfit says so rather than print the wrong buffers."""
+    """A GGUF of a sliding-window model other than Gemma 3, or another architecture: its weights come from the
+    header, but its KV cache and compute graph are not those memfit replays; it says so rather than print the wrong
+    buffers."""
     from dataclasses import replace as changed
 
     model = model_of(RUNS[0])
-    for different in (changed(model, n_swa=1024), changed(model, arch="gemma3")):
+    for different in (changed(model, n_swa=1024), changed(model, arch="gemma2"), changed(model, arch="gpt-oss")):
         with pytest.raises(MemfitError, match=r"not modelled.*its weights alone"):
             estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))
 
@@ -466,3 +472,26 @@ def test_a_quantized_cache_is_rotated_from_the_release_that_rotates_it():
     assert rotations(model, LlamaCppSettings(cache_type_k="q8_0", engine_version="2026-03")) == (0, 0)
     assert rotations(model_of(RUNS[0]), LlamaCppSettings(cache_type_k="q8_0")) == (0, 0)   # heads of 32
     assert any(r["model"] == "head128" and r["settings"].get("type_k") == "q4_0" for r in RUNS)
+
+
+def test_gemma3s_window_layers_get_a_cache_of_the_window_and_a_ubatch():
+    """Gemma 3 (five sliding-window layers in six): the window layers' cache holds each slot's window plus a ubatch,
+    padded to 256 (llama_kv_cache_iswa): with a 1024 window, 4 unified slots and a 512 ubatch 4608 cells, with a
+    2048 ubatch 6144 (the cells published llama-server logs print for a 1024 window: R17, R20); --swa-full and
+    releases before PR 13194 keep the whole context. The record's Gemma 3 loads hold both caches exactly."""
+    from memfit.serving.llamacpp import gguf_model, kv_cache
+
+    model = gguf_model("gemma-3-12b", "Q4_K_M")
+    assert (model.n_swa, sum(model.swa_layers), len(model.swa_layers)) == (1024, 40, 48)
+    unified = LlamaCppSettings(ctx_size=8192, parallel=4, kv_unified=True)
+    assert kv_cache(model, unified, True).swa_cells == 4608
+    assert kv_cache(model, LlamaCppSettings(ctx_size=8192, parallel=4, kv_unified=True, n_ubatch=2048), True
+                    ).swa_cells == 6144
+    full = kv_cache(model, LlamaCppSettings(ctx_size=8192, swa_full=True), True)
+    assert full.swa_cells == 8192 and full.bytes == 48 * full.layer_bytes[5]
+    old = kv_cache(model, LlamaCppSettings(ctx_size=8192, engine_version="2025-04"), True)
+    assert old.swa_cells == 8192
+    windowed = kv_cache(model, LlamaCppSettings(ctx_size=32768), True)
+    assert windowed.bytes == 8 * windowed.layer_bytes[5] + 40 * windowed.layer_bytes[0]
+    assert windowed.layer_bytes[0] * 32768 == windowed.layer_bytes[5] * 1536   # 1024 + 512 cells against 32768
+    assert any(r["model"] == "gemma3" and r["kv"].get("swa") for r in RUNS)

@@ -39,6 +39,8 @@ FLAGS = (
      "a mixture of experts: keep the experts of the first N layers on the CPU"),
     (("-cmoe", "--cpu-moe"), "n_cpu_moe", {"action": "store_const", "const": -1},
      "keep every layer's experts on the CPU"),
+    (("--swa-full",), "swa_full", {"action": "store_const", "const": True},
+     "a sliding-window model's window cache as large as the context"),
 )
 
 
@@ -95,7 +97,8 @@ def to_json(result: LlamaCppEstimate) -> dict:
     source = "llama.cpp's allocation rules (checked to the byte on CPU loads here)"
     return {
         "schema": "memfit.llamacpp/1", "model": result.model, "engine": result.engine, "n_ctx": result.n_ctx,
-        "kv_cells": result.kv.cells, "kv_streams": result.kv.streams, "layers_on_gpu": result.layers_on_gpu,
+        "kv_cells": result.kv.cells, "kv_swa_cells": result.kv.swa_cells, "kv_streams": result.kv.streams,
+        "layers_on_gpu": result.layers_on_gpu,
         "cpu_model_bytes": cpu.model, "gpu_model_bytes": gpu.model if gpu else 0,
         "cpu_kv_bytes": cpu.kv, "gpu_kv_bytes": gpu.kv if gpu else 0,
         "cpu_compute_bytes": cpu.compute, "gpu_compute_bytes": gpu.compute if gpu else 0,
@@ -123,7 +126,7 @@ def command_line(result: LlamaCppEstimate) -> str:
         value = getattr(s, field)
         if value == getattr(default, field) or ("const" in options) != ((field, value) in switched):
             continue   # unchanged, or said by the other flag of the setting (--cpu-moe is --n-cpu-moe -1)
-        words += [flags[1]] if "const" in options else [flags[1], str(value)]
+        words += [flags[-1]] if "const" in options else [flags[-1], str(value)]
     return " ".join(words)
 
 
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     console = output_console()
     slots = result.layers_on_gpu
-    console.print(f"{result.model} on {result.engine}: n_ctx {result.n_ctx} ({result.kv.cells} cells x "
+    window = f", the sliding-window layers' {result.kv.swa_cells}" if result.kv.swa_cells else ""
+    console.print(f"{result.model} on {result.engine}: n_ctx {result.n_ctx} ({result.kv.cells} cells{window} x "
                   f"{result.kv.streams} stream(s)); {slots} of the {result.n_layer + 1} layer slots (the layers, then "
                   "the output head) on the GPU")
     for name, buffers in result.buffers.items():

@@ -29,7 +29,7 @@ from memfit.serving.gguf_file import type_size
 
 if TYPE_CHECKING:
     from memfit.serving.gguf_file import GGUFModel
-    from memfit.serving.llamacpp import LlamaCppSettings
+    from memfit.serving.llamacpp import KVCache, LlamaCppSettings
 
 CPU_ALIGNMENT = 32       # ggml's TENSOR_ALIGNMENT: the CPU buffer type's
 GPU_ALIGNMENT = 128      # ggml-cuda's buffer type's (assumed for other GPU backends)
@@ -186,51 +186,72 @@ def rotations(model: GGUFModel, settings: LlamaCppSettings) -> tuple[int, int]:
     return (size(settings.cache_type_k, model.head_dim_k, True), size(settings.cache_type_v, model.head_dim_v, False))
 
 
-def _inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool, settings: LlamaCppSettings
-            ) -> list[tuple[str, int]]:
-    """The graph's inputs after the tokens, in the order its nodes first use them (ggml-alloc places them so):
-    positions, the rotations of a quantized cache (since PR 21038), the cache rows K and V are written to (since
-    set_rows; V's per element when it is stored transposed, without flash attention), the attention mask (F16 with
-    flash attention since PR 23764, F32 before and without; its tokens padded to 32 before PR 17910) and the output
-    rows (since PR 6017)."""
+def cache_kinds(model: GGUFModel, kv: KVCache) -> list[str]:
+    """Each layer's cache: "" (a model with one), or "swa" and "base" (a sliding-window model's two caches)."""
+    if not kv.swa_cells:
+        return [""] * model.n_layer
+    return ["swa" if sliding else "base" for sliding in model.swa_layers]
+
+
+def _attention_inputs(model: GGUFModel, tokens: int, n_kv: int, flash_attn: bool, settings: LlamaCppSettings,
+                      kind: str) -> list[tuple[str, int]]:
+    """One cache's inputs, in the order its first layer uses them: the rotations of a quantized cache (since PR
+    21038), the cache rows K and V are written to (since set_rows; V's per element when it is stored transposed,
+    without flash attention), and the attention mask over its `n_kv` cells (F16 with flash attention since PR 23764,
+    F32 before and without; its tokens padded to 32 before PR 17910)."""
     release = settings.release
     rows = tokens if release.has("no_mask_pad") else -(-tokens // MASK_PAD) * MASK_PAD
-    mask = ("attn_inp_kq_mask", n_kv * rows * (2 if flash_attn and release.has("f16_mask") else 4))
-    out_ids = [("out_ids", tokens * 4)] if release.has("output_per_sequence") else []
-    rotate = [(name, n * n * 4) for name, n in zip(("attn_inp_k_rot", "attn_inp_v_rot"), rotations(model, settings))
-              if n]
+    mask = ("attn_inp_kq_mask" + kind, n_kv * rows * (2 if flash_attn and release.has("f16_mask") else 4))
+    rotate = [(name + kind, n * n * 4) for name, n in zip(("attn_inp_k_rot", "attn_inp_v_rot"),
+                                                            rotations(model, settings)) if n]
     if not release.has("kv_set_rows"):
-        return [("inp_pos", tokens * 4), *rotate, mask, *out_ids]
+        return [*rotate, mask]
     v_rows = 1 if flash_attn else max(model.n_head_kv) * model.head_dim_v
-    return [("inp_pos", tokens * 4), *rotate, ("attn_inp_k_idxs", tokens * 8),
-            ("attn_inp_v_idxs", tokens * 8 * v_rows), mask, *out_ids]
+    return [*rotate, ("attn_inp_k_idxs" + kind, tokens * 8), ("attn_inp_v_idxs" + kind, tokens * 8 * v_rows), mask]
 
 
-def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool, settings: LlamaCppSettings,
+def _inputs(model: GGUFModel, tokens: int, kv: KVCache, flash_attn: bool, settings: LlamaCppSettings
+            ) -> list[tuple[str, int]]:
+    """The graph's inputs after the tokens, in the order its nodes first use them (ggml-alloc places them so):
+    positions, each cache's attention inputs as its first layer meets them, the output rows (since PR 6017)."""
+    out = [("inp_pos", tokens * 4)]
+    for kind in dict.fromkeys(cache_kinds(model, kv)):
+        n_kv = kv.swa_cells if kind == "swa" else kv.cells
+        out += _attention_inputs(model, tokens, n_kv, flash_attn, settings, kind)
+    return out + ([("out_ids", tokens * 4)] if settings.release.has("output_per_sequence") else [])
+
+
+def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: bool, settings: LlamaCppSettings,
                   on_gpu: bool = False) -> Graph:
-    """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral): `tokens` in the
-    ubatch, every one an output, against `n_kv` cells, as `release` builds it. `on_gpu`: the part a GPU holding every
-    layer runs, whose inputs are copies of the host's (ggml's scheduler keeps inputs, and the lookup in the host's
-    token embedding, on the CPU): the embeddings come in as an input."""
+    """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral, qwen3, Gemma 3):
+    `tokens` in the ubatch, every one an output, against every cell of each cache, as the settings' release builds
+    it. `on_gpu`: the part a GPU holding every layer runs, whose inputs are copies of the host's (ggml's scheduler
+    keeps inputs, and the lookup in the host's token embedding, on the CPU): the embeddings come in as an input."""
     graph = Graph()
     release = settings.release
     outputs = tokens
     f32 = 4
     embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
+    gemma = model.arch == "gemma3"
+    kinds = cache_kinds(model, kv)
     if on_gpu:
         x = graph.input("embd", embd * tokens * f32)
     else:
         inp_tokens = graph.input("inp_tokens", tokens * 4)
         if release.has("embd_input"):
             graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: unread
-    inputs = {name: graph.input(name, size) for name, size in _inputs(model, tokens, n_kv, flash_attn, settings)}
-    inp_pos, mask, out_ids = inputs["inp_pos"], inputs["attn_inp_kq_mask"], inputs.get("out_ids")
-    k_rot, v_rot = inputs.get("attn_inp_k_rot"), inputs.get("attn_inp_v_rot")
-    k_idxs, v_idxs = inputs.get("attn_inp_k_idxs"), inputs.get("attn_inp_v_idxs")
+    inputs = {name: graph.input(name, size) for name, size in _inputs(model, tokens, kv, flash_attn, settings)}
+    inp_pos, out_ids = inputs["inp_pos"], inputs.get("out_ids")
     if not on_gpu:
         x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
-    if flash_attn and mask.nbytes == n_kv * tokens * 4:   # an F32 mask: flash attention reads it cast to F16
-        mask = graph.op("CPY", "kq_mask_f16", n_kv * tokens * 2, mask)
+    if gemma:   # the embeddings scaled by sqrt(n_embd), in place
+        x = graph.op("SCALE", "inp_scaled", x.nbytes, x)
+    masks = {}
+    for kind in dict.fromkeys(kinds):
+        mask, n_kv = inputs["attn_inp_kq_mask" + kind], kv.swa_cells if kind == "swa" else kv.cells
+        if flash_attn and mask.nbytes == n_kv * tokens * 4:   # an F32 mask: flash attention reads it cast to F16
+            mask = graph.op("CPY", "kq_mask_f16", n_kv * tokens * 2, mask)
+        masks[kind] = mask
     names = {t.name for t in model.tensors}
 
     def projection(layer: int, name: str, width: int, src: Tensor, rows: int) -> Tensor:
@@ -239,14 +260,20 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
             out = graph.op("ADD", f"{name}_b", out.nbytes, out, graph.external(f"blk.{layer}.{name}.bias"))
         return out
 
+    def norm(layer: int, name: str, cur: Tensor) -> Tensor:
+        """build_norm: RMS_NORM (in place where it may), times the layer's weight (in place)."""
+        cur = graph.op("RMS_NORM", "norm", cur.nbytes, cur)
+        return graph.op("MUL", name, cur.nbytes, cur, graph.external(f"blk.{layer}.{name}.weight"))
+
     def rope(layer: int, part: str, cur: Tensor) -> Tensor:
-        """RoPE on the heads (a view of the projection: new memory), after Qwen3's RMS norm of each head where the
-        model has one (the norm takes new memory, its weight and RoPE then work in place)."""
+        """RoPE on the heads (a view of the projection: new memory), after the RMS norm of each head where the model
+        has one (Qwen3, Gemma 3: the norm takes new memory, its weight and RoPE then work in place); Gemma 3 scales
+        Q after (in place)."""
         cur = graph.view(cur)
         if f"blk.{layer}.attn_{part}_norm.weight" in names:
-            cur = graph.op("RMS_NORM", f"{part}_norm", cur.nbytes, cur)
-            cur = graph.op("MUL", f"{part}_normed", cur.nbytes, cur, graph.external(f"attn_{part}_norm.weight"))
-        return graph.op("ROPE", f"{part.upper()}cur", cur.nbytes, cur, inp_pos)
+            cur = norm(layer, f"attn_{part}_norm", cur)
+        cur = graph.op("ROPE", f"{part.upper()}cur", cur.nbytes, cur, inp_pos)
+        return graph.op("SCALE", "Qscaled", cur.nbytes, cur) if gemma and part == "q" else cur
 
     def rotated(cur: Tensor, rotation: Tensor | None) -> Tensor:
         """llama_mul_mat_hadamard: the rows rotated by a matrix product (new memory), reshaped back."""
@@ -255,12 +282,19 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
         return graph.view(graph.op("MUL_MAT", "hadamard", cur.nbytes, rotation, graph.view(cur)))
 
     for layer in range(model.n_layer):
-        kv_heads = model.n_head_kv[layer]
-        norm = graph.op("RMS_NORM", "norm", embd * tokens * f32, x)
-        norm = graph.op("MUL", "attn_norm", norm.nbytes, norm, graph.external("attn_norm.weight"))
-        q = rotated(rope(layer, "q", projection(layer, "attn_q", heads * head_dim, norm, tokens)), k_rot)
-        v = rotated(projection(layer, "attn_v", kv_heads * model.head_dim_v, norm, tokens), v_rot)
-        k = rotated(rope(layer, "k", projection(layer, "attn_k", kv_heads * head_dim, norm, tokens)), k_rot)
+        kind = kinds[layer]
+        kv_heads, n_kv = model.n_head_kv[layer], kv.swa_cells if kind == "swa" else kv.cells
+        k_rot, v_rot = inputs.get("attn_inp_k_rot" + kind), inputs.get("attn_inp_v_rot" + kind)
+        k_idxs, v_idxs = inputs.get("attn_inp_k_idxs" + kind), inputs.get("attn_inp_v_idxs" + kind)
+        attn_in = norm(layer, "attn_norm", x)
+        q = rotated(rope(layer, "q", projection(layer, "attn_q", heads * head_dim, attn_in, tokens)), k_rot)
+
+        built = {}   # the two-cache attention expands K before V (build_attn for llm_graph_input_attn_kv_iswa)
+        for part in ("k", "v") if kind else ("v", "k"):
+            width, rotation = (kv_heads * head_dim, k_rot) if part == "k" else (kv_heads * model.head_dim_v, v_rot)
+            cur = projection(layer, f"attn_{part}", width, attn_in, tokens)
+            built[part] = rotated(rope(layer, "k", cur) if part == "k" else cur, rotation)
+        k, v = built["k"], built["v"]
         cache_k, cache_v = graph.external(f"cache_k_l{layer}"), graph.external(f"cache_v_l{layer}")
         for cache, cur, rows in ((cache_k, k, k_idxs), (cache_v, v, v_idxs)):   # written into the cache (a view)
             written = graph.op("SET_ROWS" if rows else "CPY", "cache_write", 0, graph.view(cache), graph.view(cur),
@@ -269,11 +303,11 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
         q_view = graph.view(q)
         if flash_attn:
             attn = graph.op("FLASH_ATTN_EXT", "fattn", model.head_dim_v * heads * tokens * f32, q_view,
-                            graph.view(cache_k), graph.view(cache_v), mask)
+                            graph.view(cache_k), graph.view(cache_v), masks[kind])
             attn = graph.view(attn)
         else:
             kq = graph.op("MUL_MAT", "kq", n_kv * tokens * heads * f32, graph.view(cache_k), q_view)
-            kq = graph.op("SOFT_MAX", "kq_soft_max", kq.nbytes, kq, mask)
+            kq = graph.op("SOFT_MAX", "kq_soft_max", kq.nbytes, kq, masks[kind])
             kqv = graph.op("MUL_MAT", "kqv", model.head_dim_v * tokens * heads * f32, graph.view(cache_v), kq)
             attn = graph.op("CONT", "kqv_out", kqv.nbytes, graph.view(kqv))
         out = projection(layer, "attn_output", embd, rotated(attn, v_rot), tokens)
@@ -281,21 +315,25 @@ def decoder_graph(model: GGUFModel, tokens: int, *, n_kv: int, flash_attn: bool,
             out = graph.op("GET_ROWS", "out_rows", embd * outputs * f32, out, out_ids)
             x = graph.op("GET_ROWS", "inp_rows", embd * outputs * f32, x, out_ids)
             tokens = outputs
+        if gemma:
+            out = norm(layer, "post_attention_norm", out)
         ffn_inp = graph.op("ADD", "ffn_inp", out.nbytes, out, x)
-        norm = graph.op("RMS_NORM", "norm", ffn_inp.nbytes, ffn_inp)
-        norm = graph.op("MUL", "ffn_norm", norm.nbytes, norm, graph.external("ffn_norm.weight"))
+        ffn_in = norm(layer, "ffn_norm", ffn_inp)
         if model.n_expert:
-            down = _experts(graph, model, layer, norm, tokens)
+            down = _experts(graph, model, layer, ffn_in, tokens)
         else:
-            gate = projection(layer, "ffn_gate", ffn, norm, tokens)
-            up = projection(layer, "ffn_up", ffn, norm, tokens)
-            act = graph.op("GLU", "ffn_swiglu", up.nbytes, gate, up)
+            gate = projection(layer, "ffn_gate", ffn, ffn_in, tokens)
+            up = projection(layer, "ffn_up", ffn, ffn_in, tokens)
+            act = graph.op("GLU", "ffn_geglu" if gemma else "ffn_swiglu", up.nbytes, gate, up)
             down = projection(layer, "ffn_down", embd, act, tokens)
+        if gemma:
+            down = norm(layer, "post_ffw_norm", down)
         x = graph.op("ADD", "l_out", down.nbytes, down, ffn_inp)
-    norm = graph.op("RMS_NORM", "norm", x.nbytes, x)
-    norm = graph.op("MUL", "result_norm", norm.nbytes, norm, graph.external("output_norm.weight"))
-    norm.is_output = True
-    logits = graph.op("MUL_MAT", "result_output", model.n_vocab * outputs * f32, graph.external("output.weight"), norm)
+    result = graph.op("RMS_NORM", "norm", x.nbytes, x)
+    result = graph.op("MUL", "result_norm", result.nbytes, result, graph.external("output_norm.weight"))
+    result.is_output = True
+    logits = graph.op("MUL_MAT", "result_output", model.n_vocab * outputs * f32, graph.external("output.weight"),
+                      result)
     logits.is_output = True
     return graph
 
@@ -334,18 +372,20 @@ def _experts(graph: Graph, model: GGUFModel, layer: int, x: Tensor, tokens: int)
     return out
 
 
-def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool,
+def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool,
                          on_gpu: bool = False) -> int:
     """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
     full ubatch) and its one-token graph. It depends on the model's shapes, not on its tensors' types: a planner
     asking for many quantizations replays each graph once."""
     shapes = (model.n_layer, model.n_embd, model.n_head, tuple(model.n_head_kv), model.head_dim_k, model.head_dim_v,
               model.n_ff, model.n_vocab, model.n_expert, model.n_expert_used, model.n_ff_exp,
-              tuple(sorted(t.name for t in model.tensors if t.name.endswith(GRAPH_TENSORS))))
-    key = (shapes, settings.n_ubatch_at(n_ctx), n_kv, flash_attn, settings.release, rotations(model, settings), on_gpu)
+              tuple(sorted(t.name for t in model.tensors if t.name.endswith(GRAPH_TENSORS))), model.arch,
+              tuple(cache_kinds(model, kv)))
+    key = (shapes, settings.n_ubatch_at(n_ctx), kv.cells, kv.swa_cells, flash_attn, settings.release,
+           rotations(model, settings), on_gpu)
     if key not in _REPLAYED:
         alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
-        _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, n_kv=n_kv, flash_attn=flash_attn,
+        _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, kv=kv, flash_attn=flash_attn,
                                                     settings=settings, on_gpu=on_gpu), alignment)
                              for tokens in (settings.n_ubatch_at(n_ctx), 1))
     return _REPLAYED[key]
@@ -354,10 +394,11 @@ def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx:
 _REPLAYED: dict[tuple, int] = {}   # compute buffers by the graph's shapes and settings
 
 
-def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, n_kv: int, flash_attn: bool) -> int:
+def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool
+                       ) -> int:
     """With every layer on a GPU, the host's compute buffer: the graph's inputs (the tokens, the unused embeddings
     input, positions, cache rows, mask, output rows) and the embedding lookup's result, which the GPU copies."""
     tokens, release = settings.n_ubatch_at(n_ctx), settings.release
     sizes = [tokens * 4] + ([model.n_embd * tokens * 4] if release.has("embd_input") else [])
-    sizes += [size for _, size in _inputs(model, tokens, n_kv, flash_attn, settings)] + [model.n_embd * tokens * 4]
+    sizes += [size for _, size in _inputs(model, tokens, kv, flash_attn, settings)] + [model.n_embd * tokens * 4]
     return sum(-(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT for size in sizes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memfit.core.errors import MemfitError
 
@@ -52,8 +52,8 @@ class GGUFTensor:
 
 @dataclass
 class GGUFModel:
-    """What llama.cpp's buffers depend on (KV heads per layer, where a model varies them). n_swa is read so that a
-    model whose graph memfit does not replay is refused (serving/llamacpp.py)."""
+    """What llama.cpp's buffers depend on (KV heads per layer, where a model varies them; which layers attend over a
+    sliding window)."""
     name: str
     arch: str
     n_layer: int
@@ -67,6 +67,7 @@ class GGUFModel:
     n_ctx_train: int
     tensors: list[GGUFTensor]
     n_swa: int = 0               # a sliding window's tokens (0: none)
+    swa_layers: list[bool] = field(default_factory=list)   # per layer: attends over the window (with n_swa)
     n_expert: int = 0            # a mixture of experts: the experts of each layer's FFN (0: a dense FFN)
     n_expert_used: int = 0       # the experts each token is routed to
     n_ff_exp: int = 0            # an expert's FFN width
@@ -126,17 +127,32 @@ def read_gguf(path: str) -> GGUFModel:
         tokens = fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else next(
             (t.shape[1] for t in tensors if t.name == "token_embd.weight"), 0)
+    n_swa = int(_field(fields, f"{arch}.attention.sliding_window", 0) or 0)
     return GGUFModel(
         name=os.path.basename(path), arch=str(arch), n_layer=n_layer, n_embd=n_embd, n_head=max(n_head),
         n_head_kv=n_head_kv, head_dim_k=int(_field(fields, f"{arch}.attention.key_length", head_dim)),
         head_dim_v=int(_field(fields, f"{arch}.attention.value_length", head_dim)),
         n_ff=int(max(_per_layer(_field(fields, f"{arch}.feed_forward_length", 0), n_layer))),
         n_vocab=int(vocab), n_ctx_train=int(_field(fields, f"{arch}.context_length", 0)), tensors=tensors,
-        n_swa=int(_field(fields, f"{arch}.attention.sliding_window", 0) or 0),
+        n_swa=n_swa, swa_layers=swa_pattern(_field(fields, f"{arch}.attention.sliding_window_pattern"), arch,
+                                            n_layer) if n_swa else [],
         n_expert=int(_field(fields, f"{arch}.expert_count", 0) or 0),
         n_expert_used=int(_field(fields, f"{arch}.expert_used_count", 0) or 0),
         n_ff_exp=int(_field(fields, f"{arch}.expert_feed_forward_length", 0) or 0) or _expert_width(tensors),
         source=path)
+
+
+# the sliding-window pattern an architecture's loader assumes when the file names none (load_swa_pattern's default)
+SWA_PATTERNS = {"gemma3": 6, "gemma2": 2}
+
+
+def swa_pattern(value, arch: str, n_layer: int) -> list[bool]:
+    """Which layers use the sliding window: the file's per-layer list, or a period N (the last of every N layers
+    attends over everything: llama_hparams::set_swa_pattern), or the architecture's default."""
+    if isinstance(value, list):
+        return [bool(v) for v in value][:n_layer]
+    period = int(value) if value is not None else SWA_PATTERNS.get(arch, 0)
+    return [period == 0 or layer % period < period - 1 for layer in range(n_layer)]
 
 
 def _expert_width(tensors: list[GGUFTensor]) -> int:

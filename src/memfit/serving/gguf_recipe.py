@@ -13,7 +13,7 @@ the file's order, layer by layer (memfit assumes the converter's numeric layer o
 from __future__ import annotations
 
 from memfit.core.errors import MemfitError
-from memfit.serving.gguf_file import GGUFModel, GGUFTensor, type_size
+from memfit.serving.gguf_file import GGUFModel, GGUFTensor, swa_pattern, type_size
 
 # llama.cpp's file types (llama-quantize's names) memfit writes, and the type each starts every tensor from
 FILE_TYPES = {
@@ -143,7 +143,18 @@ def _recipe(tensor: GGUFTensor, kind: str, file_type: str, *, tied: bool, gqa: i
 
 # Hugging Face model types whose GGUF memfit writes: llama.cpp's architecture for each
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "qwen3_moe": "qwen3moe"}
+                 "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma3_text": "gemma3"}
+
+
+def _sliding_window(config: dict, arch: str, n_layer: int) -> dict:
+    """The window and its layers, as the converter writes them: transformers' layer_types where the config has
+    them, else its sliding_window_pattern (Gemma 3: the last of every 6 layers attends over everything)."""
+    window = int(config.get("sliding_window") or 0)
+    if not window or arch != "gemma3":   # llama.cpp runs Mistral's and Qwen's windows as full attention
+        return {}
+    types = config.get("layer_types")
+    pattern = [kind == "sliding_attention" for kind in types] if types else config.get("sliding_window_pattern")
+    return {"n_swa": window, "swa_layers": swa_pattern(pattern, arch, n_layer)}
 
 
 def _experts(name: str, config: dict) -> tuple[int, int, int]:
@@ -187,10 +198,13 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
         if arch == "qwen2":
             tensors += [GGUFTensor(blk + f"attn_{p}.bias", "F32", (n * head_dim,))
                         for p, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))]
-        if arch.startswith("qwen3"):
+        if arch.startswith(("qwen3", "gemma3")):
             tensors += [GGUFTensor(blk + f"attn_{p}_norm.weight", "F32", (head_dim,)) for p in ("q", "k")]
-        tensors += [GGUFTensor(blk + "attn_output.weight", "F16", (heads * head_dim, embd)),
-                    GGUFTensor(blk + "ffn_norm.weight", "F32", (embd,))]
+        tensors.append(GGUFTensor(blk + "attn_output.weight", "F16", (heads * head_dim, embd)))
+        if arch == "gemma3":   # RMS norms after the attention and after the FFN
+            tensors += [GGUFTensor(blk + f"{name}.weight", "F32", (embd,))
+                        for name in ("post_attention_norm", "post_ffw_norm")]
+        tensors.append(GGUFTensor(blk + "ffn_norm.weight", "F32", (embd,)))
         if n_expert:   # the router (kept in float32) and each projection's experts stacked in one 3-D tensor
             tensors += [GGUFTensor(blk + "ffn_gate_inp.weight", "F32", (embd, n_expert)),
                         GGUFTensor(blk + "ffn_gate_exps.weight", "F16", (embd, ffn_exp, n_expert)),
@@ -207,4 +221,5 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
                      head_dim_k=head_dim, head_dim_v=head_dim, n_ff=ffn, n_vocab=vocab,
                      n_ctx_train=int(config.get("max_position_embeddings", 0)), tensors=tensors,
                      n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=ffn_exp,
+                     **_sliding_window(config, arch, layers),
                      source=f"{source}, as llama.cpp's converter writes it")

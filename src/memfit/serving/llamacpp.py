@@ -23,7 +23,7 @@ from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
 # llama.cpp architectures whose graph memfit replays (mistral's and Mixtral's are llama's)
-GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
@@ -46,6 +46,7 @@ class LlamaCppSettings:
     no_kv_offload: bool = False
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
     n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
+    swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others'
     engine_version: str | None = None   # the build's date, YYYY-MM[-DD]; None: the newest modelled
 
     def __post_init__(self) -> None:
@@ -96,9 +97,11 @@ class Buffers:
 class KVCache:
     cells: int                       # per stream
     streams: int
-    layers: int
+    layers: int                      # layers with a cache (those over the window included)
     k_bytes: int
     v_bytes: int
+    layer_bytes: list[int] = field(default_factory=list)   # K and V of each layer (0: none)
+    swa_cells: int = 0               # per stream, of the sliding-window layers' own cache (0: none)
 
     @property
     def bytes(self) -> int:
@@ -174,18 +177,32 @@ def padded_ctx(settings: LlamaCppSettings, flash_attn: bool) -> tuple[int, int, 
     return per_stream * settings.parallel, per_stream, settings.parallel
 
 
+def swa_cells(model: GGUFModel, settings: LlamaCppSettings, cells: int, n_ctx: int) -> int:
+    """The cells per stream of the sliding-window layers' cache (llama_kv_cache_iswa, since PR 13194): the window of
+    every slot sharing it plus a ubatch, padded to 256, at most the full cache's; the full size with --swa-full or
+    before that release (0: no sliding window)."""
+    if not model.n_swa or not any(model.swa_layers):
+        return 0
+    if settings.swa_full or not settings.release.has("swa_cache"):
+        return cells
+    slots = settings.parallel if settings.kv_unified else 1
+    return -(-min(cells, model.n_swa * slots + settings.n_ubatch_at(n_ctx)) // 256) * 256
+
+
 def kv_cache(model: GGUFModel, settings: LlamaCppSettings, flash_attn: bool) -> KVCache:
-    """The KV cache llama_kv_cache allocates: every layer with KV heads, its cells in each stream."""
-    _, cells, streams = padded_ctx(settings, flash_attn)
+    """The KV cache llama_kv_cache allocates: every layer with KV heads, its cells in each stream (a sliding-window
+    layer's in the window's cache)."""
+    n_ctx, cells, streams = padded_ctx(settings, flash_attn)
+    window = swa_cells(model, settings, cells, n_ctx)
     k = v = 0
-    layers = 0
-    for heads in model.n_head_kv:
-        if not heads:
-            continue
-        layers += 1
-        k += row_bytes(settings.cache_type_k.upper(), heads * model.head_dim_k) * cells * streams
-        v += row_bytes(settings.cache_type_v.upper(), heads * model.head_dim_v) * cells * streams
-    return KVCache(cells, streams, layers, k, v)
+    per_layer = []
+    for layer, heads in enumerate(model.n_head_kv):
+        layer_cells = window if window and model.swa_layers[layer] else cells
+        layer_k = row_bytes(settings.cache_type_k.upper(), heads * model.head_dim_k) * layer_cells * streams
+        layer_v = row_bytes(settings.cache_type_v.upper(), heads * model.head_dim_v) * layer_cells * streams
+        k, v = k + layer_k, v + layer_v
+        per_layer.append(layer_k + layer_v)
+    return KVCache(cells, streams, sum(1 for heads in model.n_head_kv if heads), k, v, per_layer, window)
 
 
 def _device(tensor: GGUFTensor, device_of, n_layer: int, cpu_moe: int) -> str:
@@ -202,8 +219,8 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                       gpus: int = 0) -> LlamaCppEstimate:
     """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
     settings = settings or LlamaCppSettings()
-    if model.arch not in GRAPHS or model.n_swa:
-        kind = "sliding-window attention" if model.n_swa else model.arch
+    if model.arch not in GRAPHS or (model.n_swa and model.arch != "gemma3"):
+        kind = f"{model.arch}'s sliding-window attention" if model.n_swa else model.arch
         raise MemfitError(f"{model.name}: llama.cpp's buffers for {kind} are not modelled (memfit replays the graphs "
                           f"of {', '.join(GRAPHS)}); its weights alone: {model.weights_bytes / 2**30:.2f} GiB.")
     if settings.ctx_size is None:   # llama.cpp's -c 0: the training context (--fit may shrink it: not modelled)
@@ -232,26 +249,26 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         embedding = next(t for t in model.tensors if t.name == "token_embd.weight")
         buffers[device_of(model.n_layer)].model += gpu_tensor_bytes(embedding)   # the head's own copy
     kv = kv_cache(model, settings, flash)
-    per_layer = kv.bytes // max(1, kv.layers)
-    for layer, heads in enumerate(model.n_head_kv):
-        if heads:
-            buffers["CPU" if settings.no_kv_offload else device_of(layer)].kv += per_layer
+    for layer, size in enumerate(kv.layer_bytes):
+        buffers["CPU" if settings.no_kv_offload else device_of(layer)].kv += size
     rows = settings.parallel if settings.release.has("output_per_sequence") else min(settings.n_batch, n_ctx)
     buffers["CPU"].output = (model.n_vocab + (model.n_embd if settings.embeddings else 0)) * rows * 4
     notes = ["--n-cpu-moe: the model has no experts; it moves nothing"] if settings.n_cpu_moe and not model.n_expert \
         else []
+    if engine == "ollama" and model.arch == "gemma3":
+        notes.append("Ollama runs Gemma 3 on its own engine, not llama.cpp's runner: these are llama.cpp's buffers")
     on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
     if gpus and not on_cpu:
-        buffers["GPU0"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash,
+        buffers["GPU0"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash,
                                                        on_gpu=True)
-        buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
+        buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
         notes.append("the GPU's compute buffer: llama.cpp's graph on the GPU, checked against published logs only; the "
                      "CUDA context and driver pools are not included")
     else:
-        buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells, flash_attn=flash)
+        buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
         if on_gpu:   # an upper bound: each device's buffer as if it ran every layer
             copied = max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
-            buffers["GPU0"].compute = copied + compute_buffer_bytes(model, settings, n_ctx=n_ctx, n_kv=kv.cells,
+            buffers["GPU0"].compute = copied + compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv,
                                                                     flash_attn=flash, on_gpu=True)
             held = f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU"
             if cpu_moe and model.n_expert:
