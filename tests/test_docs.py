@@ -22,7 +22,10 @@ def test_every_results_section_is_the_benchmarks_last_output():
     sync = _docs_sync()
     found = []
     for page in sync.PAGES:
-        for name, body in sync.sections(page.read_text()):
+        text = page.read_text()
+        named = re.findall(r"<!-- results: ([\w.]+) -->", text)
+        assert [name for name, _ in sync.sections(text)] == named, f"{page.name}: a results section lost its form"
+        for name, body in sync.sections(text):
             assert body == sync.results_text(name), f"{page.name}: {name} differs; run python benchmarks/docs_sync.py"
             found.append(name)
     assert {"technique_table.txt", "estimator_accuracy.txt", "planner_oracle.txt", "accuracy_costs.txt",

@@ -4,14 +4,7 @@ layer split (-ngl) that fit one GPU and the host's RAM, best quality first (or f
 Fit, as llama.cpp's --fit judges it: the GPU's buffers plus its CUDA context leave --fit-target (1024 MiB by
 default) free; the host holds the CPU's layers (mapped from the file), its KV cache, compute and output buffers, and
 keeps HOST_RESERVE for the system (assumed). Quality: each type's published perplexity increase over F16
-(QUALITY_SOURCE). Speed (a first model, not calibrated against llama-bench): a generated token reads every weight
-once, the GPU's layers at the GPU's memory bandwidth and the CPU's at the host's, each at BANDWIDTH_SHARE of its
-peak, plus the KV cache at half the context; a prompt's tokens are bound by the GPU's FLOP/s at MATMUL_SHARE, and a
-partial offload copies the CPU's weights over the host link once per ubatch (llama.cpp's op offload).
-
-Checked by hand against one published llama-bench table (RTX 3090, LLaMA-7B, llama.cpp PR 4766, January 2024): F16
-generation +1 %, but Q4_0 +38 %, Q3_K_S +148 %, Q2_K +169 % (the quantized kernels did not read at the bandwidth's
-share then), prompts -36 %. So the speeds order the setups of one file type; across low-bit types they are too fast.
+(QUALITY_SOURCE). Speed: serving/llamacpp_speed.py.
 """
 from __future__ import annotations
 
@@ -21,6 +14,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, MiB
 from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppEstimate, LlamaCppSettings, estimate_llamacpp, gguf_model
+from memfit.serving.llamacpp_speed import HOST_BANDWIDTH_GBPS, speed
 from memfit.specs.hardware import GPU
 
 # perplexity increase over F16 on wiki.test, Llama-3-70B (the type, its share); types without a figure are not searched
@@ -30,11 +24,10 @@ QUALITY_SOURCE = ("Llama-3-70B perplexity on wiki.test against F16, dranger003 i
                   "(github.com/ggml-org/llama.cpp/pull/6745#issuecomment-2093892514)")
 FIT_TARGET = 1024 * MiB          # llama.cpp's --fit-target default: left free on each GPU
 HOST_RESERVE = 2 * GiB           # assumed: what the operating system and other programs keep of host RAM
-HOST_BANDWIDTH_GBPS = 50.0       # assumed default: dual-channel DDR4-3200 (51.2 GB/s peak)
-BANDWIDTH_SHARE = 0.7            # assumed share of peak bandwidth a decode step reads at (not calibrated)
-MATMUL_SHARE = 0.4               # assumed share of the GPU's FP16 FLOP/s a prompt's matrix products reach
-SPEED_SOURCE = ("memfit's first model (serving/llamacpp_plan.py), not calibrated: against a published RTX 3090 "
-                "llama-bench table, F16 generation +1 %, Q4_0 +38 %, Q2_K +169 % (too fast for low-bit types)")
+SPEED_SOURCE = ("memfit's model (serving/llamacpp_speed.py) against published llama-bench runs "
+                "(benchmarks/published_llamabench.py): generating, mean |error| 8 % on the 16 rows it was calibrated "
+                "on and 26 % on 3 others (70B models faster than it predicts); reading a prompt, not calibrated, "
+                "52 % (about half the speed on GeForce cards)")
 KV_TYPES = ("f16", "q8_0")       # q8_0: about half the KV bytes, at a small accuracy cost
 KV_Q8_COST = 0.001               # assumed: a q8_0 KV cache's perplexity increase (no published figure bundled)
 
@@ -101,31 +94,6 @@ class LlamaCppPlanResult:
                 f"--host-ram {-(-(self.least_host_bytes + HOST_RESERVE) // GiB)}GiB would do)")
 
 
-def _speed(estimate: LlamaCppEstimate, gguf: GGUFModel, gpu: GPU, host_bandwidth_gbps: float) -> tuple[float, float]:
-    """(tokens/s generating, tokens/s reading a prompt): the first model the module docstring states. A mixture of
-    experts reads, and multiplies by, the experts a token is routed to (n_expert_used of n_expert of each expert
-    tensor); a prompt's ubatch on a partial offload copies every CPU-held layer weight to the GPU once."""
-    read = {"GPU0": 0.0, "CPU": 0.0}
-    active = copied = 0.0
-    for tensor in gguf.tensors:
-        device = estimate.placement[tensor.name]
-        share = gguf.n_expert_used / gguf.n_expert if tensor.name.endswith("_exps.weight") else 1.0
-        if tensor.name == "token_embd.weight":   # a token reads one row of the embedding
-            share = 1 / tensor.shape[1]
-        read[device] += tensor.nbytes * share
-        if tensor.layer is not None:
-            active += tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) > 1 else 1) * share
-        if device == "CPU" and tensor.name != "token_embd.weight":
-            copied += tensor.nbytes
-    kv_read = 0.5
-    step = (read["GPU0"] + kv_read * estimate.buffers["GPU0"].kv) / (gpu.memory_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
-    step += (read["CPU"] + kv_read * estimate.buffers["CPU"].kv) / (host_bandwidth_gbps * 1e9 * BANDWIDTH_SHARE)
-    ubatch = estimate.settings.n_ubatch
-    prompt = 2 * active * ubatch / ((gpu.bf16_tflops or gpu.fp16_tflops) * 1e12 * MATMUL_SHARE)
-    prompt += copied / (gpu.host_link_gbps * 1e9)    # op offload: the CPU's weights cross the host link
-    return 1 / step, ubatch / prompt
-
-
 def _fits(estimate: LlamaCppEstimate, gpu: GPU, host_ram_bytes: int) -> tuple[bool, bool, int, int]:
     gpu_bytes = estimate.buffers["GPU0"].total + gpu.context_bytes
     host_bytes = estimate.buffers["CPU"].total
@@ -177,7 +145,7 @@ def plan_llamacpp(model: str, gpu: GPU, *, host_ram_bytes: int, ctx_size: int | 
                                     f"{best.layers_on_gpu} layer slots on the GPU ({host_ram_bytes / GiB:.0f} GiB "
                                     f"less {HOST_RESERVE / GiB:.0f} for the system)")
                     continue
-                decode, prompt = _speed(best, gguf, gpu, host_bandwidth_gbps)
+                decode, prompt = speed(best, gguf, gpu, host_bandwidth_gbps)
                 plans.append(LlamaCppPlan(quant, best.settings, best, gpu_bytes, host_bytes, decode, prompt,
                                           QUALITY[quant] + (KV_Q8_COST if kv_type == "q8_0" else 0.0)))
     key = (lambda p: (p.ppl_increase, -p.decode_tokens_per_s)) if objective == "quality" else (
