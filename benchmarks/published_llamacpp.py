@@ -12,6 +12,7 @@ estimates) is a miss with its reason. The summary: mean and worst |error| of the
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -68,17 +69,20 @@ ROWS = [
      {}, {"kv": 238.0}, ("the KV the author derived from nvidia-smi (q8_0, 8192, one slot)",)),
     ("R16", "qwen2.5-7b", "Q4_K_M", dict(ctx_size=8192, flash_attn="on", cache_type_k="q4_0", cache_type_v="q4_0"),
      {}, {"kv": 126.0}, ("as R15 with q4_0",)),
-    ("R22", "qwen2.5-32b", "Q4_K_M", dict(ctx_size=8192), {},
-     {"gpu_model": 4844.72 + 4366.53 + 4366.53 + 4930.57, "cpu_model": 417.66},
-     ("DeepSeek-R1-Distill-Qwen-32B: Qwen2.5-32B's shapes; 4 GPUs (their sum: --tensor-split not modelled)",)),
+    ("R22", "qwen2.5-32b", "Q4_K_M", dict(ctx_size=8192, gpus=4), {},
+     {"gpu0_model": 4844.72, "gpu1_model": 4366.53, "gpu2_model": 4366.53, "gpu3_model": 4930.57,
+      "cpu_model": 417.66},
+     ("DeepSeek-R1-Distill-Qwen-32B: Qwen2.5-32B's shapes; 4 GPUs (the layers split equally: free memory assumed "
+      "equal)",)),
     ("R23", "qwen2.5-32b", "Q4_K_M", dict(ctx_size=4096), {}, {"gpu_model": 18508.35},
      ("ROCm; the fit's projection and the OOM at the compute reservation are not compared",)),
-    ("R24", "llama-3.1-70b", "Q4_0", dict(ctx_size=4096, n_batch=2048), {},
-     {"gpu_model": 18821.56 + 18725.42, "cpu_model": 563.62, "kv": 656.00 + 624.00},
-     ("2 RPC workers (their sums); each worker's compute buffer: several devices not modelled",)),
-    ("R25", "llama-3.1-70b", "Q4_K_S", dict(ctx_size=8192), {"vocab_size": 128262},
-     {"gpu_model": 18764.46 + 19142.56, "cpu_model": 563.65},
-     ("Reflection-Llama-3.1-70B: Llama-3.1-70B with 6 more tokens (vocab 128262); CUDA + RPC (their sum)",)),
+    ("R24", "llama-3.1-70b", "Q4_0", dict(ctx_size=4096, n_batch=2048, gpus=2), {},
+     {"gpu0_model": 18821.56, "gpu1_model": 18725.42, "cpu_model": 563.62, "gpu0_kv": 656.00, "gpu1_kv": 624.00},
+     ("2 RPC workers, split as two GPUs (equally); each worker's compute buffer: several devices not modelled",)),
+    ("R25", "llama-3.1-70b", "Q4_K_S", dict(ctx_size=8192, gpus=2), {"vocab_size": 128262},
+     {"gpu0_model": 19142.56, "gpu1_model": 18764.46, "cpu_model": 563.65},
+     ("Reflection-Llama-3.1-70B: Llama-3.1-70B with 6 more tokens (vocab 128262); the RPC worker first, then CUDA0 "
+      "(llama.cpp puts RPC devices at the front of its list), split as two GPUs",)),
     ("R32", "mistral-small-24b", "Q8_0", dict(ctx_size=4096), {}, {"cpu_model": 680.0},
      ("Ollama's mistral3 file also holds the vision encoder: its GPU weights (11.5 + 11.9 GiB) are not compared",)),
     ("R35", "llama-2-7b", "Q4_0", dict(ctx_size=8192, parallel=2, n_batch=1024, flash_attn="off",
@@ -116,10 +120,15 @@ def predicted(model: str, quant: str, settings: dict, changes: dict) -> dict[str
     assert found is not None, model
     config = {**found.hf_config, **changes}
     gguf = quantize(from_config(found.name, config, found.where), quant)
-    result = estimate_llamacpp(gguf, LlamaCppSettings(**settings), gpus=1)
-    gpu, cpu = result.buffers["GPU0"], result.buffers["CPU"]
-    return {"gpu_model": gpu.model, "cpu_model": cpu.model, "kv": gpu.kv + cpu.kv, "gpu_kv": gpu.kv, "cpu_kv": cpu.kv,
-            "gpu_compute": gpu.compute, "host_compute": cpu.compute, "output": cpu.output}
+    settings = dict(settings)
+    gpus = settings.pop("gpus", 1)
+    result = estimate_llamacpp(gguf, LlamaCppSettings(**settings), gpus=gpus)
+    cpu, devices = result.buffers["CPU"], [b for name, b in result.buffers.items() if name != "CPU"]
+    each = {f"gpu{i}_{part}": getattr(b, part) for i, b in enumerate(devices) for part in ("model", "kv")}
+    gpu_kv = sum(b.kv for b in devices)
+    return {"gpu_model": sum(b.model for b in devices), "cpu_model": cpu.model, "kv": gpu_kv + cpu.kv,
+            "gpu_kv": gpu_kv, "cpu_kv": cpu.kv, "gpu_compute": devices[0].compute, "host_compute": cpu.compute,
+            "output": cpu.output, **each}
 
 
 def run() -> list[dict]:
@@ -140,8 +149,8 @@ def run() -> list[dict]:
 
 def summary(records: list[dict]) -> dict:
     compared = [r for r in records if r["metric"] != "-"]
-    groups = {"weights_and_kv": [r for r in compared if r["metric"] in WEIGHTS_KV],
-              "compute": [r for r in compared if r["metric"] not in WEIGHTS_KV]}
+    weights_kv = [r for r in compared if r["metric"] in WEIGHTS_KV or re.fullmatch(r"gpu\d+_(model|kv)", r["metric"])]
+    groups = {"weights_and_kv": weights_kv, "compute": [r for r in compared if r not in weights_kv]}
     totals: dict = {"rows": len({r["id"] for r in records}), "misses": sum(r["metric"] == "-" for r in records)}
     for name, group in groups.items():
         errors = [abs(r["error"]) for r in group]

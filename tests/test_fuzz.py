@@ -326,6 +326,7 @@ llamacpp_flags = st.lists(st.one_of(
     st.tuples(st.sampled_from(("-c", "-ngl", "-b", "-ub", "-np", "--gpus", "--n-cpu-moe")), numbers),
     st.tuples(st.sampled_from(("-ctk", "-ctv")), st.sampled_from(("f16", "q8_0", "q4_0", "bf16", "q9", ""))),
     st.tuples(st.just("-fa"), st.sampled_from(("on", "off", "auto", "yes", ""))),
+    st.tuples(st.just("-ts"), st.sampled_from(("3,1", "1", "0,0", "1,,2", "-1,2", "x", ""))),
     st.tuples(st.just("--quant"), st.sampled_from(("Q4_K_M", "q8_0", "IQ2_XXS", "MXFP4_MOE", "Q9", ""))),
     st.tuples(st.just("--engine-version"), st.sampled_from(("2024-03-18", "2025-08", "2026-13", "b2459", ""))),
     st.sampled_from((("-kvu",), ("-nkvo",), ("-cmoe",))),

@@ -209,6 +209,8 @@ def test_published_load_logs_are_reproduced_within_the_targets():
     exact = {(r["id"], r["metric"]) for r in bench.run() if r["metric"] != "-" and r["error"] == 0}
     assert {("R01", "gpu_compute"), ("R01", "host_compute"), ("R06", "gpu_compute"), ("R11", "gpu_compute"),
             ("R35", "gpu_compute")} <= exact
+    # several devices: each one's weights and KV as llama.cpp splits the layers (RPC workers first)
+    assert {("R22", f"gpu{i}_model") for i in range(4)} | {("R24", "gpu1_kv"), ("R25", "gpu0_model")} <= exact
 
 
 with open(os.path.join(REPO, "tests", "data", "llama_server_flags.txt")) as fh:
@@ -493,3 +495,23 @@ def test_gemma3s_window_layers_get_a_cache_of_the_window_and_a_ubatch():
     assert windowed.bytes == 8 * windowed.layer_bytes[5] + 40 * windowed.layer_bytes[0]
     assert windowed.layer_bytes[0] * 32768 == windowed.layer_bytes[5] * 1536   # 1024 + 512 cells against 32768
     assert any(r["model"] == "gemma3" and r["kv"].get("swa") for r in RUNS)
+
+
+def test_a_tensor_split_gives_each_gpu_its_run_of_layers(capsys):
+    """--gpus N with -ts: each GPU takes the next run of layer slots in proportion to its share (the head with the
+    last GPU's); 3,1 gives the first GPU three quarters of Qwen2.5-32B's 65 slots; the command says it back."""
+    from memfit.serving.llamacpp import gguf_model
+
+    model = gguf_model("qwen2.5-32b", "Q4_K_M")
+    even = estimate_llamacpp(model, LlamaCppSettings(ctx_size=8192), gpus=2)
+    split = estimate_llamacpp(model, LlamaCppSettings(ctx_size=8192, tensor_split=(3, 1)), gpus=2)
+    per_layer_kv = even.kv.layer_bytes[0]
+    assert (even.buffers["GPU0"].kv // per_layer_kv, even.buffers["GPU1"].kv // per_layer_kv) == (33, 31)
+    assert (split.buffers["GPU0"].kv // per_layer_kv, split.buffers["GPU1"].kv // per_layer_kv) == (49, 15)
+    assert split.placement["output.weight"] == "GPU1" and split.placement["blk.48.attn_q.weight"] == "GPU0"
+    assert sum(b.model for b in split.buffers.values()) == sum(b.model for b in even.buffers.values())
+    code, out, _ = run(capsys, "estimate", "qwen2.5-32b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
+                       "llama.cpp", "--gpus", "2", "-ts", "3,1", "-c", "8192", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["command"].endswith("--tensor-split 3,1") and len(data["gpus"]) == 2
+    assert data["gpu_model_bytes"] == sum(g["model_bytes"] for g in data["gpus"])

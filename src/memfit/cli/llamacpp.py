@@ -41,7 +41,16 @@ FLAGS = (
      "keep every layer's experts on the CPU"),
     (("--swa-full",), "swa_full", {"action": "store_const", "const": True},
      "a sliding-window model's window cache as large as the context"),
+    (("-ts", "--tensor-split"), "tensor_split", {"type": lambda text: _split(text), "metavar": "N0,N1,..."},
+     "each GPU's share of the layers, e.g. 3,1 (default: equal)"),
 )
+
+
+def _split(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: shares separated by commas, e.g. 3,1") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,16 +102,18 @@ def settings_from(args: argparse.Namespace) -> LlamaCppSettings:
 
 
 def to_json(result: LlamaCppEstimate) -> dict:
-    cpu, gpu = result.buffers["CPU"], result.buffers.get("GPU0")
+    cpu, gpus = result.buffers["CPU"], [b for name, b in result.buffers.items() if name != "CPU"]
     source = "llama.cpp's allocation rules (checked to the byte on CPU loads here)"
     return {
         "schema": "memfit.llamacpp/1", "model": result.model, "engine": result.engine, "n_ctx": result.n_ctx,
         "kv_cells": result.kv.cells, "kv_swa_cells": result.kv.swa_cells, "kv_streams": result.kv.streams,
         "layers_on_gpu": result.layers_on_gpu,
-        "cpu_model_bytes": cpu.model, "gpu_model_bytes": gpu.model if gpu else 0,
-        "cpu_kv_bytes": cpu.kv, "gpu_kv_bytes": gpu.kv if gpu else 0,
-        "cpu_compute_bytes": cpu.compute, "gpu_compute_bytes": gpu.compute if gpu else 0,
-        "output_bytes": cpu.output, "host_bytes": cpu.total, "gpu_buffers_bytes": gpu.total if gpu else 0,
+        "cpu_model_bytes": cpu.model, "gpu_model_bytes": sum(b.model for b in gpus),
+        "cpu_kv_bytes": cpu.kv, "gpu_kv_bytes": sum(b.kv for b in gpus),
+        "cpu_compute_bytes": cpu.compute, "gpu_compute_bytes": sum(b.compute for b in gpus),
+        "output_bytes": cpu.output, "host_bytes": cpu.total, "gpu_buffers_bytes": sum(b.total for b in gpus),
+        "gpus": [{"device": b.device, "model_bytes": b.model, "kv_bytes": b.kv, "compute_bytes": b.compute,
+                  "buffers_bytes": b.total} for b in gpus],
         "weights_bytes": result.weights_bytes,
         "sources": {"weights": "the GGUF header's tensor types and shapes" if result.source.endswith(".gguf") else
                     "llama.cpp's converter and quantizer rules (checked per tensor on files it wrote here)",
@@ -126,7 +137,8 @@ def command_line(result: LlamaCppEstimate) -> str:
         value = getattr(s, field)
         if value == getattr(default, field) or ("const" in options) != ((field, value) in switched):
             continue   # unchanged, or said by the other flag of the setting (--cpu-moe is --n-cpu-moe -1)
-        words += [flags[-1]] if "const" in options else [flags[-1], str(value)]
+        text = ",".join(f"{share:g}" for share in value) if isinstance(value, tuple) else str(value)
+        words += [flags[-1]] if "const" in options else [flags[-1], text]
     return " ".join(words)
 
 
@@ -136,9 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 0:
         raise MemfitError(f"--gpus {args.gpus}: 0 (the CPU alone) or more.")
     result = estimate_llamacpp(gguf_model(args.model, args.quant), settings_from(args), engine=args.engine,
-                               gpus=min(args.gpus, 1))
-    if args.gpus > 1:
-        result.notes.append("several GPUs: the layers are shown on the first (--tensor-split is not modelled yet)")
+                               gpus=args.gpus)
     if args.json:
         print_json(to_json(result))
         return 0

@@ -46,10 +46,14 @@ class LlamaCppSettings:
     no_kv_offload: bool = False
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
     n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
-    swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others'
+    swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others
+    tensor_split: tuple[float, ...] | None = None   # --tensor-split: each GPU's share of the layers (None: equal)'
     engine_version: str | None = None   # the build's date, YYYY-MM[-DD]; None: the newest modelled
 
     def __post_init__(self) -> None:
+        if self.tensor_split is not None and (not self.tensor_split or min(self.tensor_split) < 0
+                                              or not sum(self.tensor_split)):
+            raise MemfitError("--tensor-split: each GPU's share, 0 or more, not all 0 (e.g. 3,1).")
         if self.n_cpu_moe < -1:
             raise MemfitError(f"--n-cpu-moe {self.n_cpu_moe}: the number of layers whose experts stay on the CPU (0 "
                               "or more).")
@@ -205,6 +209,23 @@ def kv_cache(model: GGUFModel, settings: LlamaCppSettings, flash_attn: bool) -> 
     return KVCache(cells, streams, sum(1 for heads in model.n_head_kv if heads), k, v, per_layer, window)
 
 
+def _layer_devices(n_layer: int, on_gpu: int, gpus: int, split: tuple[float, ...] | None):
+    """Each layer slot's device (slot n_layer: the output head), as llama_model::load_tensors assigns them: the last
+    `on_gpu` slots go to the GPUs, each GPU taking the next run of them in proportion to its --tensor-split share
+    (llama.cpp's default: each GPU's free memory; equal GPUs assumed here)."""
+    shares = list(split or [1.0] * gpus)[:gpus] + [0.0] * max(0, gpus - len(split or ()))
+    bounds = [sum(shares[:i + 1]) / sum(shares) for i in range(gpus)]
+    first = n_layer + 1 - on_gpu
+
+    def device_of(slot: int) -> str:
+        if slot < first:
+            return "CPU"
+        position = (slot - first) / on_gpu   # std::upper_bound over the cumulative shares
+        return f"GPU{min(next((i for i, b in enumerate(bounds) if b > position), gpus - 1), gpus - 1)}"
+
+    return device_of
+
+
 def _device(tensor: GGUFTensor, device_of, n_layer: int, cpu_moe: int) -> str:
     """Where llama.cpp loads a weight: a layer's on its layer's device (its experts on the CPU in the first
     --n-cpu-moe layers: llama.cpp's tensor override), the token embedding on the CPU, the rest with the head."""
@@ -232,14 +253,8 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     n_ctx, _, _ = padded_ctx(settings, flash)
     ngl = model.n_layer + 1 if settings.n_gpu_layers < 0 else settings.n_gpu_layers
     on_gpu = min(ngl, model.n_layer + 1) if gpus else 0
-    first_gpu_slot = model.n_layer + 1 - on_gpu
-
-    def device_of(slot: int) -> str:   # slot: a layer, or n_layer for the output head
-        return "GPU0" if gpus and slot >= first_gpu_slot else "CPU"
-
-    buffers = {"CPU": Buffers("CPU")}
-    if gpus:
-        buffers["GPU0"] = Buffers("GPU0")
+    device_of = _layer_devices(model.n_layer, on_gpu, gpus, settings.tensor_split)
+    buffers = {"CPU": Buffers("CPU")} | {f"GPU{i}": Buffers(f"GPU{i}") for i in range(gpus)}
     cpu_moe = model.n_layer if settings.n_cpu_moe < 0 else settings.n_cpu_moe
     placed = {tensor.name: _device(tensor, device_of, model.n_layer, cpu_moe) for tensor in model.tensors}
     for tensor in model.tensors:
@@ -258,9 +273,11 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     if engine == "ollama" and model.arch == "gemma3":
         notes.append("Ollama runs Gemma 3 on its own engine, not llama.cpp's runner: these are llama.cpp's buffers")
     on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
+    holding = [name for name in buffers if name != "CPU" and any(placed[t.name] == name for t in model.tensors)]
     if gpus and not on_cpu:
-        buffers["GPU0"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash,
-                                                       on_gpu=True)
+        graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
+        for name in holding:
+            buffers[name].compute = graph
         buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
         notes.append("the GPU's compute buffer: llama.cpp's graph on the GPU, checked against published logs only; the "
                      "CUDA context and driver pools are not included")
@@ -268,14 +285,19 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
         if on_gpu:   # an upper bound: each device's buffer as if it ran every layer
             copied = max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
-            buffers["GPU0"].compute = copied + compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv,
-                                                                    flash_attn=flash, on_gpu=True)
+            graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
+            for name in holding:
+                buffers[name].compute = copied + graph
             held = f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU"
             if cpu_moe and model.n_expert:
                 held += f", the experts of {min(cpu_moe, model.n_layer)} layers on the CPU"
             notes.append(f"{held}: each compute buffer is bounded from above (as if its device ran every layer; the "
                          "GPU's also holds the largest CPU-held weight, which it copies to run a prompt's matrix "
                          "products); not checked against a log")
+    if len(holding) > 1:
+        notes.append(f"{len(holding)} GPUs: the layers split as llama.cpp splits them (checked on a published 4-GPU "
+                     "log); each GPU's compute buffer shown as one GPU's graph (llama.cpp splits it, and with every "
+                     "layer offloaded pipelines it: not modelled)")
     return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
                             n_layer=model.n_layer, layers_on_gpu=on_gpu,
                             kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, placement=placed, notes=notes)
