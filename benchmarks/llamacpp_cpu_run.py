@@ -37,6 +37,9 @@ MODELS = {
     # Gemma 3: heads of 128 beside an embedding of 256, five sliding-window layers (window 256) in six
     "gemma3": dict(arch="gemma3", n_embd=256, n_layer=7, n_head=4, n_head_kv=2, n_ff=512, n_vocab=900, tied=True,
                    head_dim=128, n_swa=256),
+    # gpt-oss: every other layer over a window of 128, attention sinks, biases everywhere, 8 experts, 2 a token
+    "gptoss": dict(arch="gpt-oss", n_embd=256, n_layer=4, n_head=4, n_head_kv=2, n_ff=256, n_vocab=900, head_dim=64,
+                   n_swa=128, n_expert=8, n_expert_used=2, n_ff_exp=256),
     # mixtures of experts: Mixtral's 8 experts, 2 a token (llama.cpp's llama graph), Qwen3-MoE's many (qwen3moe)
     "mixtral": dict(arch="llama", n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, n_vocab=1000, n_expert=8,
                     n_expert_used=2),
@@ -77,6 +80,10 @@ CASES += [
     ("gemma3", "Q6_K", dict(n_ctx=4096, n_seq_max=2, flash_attn="on", type_k="q8_0", type_v="q8_0")),
     ("gemma3", "Q4_0", dict(n_ctx=640)),
     ("gemma3", "Q4_K_M", dict(n_ctx=2048, swa_full=True)),
+    ("gptoss", "MXFP4_MOE", dict(n_ctx=2048)),
+    ("gptoss", "MXFP4_MOE", dict(n_ctx=4096, flash_attn="on", n_ubatch=256)),
+    ("gptoss", "Q8_0", dict(n_ctx=4096, n_seq_max=4, kv_unified=True, flash_attn="on")),
+    ("gptoss", "Q4_K_M", dict(n_ctx=2048, n_seq_max=2, flash_attn="on", type_k="q8_0", type_v="q8_0")),
     ("mixtral", "Q4_K_M", dict(n_ctx=2048)),
     ("mixtral", "Q2_K", dict(n_ctx=1024, n_ubatch=128)),
     ("mixtral", "Q8_0", dict(n_ctx=2048, flash_attn="on", n_seq_max=2)),
@@ -136,21 +143,31 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
         if arch.startswith(("qwen3", "gemma3")):   # RMS norms on each head's Q and K
             tensor(f"blk.{i}.attn_q_norm.weight", head_dim)
             tensor(f"blk.{i}.attn_k_norm.weight", head_dim)
-        if arch == "qwen2":
+        if arch in ("qwen2", "gpt-oss"):
             tensor(f"blk.{i}.attn_q.bias", n_head * head_dim)
             tensor(f"blk.{i}.attn_k.bias", n_head_kv * head_dim)
             tensor(f"blk.{i}.attn_v.bias", n_head_kv * head_dim)
         tensor(f"blk.{i}.attn_output.weight", n_embd, n_head * head_dim)
+        if arch == "gpt-oss":   # the output projection's bias, each head's attention sink, the FFN's norm
+            tensor(f"blk.{i}.attn_output.bias", n_embd)
+            tensor(f"blk.{i}.attn_sinks.weight", n_head)
+            tensor(f"blk.{i}.post_attention_norm.weight", n_embd)
         if arch == "gemma3":   # RMS norms after the attention and after the FFN
             tensor(f"blk.{i}.post_attention_norm.weight", n_embd)
             tensor(f"blk.{i}.post_ffw_norm.weight", n_embd)
-        tensor(f"blk.{i}.ffn_norm.weight", n_embd)
+        if arch != "gpt-oss":
+            tensor(f"blk.{i}.ffn_norm.weight", n_embd)
         if n_expert:
             width = n_ff_exp or n_ff
             tensor(f"blk.{i}.ffn_gate_inp.weight", n_expert, n_embd)
             tensor(f"blk.{i}.ffn_gate_exps.weight", n_expert, width, n_embd)
             tensor(f"blk.{i}.ffn_up_exps.weight", n_expert, width, n_embd)
             tensor(f"blk.{i}.ffn_down_exps.weight", n_expert, n_embd, width)
+            if arch == "gpt-oss":   # every expert's biases, and the router's
+                tensor(f"blk.{i}.ffn_gate_inp.bias", n_expert)
+                tensor(f"blk.{i}.ffn_gate_exps.bias", n_expert, width)
+                tensor(f"blk.{i}.ffn_up_exps.bias", n_expert, width)
+                tensor(f"blk.{i}.ffn_down_exps.bias", n_expert, n_embd)
             continue
         tensor(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         tensor(f"blk.{i}.ffn_up.weight", n_ff, n_embd)

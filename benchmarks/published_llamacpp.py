@@ -83,6 +83,13 @@ ROWS = [
      {"gpu0_model": 19142.56, "gpu1_model": 18764.46, "cpu_model": 563.65},
      ("Reflection-Llama-3.1-70B: Llama-3.1-70B with 6 more tokens (vocab 128262); the RPC worker first, then CUDA0 "
       "(llama.cpp puts RPC devices at the front of its list), split as two GPUs",)),
+    ("R37", "gpt-oss-20b", "MXFP4_MOE", dict(ctx_size=131072, n_batch=2048, n_ubatch=2048, flash_attn="on"), {},
+     {"kv": 3126.00, "gpu_compute": 1672.08},
+     ("Apple M5 (Metal: its host buffer, 1064.59 MiB, is not llama.cpp's CUDA one and is not compared)",)),
+    ("R38", "gpt-oss-120b", "Q8_0", dict(ctx_size=65535, parallel=4, kv_unified=True), {}, {"kv": 2340.00},
+     ("4 slots in one cache: the window cache holds 4 x 128 + 512 cells, padded to 1024",)),
+    ("R45", "gpt-oss-20b", "MXFP4_MOE", dict(ctx_size=131072, n_gpu_layers=0, flash_attn="on"), {},
+     {"cpu_model": 11536.18}, ("LM Studio 0.3.23: every layer on the CPU (0/25), the whole file mapped",)),
     ("R32", "mistral-small-24b", "Q8_0", dict(ctx_size=4096), {}, {"cpu_model": 680.0},
      ("Ollama's mistral3 file also holds the vision encoder: its GPU weights (11.5 + 11.9 GiB) are not compared",)),
     ("R35", "llama-2-7b", "Q4_0", dict(ctx_size=8192, parallel=2, n_batch=1024, flash_attn="off",
@@ -105,11 +112,11 @@ MISSES = [
     ("R29", "Mixtral in an imatrix type of January 2024 not named (62030 MiB), -ngl's rule then: not expressible"),
     ("R30", "DeepSeek-V3 (MLA, experts): not modelled"), ("R31", "Gemma 3 (Ollama's engine): not modelled"),
     ("R34", "Phi-3 (phi3 architecture): no recipe"),
-    ("R37", "gpt-oss (experts, sliding window): not modelled"), ("R38", "gpt-oss: not modelled"),
+
     ("R39", "Qwen3-Coder-Next (hybrid, experts): not modelled"), ("R40", "Qwen3-Coder-Next: not modelled"),
     ("R41", "Qwen3-Coder-Next: not modelled"), ("R42", "Gemma 4: not modelled"),
     ("R43", "Gemma 2 (SYCL): no recipe for gemma2"), ("R44", "Qwen2-14B distill: no config bundled"),
-    ("R45", "gpt-oss on the CPU: not modelled"), ("R46", "Qwen3.6 MoE with MTP: not modelled"),
+    ("R46", "Qwen3.6 MoE with MTP: not modelled"),
     ("R47", "Qwen3.5 MoE: not modelled"),
 ]
 WEIGHTS_KV = ("gpu_model", "cpu_model", "kv", "gpu_kv", "cpu_kv", "output")

@@ -105,7 +105,7 @@ def run(capsys, *argv):
 @pytest.mark.parametrize("argv, fragment", [
     (["llama-3.1-8b"], "Give --quant"),
     (["{path}", "--quant", "Q4_K_M"], "already quantized"),
-    (["gpt-oss-20b", "--quant", "MXFP4_MOE"], "not modelled"),
+    (["deepseek-v3", "--quant", "Q4_K_M"], "not modelled"),
     (["llama-3.1-8b", "--quant", "Q9"], "--quant Q9"),
     (["missing.gguf"], "no such GGUF file"),
     (["{path}", "-ctv", "q8_0", "-fa", "off"], "needs flash attention"),
@@ -316,13 +316,13 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
 
 
 def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
-    """A GGUF of a sliding-window model other than Gemma 3, or another architecture: its weights come from the
-    header, but its KV cache and compute graph are not those memfit replays; it says so rather than print the wrong
-    buffers."""
+    """A GGUF of a sliding-window model other than Gemma 3 and gpt-oss, or another architecture: its weights come
+    from the header, but its KV cache and compute graph are not those memfit replays; it says so rather than print
+    the wrong buffers."""
     from dataclasses import replace as changed
 
     model = model_of(RUNS[0])
-    for different in (changed(model, n_swa=1024), changed(model, arch="gemma2"), changed(model, arch="gpt-oss")):
+    for different in (changed(model, n_swa=1024), changed(model, arch="gemma2"), changed(model, arch="deepseek2")):
         with pytest.raises(MemfitError, match=r"not modelled.*its weights alone"):
             estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))
 
@@ -515,3 +515,19 @@ def test_a_tensor_split_gives_each_gpu_its_run_of_layers(capsys):
     data = json.loads(out)
     assert code == 0 and data["command"].endswith("--tensor-split 3,1") and len(data["gpus"]) == 2
     assert data["gpu_model_bytes"] == sum(g["model_bytes"] for g in data["gpus"])
+
+
+def test_gpt_oss_is_the_file_and_caches_published_loads_show():
+    """gpt-oss-20b as llama.cpp's MXFP4_MOE recipe writes it (experts MXFP4, the rest Q8_0) is the 11536.18 MiB an
+    LM Studio load mapped (R45); at 131072 tokens with a 2048 ubatch its caches are the 3072 MiB of the full layers
+    and the 54 MiB of a 2304-cell window cache a published llama-server log printed (R37); the tiny gpt-oss of the
+    record (sinks, biases, experts, a window) loads as predicted."""
+    from memfit.serving.llamacpp import gguf_model
+
+    model = gguf_model("gpt-oss-20b", "MXFP4_MOE")
+    assert round(model.weights_bytes / 2**20, 2) == 11536.18
+    assert {t.type for t in model.tensors if t.name.endswith("_exps.weight")} == {"MXFP4"}
+    kv = estimate_llamacpp(model, LlamaCppSettings(ctx_size=131072, n_ubatch=2048, flash_attn="on"), gpus=1).kv
+    windowed = sum(size for size, sliding in zip(kv.layer_bytes, model.swa_layers) if sliding)
+    assert (kv.swa_cells, (kv.bytes - windowed) / 2**20, windowed / 2**20) == (2304, 3072.0, 54.0)
+    assert sum(r["model"] == "gptoss" for r in RUNS) >= 4

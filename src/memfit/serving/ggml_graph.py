@@ -35,7 +35,8 @@ CPU_ALIGNMENT = 32       # ggml's TENSOR_ALIGNMENT: the CPU buffer type's
 GPU_ALIGNMENT = 128      # ggml-cuda's buffer type's (assumed for other GPU backends)
 MASK_PAD = 32            # GGML_KQ_MASK_PAD before PR 17910: the mask's tokens padded to it (value assumed)
 GRAPH_TENSORS = (".bias", "attn_q_norm.weight", "attn_k_norm.weight")   # optional weights that add graph nodes
-IN_PLACE = {"ADD", "MUL", "DIV", "SCALE", "CLAMP", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}   # ggml_op_can_inplace's
+# ggml_op_can_inplace's, those the graphs use
+IN_PLACE = {"ADD", "ADD_ID", "MUL", "DIV", "SCALE", "CLAMP", "RMS_NORM", "ROPE", "SOFT_MAX", "UNARY"}
 
 
 @dataclass(eq=False)
@@ -232,7 +233,7 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
     outputs = tokens
     f32 = 4
     embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
-    gemma = model.arch == "gemma3"
+    gemma, oss = model.arch == "gemma3", model.arch == "gpt-oss"
     kinds = cache_kinds(model, kv)
     if on_gpu:
         x = graph.input("embd", embd * tokens * f32)
@@ -311,14 +312,14 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
             kqv = graph.op("MUL_MAT", "kqv", model.head_dim_v * tokens * heads * f32, graph.view(cache_v), kq)
             attn = graph.op("CONT", "kqv_out", kqv.nbytes, graph.view(kqv))
         out = projection(layer, "attn_output", embd, rotated(attn, v_rot), tokens)
-        if layer == model.n_layer - 1 and out_ids:   # only the output rows go on (since PR 6017)
+        if layer == model.n_layer - 1 and out_ids and not oss:   # only the output rows go on (since PR 6017)
             out = graph.op("GET_ROWS", "out_rows", embd * outputs * f32, out, out_ids)
             x = graph.op("GET_ROWS", "inp_rows", embd * outputs * f32, x, out_ids)
             tokens = outputs
         if gemma:
             out = norm(layer, "post_attention_norm", out)
         ffn_inp = graph.op("ADD", "ffn_inp", out.nbytes, out, x)
-        ffn_in = norm(layer, "ffn_norm", ffn_inp)
+        ffn_in = norm(layer, "post_attention_norm" if oss else "ffn_norm", ffn_inp)
         if model.n_expert:
             down = _experts(graph, model, layer, ffn_in, tokens)
         else:
@@ -329,6 +330,8 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
         if gemma:
             down = norm(layer, "post_ffw_norm", down)
         x = graph.op("ADD", "l_out", down.nbytes, down, ffn_inp)
+    if oss and out_ids:   # gpt-oss keeps every row through its last layer (for its next-token head), then selects
+        x = graph.op("GET_ROWS", "out_rows", embd * outputs * f32, x, out_ids)
     result = graph.op("RMS_NORM", "norm", x.nbytes, x)
     result = graph.op("MUL", "result_norm", result.nbytes, result, graph.external("output_norm.weight"))
     result.is_output = True
@@ -339,29 +342,47 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
 
 
 def _experts(graph: Graph, model: GGUFModel, layer: int, x: Tensor, tokens: int) -> Tensor:
-    """llama.cpp's build_moe_ffn (Mixtral, Qwen3-MoE: softmax gating, the chosen experts' weights normalized): the
-    router's logits and their softmax (in place), the top experts (ARGSORT, viewed to the first n_expert_used),
-    their weights gathered, summed, clamped and divided; llama.cpp expands these before the experts. Then each
-    chosen expert's gate, up (MUL_MAT_ID: n_ff_exp x experts used x tokens), SwiGLU and down, weighted in place,
-    and the experts' outputs, views of one tensor, added up (the first ADD allocates, the rest add in place)."""
+    """llama.cpp's build_moe_ffn: the router's logits (plus its bias, in place: gpt-oss), the top experts (ARGSORT,
+    viewed to the first n_expert_used) and their weights: Mixtral and Qwen3-MoE take the softmax of all the logits
+    (in place) and normalize the chosen ones (summed, clamped, divided); gpt-oss takes the softmax of the chosen
+    logits alone (new memory). llama.cpp expands these before the experts. Then each chosen expert's gate and up
+    (MUL_MAT_ID: n_ff_exp x experts used x tokens; gpt-oss adds their biases in place, ADD_ID), the gated activation
+    (GLU: SwiGLU, gpt-oss's clamped one), down (and its bias), weighted in place, and the experts' outputs, views of
+    one tensor, added up (the first ADD allocates, the rest add in place)."""
     f32, used, embd, ffn = 4, model.n_expert_used, model.n_embd, model.n_ff_exp
+    names = {t.name for t in model.tensors}
 
     def weight(name: str) -> Tensor:
         return graph.external(f"blk.{layer}.{name}.weight")
 
+    def biased(cur: Tensor, name: str, chosen: Tensor | None = None) -> Tensor:
+        if f"blk.{layer}.{name}.bias" not in names:
+            return cur
+        bias = graph.external(f"blk.{layer}.{name}.bias")
+        return graph.op("ADD_ID" if chosen else "ADD", f"{name}_biased", cur.nbytes, cur, bias,
+                        *([chosen] if chosen else []))
+
     logits = graph.op("MUL_MAT", "ffn_moe_logits", model.n_expert * tokens * f32, weight("ffn_gate_inp"), x)
-    probs = graph.op("SOFT_MAX", "ffn_moe_probs", logits.nbytes, logits)
+    logits = biased(logits, "ffn_gate_inp")
+    softmax_after = model.arch == "gpt-oss"   # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT
+    probs = logits if softmax_after else graph.op("SOFT_MAX", "ffn_moe_probs", logits.nbytes, logits)
     probs_3d = graph.view(probs)
     chosen = graph.view(graph.op("ARGSORT", "ffn_moe_argsort", model.n_expert * tokens * 4, probs), "ffn_moe_topk")
     weights = graph.view(graph.op("GET_ROWS", "ffn_moe_weights", used * tokens * f32, probs_3d, chosen))
-    total = graph.op("SUM_ROWS", "ffn_moe_weights_sum", tokens * f32, weights)
-    total = graph.op("CLAMP", "ffn_moe_weights_sum_clamped", total.nbytes, total)
-    weights = graph.view(graph.op("DIV", "ffn_moe_weights_norm", weights.nbytes, weights, total))
+    if softmax_after:
+        weights = graph.view(graph.op("SOFT_MAX", "ffn_moe_weights_softmax", weights.nbytes, weights))
+    else:
+        total = graph.op("SUM_ROWS", "ffn_moe_weights_sum", tokens * f32, weights)
+        total = graph.op("CLAMP", "ffn_moe_weights_sum_clamped", total.nbytes, total)
+        weights = graph.view(graph.op("DIV", "ffn_moe_weights_norm", weights.nbytes, weights, total))
     x_3d = graph.view(x)
     gate = graph.op("MUL_MAT_ID", "ffn_moe_gate", ffn * used * tokens * f32, weight("ffn_gate_exps"), x_3d, chosen)
+    gate = biased(gate, "ffn_gate_exps", chosen)
     up = graph.op("MUL_MAT_ID", "ffn_moe_up", gate.nbytes, weight("ffn_up_exps"), x_3d, chosen)
+    up = biased(up, "ffn_up_exps", chosen)
     act = graph.op("GLU", "ffn_moe_swiglu", up.nbytes, gate, up)
     experts = graph.op("MUL_MAT_ID", "ffn_moe_down", embd * used * tokens * f32, weight("ffn_down_exps"), act, chosen)
+    experts = biased(experts, "ffn_down_exps", chosen)
     experts = graph.op("MUL", "ffn_moe_weighted", experts.nbytes, experts, weights)
     each = [graph.view(experts, f"ffn_moe_expert_{i}") for i in range(used)]
     if used == 1:   # a view is not contiguous: copied out

@@ -143,14 +143,14 @@ def _recipe(tensor: GGUFTensor, kind: str, file_type: str, *, tied: bool, gqa: i
 
 # Hugging Face model types whose GGUF memfit writes: llama.cpp's architecture for each
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma3_text": "gemma3"}
+                 "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
 
 
 def _sliding_window(config: dict, arch: str, n_layer: int) -> dict:
     """The window and its layers, as the converter writes them: transformers' layer_types where the config has
     them, else its sliding_window_pattern (Gemma 3: the last of every 6 layers attends over everything)."""
     window = int(config.get("sliding_window") or 0)
-    if not window or arch != "gemma3":   # llama.cpp runs Mistral's and Qwen's windows as full attention
+    if not window or arch not in ("gemma3", "gpt-oss"):   # llama.cpp runs Mistral's and Qwen's as full attention
         return {}
     types = config.get("layer_types")
     pattern = [kind == "sliding_attention" for kind in types] if types else config.get("sliding_window_pattern")
@@ -195,21 +195,30 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
                     GGUFTensor(blk + "attn_q.weight", "F16", (embd, heads * head_dim)),
                     GGUFTensor(blk + "attn_k.weight", "F16", (embd, kv_heads * head_dim)),
                     GGUFTensor(blk + "attn_v.weight", "F16", (embd, kv_heads * head_dim))]
-        if arch == "qwen2":
+        if arch in ("qwen2", "gpt-oss"):
             tensors += [GGUFTensor(blk + f"attn_{p}.bias", "F32", (n * head_dim,))
                         for p, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))]
         if arch.startswith(("qwen3", "gemma3")):
             tensors += [GGUFTensor(blk + f"attn_{p}_norm.weight", "F32", (head_dim,)) for p in ("q", "k")]
         tensors.append(GGUFTensor(blk + "attn_output.weight", "F16", (heads * head_dim, embd)))
+        if arch == "gpt-oss":   # the output projection's bias, each head's sink; its FFN is normed by the post-norm
+            tensors += [GGUFTensor(blk + "attn_output.bias", "F32", (embd,)),
+                        GGUFTensor(blk + "attn_sinks.weight", "F32", (heads,)),
+                        GGUFTensor(blk + "post_attention_norm.weight", "F32", (embd,))]
         if arch == "gemma3":   # RMS norms after the attention and after the FFN
             tensors += [GGUFTensor(blk + f"{name}.weight", "F32", (embd,))
                         for name in ("post_attention_norm", "post_ffw_norm")]
-        tensors.append(GGUFTensor(blk + "ffn_norm.weight", "F32", (embd,)))
+        if arch != "gpt-oss":
+            tensors.append(GGUFTensor(blk + "ffn_norm.weight", "F32", (embd,)))
         if n_expert:   # the router (kept in float32) and each projection's experts stacked in one 3-D tensor
             tensors += [GGUFTensor(blk + "ffn_gate_inp.weight", "F32", (embd, n_expert)),
                         GGUFTensor(blk + "ffn_gate_exps.weight", "F16", (embd, ffn_exp, n_expert)),
                         GGUFTensor(blk + "ffn_up_exps.weight", "F16", (embd, ffn_exp, n_expert)),
                         GGUFTensor(blk + "ffn_down_exps.weight", "F16", (ffn_exp, embd, n_expert))]
+            if arch == "gpt-oss":   # the router's bias and each expert's
+                tensors += [GGUFTensor(blk + name, "F32", shape) for name, shape in (
+                    ("ffn_gate_inp.bias", (n_expert,)), ("ffn_gate_exps.bias", (ffn_exp, n_expert)),
+                    ("ffn_up_exps.bias", (ffn_exp, n_expert)), ("ffn_down_exps.bias", (embd, n_expert)))]
         else:
             tensors += [GGUFTensor(blk + "ffn_gate.weight", "F16", (embd, ffn)),
                         GGUFTensor(blk + "ffn_up.weight", "F16", (embd, ffn)),

@@ -23,7 +23,8 @@ from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
 # llama.cpp architectures whose graph memfit replays (mistral's and Mixtral's are llama's)
-GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
+WINDOWED = ("gemma3", "gpt-oss")   # of those, the architectures whose sliding-window cache memfit models
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
@@ -240,7 +241,7 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                       gpus: int = 0) -> LlamaCppEstimate:
     """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
     settings = settings or LlamaCppSettings()
-    if model.arch not in GRAPHS or (model.n_swa and model.arch != "gemma3"):
+    if model.arch not in GRAPHS or (model.n_swa and model.arch not in WINDOWED):
         kind = f"{model.arch}'s sliding-window attention" if model.n_swa else model.arch
         raise MemfitError(f"{model.name}: llama.cpp's buffers for {kind} are not modelled (memfit replays the graphs "
                           f"of {', '.join(GRAPHS)}); its weights alone: {model.weights_bytes / 2**30:.2f} GiB.")
