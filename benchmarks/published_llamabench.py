@@ -81,9 +81,9 @@ def run() -> list[dict]:
 def summary(records: list[dict]) -> dict:
     """Mean and worst error of generating (on the rows the model was calibrated on, and on the rest) and of reading
     a prompt."""
-    groups = {"tg_calibrated": lambda r: r["test"].startswith("tg") and r["id"] in CALIBRATION_ROWS,
-              "tg_held_out": lambda r: r["test"].startswith("tg") and r["id"] not in CALIBRATION_ROWS,
-              "pp": lambda r: r["test"].startswith("pp")}
+    groups = {f"{test}_{part}": (lambda r, test=test, part=part: r["test"].startswith(test) and (
+        r["id"] in CALIBRATION_ROWS) == (part == "calibrated")) for test in ("tg", "pp")
+        for part in ("calibrated", "held_out")}
     out: dict = {}
     for name, member in groups.items():
         errors = [r["error"] for r in records if "error" in r and member(r)]
@@ -104,7 +104,9 @@ def main() -> None:
                          f"{r['predicted']:9.1f} {r['error']:+7.0%}")
     lines.append("")
     for group, name in (("tg_calibrated", "generating, the rows its figures were read off"),
-                        ("tg_held_out", "generating, the other rows"), ("pp", "reading a prompt (not calibrated)")):
+                        ("tg_held_out", "generating, the other rows"),
+                        ("pp_calibrated", "reading a prompt, the rows its figures were read off"),
+                        ("pp_held_out", "reading a prompt, the other rows")):
         t = totals[group]
         lines.append(f"{name}: {t['rows']} rows, mean error {t['mean_error']:+.0%}, mean |error| "
                      f"{t['mean_abs_error']:.0%}, worst {t['worst']:+.0%}")

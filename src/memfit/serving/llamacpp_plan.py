@@ -26,8 +26,8 @@ FIT_TARGET = 1024 * MiB          # llama.cpp's --fit-target default: left free o
 HOST_RESERVE = 2 * GiB           # assumed: what the operating system and other programs keep of host RAM
 SPEED_SOURCE = ("memfit's model (serving/llamacpp_speed.py) against published llama-bench runs "
                 "(benchmarks/published_llamabench.py): generating, mean |error| 8 % on the 16 rows it was calibrated "
-                "on and 26 % on 3 others (70B models faster than it predicts); reading a prompt, not calibrated, "
-                "52 % (about half the speed on GeForce cards)")
+                "on and 26 % on 3 others (70B models faster than it predicts); reading a prompt, 6 % on 16 and 19 % "
+                "on 1 other")
 KV_TYPES = ("f16", "q8_0")       # q8_0: about half the KV bytes, at a small accuracy cost
 KV_Q8_COST = 0.001               # assumed: a q8_0 KV cache's perplexity increase (no published figure bundled)
 

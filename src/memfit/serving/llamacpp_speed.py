@@ -14,10 +14,14 @@ side in one run each:
 The host's share (HOST_SHARE) is assumed; the same type efficiencies are assumed for the CPU's kernels
 (benchmarks/llamacpp_cpu_speed.py measures the ratios on this machine's 2 cores: they lose more there).
 
-Reading a prompt: the ubatch's matrix products at MATMUL_SHARE of the GPU's FP16 FLOP/s, plus, on a partial offload,
-the CPU's weights copied over the host link once per ubatch (llama.cpp's op offload). Not calibrated: against the
-same tables it is about half the measured speed on GeForce cards (llama.cpp accumulates in FP16, twice the rate the
-catalog lists) and twice it on Hopper (llama.cpp's kernels do not use Hopper's own instructions).
+Reading a prompt: the ubatch's matrix products at MATMUL_SHARE of the GPU's FP16 tensor rate with FP16
+accumulation (llama.cpp's: twice the FP32-accumulate rate the catalog lists for GeForce cards; on Hopper half its
+peak, as llama.cpp's kernels use the Ampere-style instructions, not Hopper's own), a quantized weight's products
+(llama.cpp's int8 MMQ kernels, dequantizing as they go) at QUANTIZED_PROMPT of that; plus, on a partial offload, the
+CPU's weights copied over the host link once per ubatch (llama.cpp's op offload). Read off the same tables:
+MATMUL_SHARE 0.40 (F16 rows on the RTX 3090 and 4090 in January and May 2024, A100 80GB PCIe, H100 PCIe: 0.35-0.44:
+L01, L06, L30, L36, L42, L47), QUANTIZED_PROMPT 0.78 (quantized files against F16 on the same GPU and run: 0.69-0.91:
+L03, L05, L08, L10, L12, L14, L28, L34, L40, L45).
 """
 from __future__ import annotations
 
@@ -37,10 +41,22 @@ TYPE_EFFICIENCY = {"F32": 1.0, "F16": 1.0, "BF16": 1.0, "Q8_0": 0.86, "Q4_0": 0.
                    "Q5_0": 0.72, "Q5_1": 0.72, "IQ4_NL": 0.72, "Q4_K": 0.75, "Q5_K": 0.75, "Q6_K": 0.75,
                    "IQ4_XS": 0.75, "MXFP4": 0.75, "Q3_K": 0.40, "Q2_K": 0.37}
 ASSUMED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q5_K", "IQ4_XS", "MXFP4")
-MATMUL_SHARE = 0.4               # assumed share of the GPU's FP16 FLOP/s a prompt's matrix products reach
-# the published rows (benchmarks/published_llamabench.md) the decode figures above were read off; the rest are held out
+MATMUL_SHARE = 0.40              # a prompt's share of the FP16-accumulate tensor rate (see above)
+QUANTIZED_PROMPT = 0.78          # a quantized weight's products against a float one's
+# the published rows (benchmarks/published_llamabench.md) the figures above were read off; the rest are held out
 CALIBRATION_ROWS = ("L02", "L04", "L07", "L09", "L11", "L13", "L29", "L31", "L35", "L37", "L38", "L39", "L41", "L43",
-                    "L46", "L48")
+                    "L46", "L48",   # generating
+                    "L01", "L03", "L05", "L06", "L08", "L10", "L12", "L14", "L28", "L30", "L34", "L36", "L40", "L42",
+                    "L45", "L47")   # reading a prompt
+
+
+def fp16_tensor_rate(gpu: GPU) -> float:
+    """FLOP/s of the FP16 tensor products llama.cpp runs: GeForce cards accumulate in FP16 at twice the rate the
+    catalog lists (their FP32-accumulate one); Hopper runs llama.cpp's Ampere-style instructions at half its peak."""
+    rate = (gpu.fp16_tflops or gpu.bf16_tflops) * 1e12
+    if gpu.name.startswith(("rtx-30", "rtx-40", "rtx-50")):
+        return 2 * rate
+    return rate / 2 if gpu.compute_capability[0] == 9 else rate
 
 
 def _used(tensor: GGUFTensor, gguf: GGUFModel) -> float:
@@ -67,13 +83,13 @@ def decode_seconds(estimate: LlamaCppEstimate, gguf: GGUFModel, gpu: GPU | None,
 
 def speed(estimate: LlamaCppEstimate, gguf: GGUFModel, gpu: GPU, host_bandwidth_gbps: float) -> tuple[float, float]:
     """(tokens/s generating, tokens/s reading a prompt) with `gpu` holding what the estimate puts on it."""
-    active = copied = 0.0
+    ubatch, rate = estimate.settings.n_ubatch, fp16_tensor_rate(gpu) * MATMUL_SHARE
+    prompt = 0.0
     for tensor in gguf.tensors:
-        if tensor.layer is not None:
-            active += tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) > 1 else 1) * _used(tensor, gguf)
+        if tensor.layer is not None and len(tensor.shape) > 1:
+            flops = 2 * tensor.shape[0] * tensor.shape[1] * _used(tensor, gguf) * ubatch
+            quantized = tensor.type not in ("F32", "F16", "BF16")
+            prompt += flops / (rate * (QUANTIZED_PROMPT if quantized else 1.0))
         if estimate.placement[tensor.name] == "CPU" and tensor.name != "token_embd.weight":
-            copied += tensor.nbytes
-    ubatch = estimate.settings.n_ubatch
-    prompt = 2 * active * ubatch / ((gpu.bf16_tflops or gpu.fp16_tflops) * 1e12 * MATMUL_SHARE)
-    prompt += copied / (gpu.host_link_gbps * 1e9)    # op offload: the CPU's weights cross the host link
+            prompt += tensor.nbytes / (gpu.host_link_gbps * 1e9)   # op offload: across the host link
     return 1 / decode_seconds(estimate, gguf, gpu, host_bandwidth_gbps), ubatch / prompt
