@@ -40,7 +40,7 @@ FLAGS = (
     (("-cmoe", "--cpu-moe"), "n_cpu_moe", {"action": "store_const", "const": -1},
      "keep every layer's experts on the CPU"),
     (("--swa-full",), "swa_full", {"action": "store_const", "const": True},
-     "a sliding-window model's window cache as large as the context"),
+     "a windowed model's window cache as large as the context"),
     (("-ts", "--tensor-split"), "tensor_split", {"type": lambda text: _split(text), "metavar": "N0,N1,..."},
      "each GPU's share of the layers, e.g. 3,1 (default: equal)"),
 )
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     console = output_console()
     slots = result.layers_on_gpu
-    window = f", the sliding-window layers' {result.kv.swa_cells}" if result.kv.swa_cells else ""
+    window = f", the window layers' {result.kv.swa_cells}" if result.kv.swa_cells else ""
     console.print(f"{result.model} on {result.engine}: n_ctx {result.n_ctx} ({result.kv.cells} cells{window} x "
                   f"{result.kv.streams} stream(s)); {slots} of the {result.n_layer + 1} layer slots (the layers, then "
                   "the output head) on the GPU")

@@ -242,7 +242,7 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
     settings = settings or LlamaCppSettings()
     if model.arch not in GRAPHS or (model.n_swa and model.arch not in WINDOWED):
-        kind = f"{model.arch}'s sliding-window attention" if model.n_swa else model.arch
+        kind = f"{model.arch}'s windowed attention" if model.n_swa else model.arch
         raise MemfitError(f"{model.name}: llama.cpp's buffers for {kind} are not modelled (memfit replays the graphs "
                           f"of {', '.join(GRAPHS)}); its weights alone: {model.weights_bytes / 2**30:.2f} GiB.")
     if settings.ctx_size is None:   # llama.cpp's -c 0: the training context (--fit may shrink it: not modelled)

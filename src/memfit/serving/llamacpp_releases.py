@@ -14,7 +14,7 @@ CHANGES = {
     "kv_pad_32": ("2024-05-13", "PR 7257: the KV cache padded to 32 cells without flash attention (256 with it)"),
     "output_per_sequence": ("2024-03-26", "PR 6017: the output buffer holds a row per sequence, not per batch token "
                                           "(date assumed: the logs of b2459, 2024-03-18, still show n_batch rows)"),
-    "swa_cache": ("2025-05-20", "PR 13194: sliding-window layers get their own cache of the window and a ubatch "
+    "swa_cache": ("2025-05-20", "PR 13194: the window layers get their own cache of the window and a ubatch "
                                 "(before, the full context; date assumed: reviewed 2025-05-11)"),
     "kv_streams": ("2025-08-01", "virtual sequences (after PR 14285): --parallel slots get a stream each unless "
                                  "unified (before, one unified cache; date assumed)"),
