@@ -534,3 +534,21 @@ def test_gpt_oss_is_the_file_and_caches_published_loads_show():
     windowed = sum(size for size, sliding in zip(kv.layer_bytes, model.swa_layers) if sliding)
     assert (kv.swa_cells, (kv.bytes - windowed) / 2**20, windowed / 2**20) == (2304, 3072.0, 54.0)
     assert sum(r["model"] == "gptoss" for r in RUNS) >= 4
+
+
+def test_a_plan_over_two_gpus_holds_what_one_cannot(capsys):
+    """Llama-3.1-70B on RTX 3090s at 8192 tokens: two cards (llama.cpp splits the layers equally) hold about twice
+    the layer slots of one, each card within the fit margin, and the split is faster."""
+    from memfit.serving.llamacpp_plan import FIT_TARGET
+
+    def plan_on(gpus: str) -> dict:
+        code, out, err = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3090", "--gpus",
+                             gpus, "--host-ram", "64GiB", "-c", "8192", "--json", "--top", "40")
+        assert code == 0, err
+        return {(p["quant"], p["cache_type_k"]): p for p in json.loads(out)["plans"]}
+
+    one, two = plan_on("1"), plan_on("2")
+    for key in ("Q8_0", "f16"), ("Q6_K", "f16"):
+        assert two[key]["gpus"] == 2 and two[key]["n_gpu_layers"] >= 2 * one[key]["n_gpu_layers"] - 2
+        assert two[key]["gpu_bytes"] <= 23.58 * 2**30 - FIT_TARGET
+        assert two[key]["decode_tokens_per_s"] > one[key]["decode_tokens_per_s"]

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="a Hugging Face model: catalog name, config.json, folder or hub id")
     parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
     parser.add_argument("--gpu", required=True, help="the GPU (memfit gpus)")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs of that kind (default 1; llama.cpp "
+                        "splits the layers over them)")
     parser.add_argument("--host-ram", required=True, metavar="SIZE", help="the machine's RAM, e.g. 32GiB")
     parser.add_argument("-c", "--ctx-size", type=int, metavar="N", help="context (default: the model's)")
     parser.add_argument("-np", "--parallel", type=int, default=1, metavar="N", help="sequence slots (default 1)")
@@ -46,7 +48,8 @@ def plan_json(plan: LlamaCppPlan, model: str) -> dict:
             "cache_type_v": plan.settings.cache_type_v, "flash_attn": plan.settings.flash_attn,
             "n_cpu_moe": plan.settings.n_cpu_moe,
             "gpu_bytes": plan.gpu_bytes, "host_bytes": plan.host_bytes,
-            "gpu_model_bytes": buffers["GPU0"].model, "cpu_model_bytes": buffers["CPU"].model,
+            "gpu_model_bytes": sum(b.model for name, b in buffers.items() if name != "CPU"),
+            "cpu_model_bytes": buffers["CPU"].model, "gpus": len(buffers) - 1,
             "decode_tokens_per_s": plan.decode_tokens_per_s, "prompt_tokens_per_s": plan.prompt_tokens_per_s,
             "ppl_increase": plan.ppl_increase, "command": plan.command(), "modelfile": plan.modelfile(model)}
 
@@ -58,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError(f"{args.model}: a .gguf file has its file type already, and the planner searches file "
                           "types: name the Hugging Face model it was made from (its hub id or config.json); for this "
                           "file's buffers at a given -ngl, memfit estimate FILE.gguf --task serve --engine llama.cpp.")
-    if args.parallel < 1 or args.top < 1 or (args.ctx_size is not None and args.ctx_size < 1):
-        raise MemfitError("--ctx-size, --parallel and --top take a whole number of 1 or more.")
+    if args.parallel < 1 or args.top < 1 or args.gpus < 1 or (args.ctx_size is not None and args.ctx_size < 1):
+        raise MemfitError("--ctx-size, --parallel, --gpus and --top take a whole number of 1 or more.")
     if args.host_bandwidth <= 0:
         raise MemfitError(f"--host-bandwidth {args.host_bandwidth:g}: GB/s, more than 0.")
     gpu = get_gpu(args.gpu)
     host_ram = parse_bytes(args.host_ram, "--host-ram")
     result = plan_llamacpp(args.model, gpu, host_ram_bytes=host_ram, ctx_size=args.ctx_size, parallel=args.parallel,
-                           objective=args.objective, host_bandwidth_gbps=args.host_bandwidth)
+                           objective=args.objective, host_bandwidth_gbps=args.host_bandwidth, gpus=args.gpus)
     if args.export:
         if not result.plans:
             raise MemfitError(f"nothing to export: {result.reason}")
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if not result.plans:
         console.print(f"{args.model} on {gpu.name} with {host_ram / GiB:.0f} GiB of RAM: {result.reason}")
         return 0
-    console.print(f"{args.model} in llama.cpp on one {gpu.name} ({gpu.memory_bytes / GiB:.2f} GiB) and "
+    cards = f"one {gpu.name} (" if args.gpus == 1 else f"{args.gpus} x {gpu.name} (the fullest shown; "
+    console.print(f"{args.model} in llama.cpp on {cards}{gpu.memory_bytes / GiB:.2f} GiB each) and "
                   f"{host_ram / GiB:.0f} GiB of RAM, {args.objective} first; searched {', '.join(QUALITY)}")
     for i, plan in enumerate(result.plans[:args.top], 1):
         console.print(f"{i}. {plan.quant:<7} KV {plan.settings.cache_type_k:<5} {plan.split:<24} GPU "

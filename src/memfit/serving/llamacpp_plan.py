@@ -95,21 +95,23 @@ class LlamaCppPlanResult:
 
 
 def _fits(estimate: LlamaCppEstimate, gpu: GPU, host_ram_bytes: int) -> tuple[bool, bool, int, int]:
-    gpu_bytes = estimate.buffers["GPU0"].total + gpu.context_bytes
+    """(the GPUs fit, the host fits, the fullest GPU's bytes with its CUDA context, the host's bytes)."""
+    gpu_bytes = max(b.total for name, b in estimate.buffers.items() if name != "CPU") + gpu.context_bytes
     host_bytes = estimate.buffers["CPU"].total
     return gpu_bytes <= gpu.memory_bytes - FIT_TARGET, host_bytes <= host_ram_bytes - HOST_RESERVE, gpu_bytes, \
         host_bytes
 
 
-def _most(settings: LlamaCppSettings, gguf: GGUFModel, gpu: GPU, *, experts: bool) -> LlamaCppEstimate | None:
-    """The most on the GPU that fits it, if anything does: layer slots (-ngl), or with `experts` every layer and the
-    experts of all but the fewest first layers (--n-cpu-moe)."""
+def _most(settings: LlamaCppSettings, gguf: GGUFModel, gpu: GPU, gpus: int, *, experts: bool
+          ) -> LlamaCppEstimate | None:
+    """The most on the GPUs that fits them, if anything does: layer slots (-ngl, split equally over `gpus`), or with
+    `experts` every layer and the experts of all but the fewest first layers (--n-cpu-moe)."""
     best = None
     low, high = 0, gguf.n_layer if experts else gguf.n_layer + 1
     while low <= high:
         middle = (low + high) // 2
         at = replace(settings, n_cpu_moe=gguf.n_layer - middle) if experts else replace(settings, n_gpu_layers=middle)
-        estimate = estimate_llamacpp(gguf, at, gpus=1)
+        estimate = estimate_llamacpp(gguf, at, gpus=gpus)
         if _fits(estimate, gpu, 0)[0]:
             best, low = estimate, middle + 1
         else:
@@ -119,8 +121,9 @@ def _most(settings: LlamaCppSettings, gguf: GGUFModel, gpu: GPU, *, experts: boo
 
 def plan_llamacpp(model: str, gpu: GPU, *, host_ram_bytes: int, ctx_size: int | None = None, parallel: int = 1,
                   objective: str = "quality", host_bandwidth_gbps: float = HOST_BANDWIDTH_GBPS,
-                  quants: tuple[str, ...] = tuple(QUALITY)) -> LlamaCppPlanResult:
-    """Every searched quantization and KV type at the most layers on the GPU that fit, ranked."""
+                  quants: tuple[str, ...] = tuple(QUALITY), gpus: int = 1) -> LlamaCppPlanResult:
+    """Every searched quantization and KV type at the most layers on `gpus` GPUs (llama.cpp's split of equal GPUs)
+    that fit, ranked."""
     if objective not in ("quality", "fastest"):
         raise MemfitError(f"--objective {objective}: quality (the least perplexity first) or fastest.")
     plans, rejected, least_host = [], [], 0
@@ -131,9 +134,9 @@ def plan_llamacpp(model: str, gpu: GPU, *, host_ram_bytes: int, ctx_size: int | 
                                         cache_type_k=kv_type, cache_type_v=kv_type)
             # the most layer slots on the GPU that fit it; a mixture of experts may instead keep every layer there
             # and leave the experts of its first layers on the CPU (--n-cpu-moe: the fewest that fit)
-            splits = [_most(settings, gguf, gpu, experts=False)]
+            splits = [_most(settings, gguf, gpu, gpus, experts=False)]
             if gguf.n_expert:
-                splits.append(_most(settings, gguf, gpu, experts=True))
+                splits.append(_most(settings, gguf, gpu, gpus, experts=True))
             for best in splits:
                 if best is None:
                     rejected.append(f"{quant}, KV {kv_type}: not even the output head fits {gpu.name}")

@@ -71,9 +71,10 @@ def decode_seconds(estimate: LlamaCppEstimate, gguf: GGUFModel, gpu: GPU | None,
     """One generated token's time: each weight it uses read at its device's rate for its type, and `kv_share` of
     the KV cache (the context it attends to: half of it on average over a generation). `gpu` None: the CPU alone."""
     rates = {"CPU": host_bandwidth_gbps * 1e9 * HOST_SHARE}
-    if gpu is not None:
+    if gpu is not None:   # each GPU reads its own layers, one after another (a layer split is a pipeline)
         memory = "hbm" if gpu.name.startswith(HBM_GPUS) else "gddr"
-        rates["GPU0"] = gpu.memory_bandwidth_gbps * 1e9 * DECODE_SHARE[memory]
+        rates |= {name: gpu.memory_bandwidth_gbps * 1e9 * DECODE_SHARE[memory] for name in estimate.buffers
+                  if name != "CPU"}
     seconds = sum(kv_share * buffers.kv / rates[device] for device, buffers in estimate.buffers.items())
     for tensor in gguf.tensors:
         efficiency = TYPE_EFFICIENCY.get(tensor.type, min(TYPE_EFFICIENCY.values()))
