@@ -18,6 +18,15 @@ from memfit.serving.llamacpp import (
 )
 
 OLLAMA_NUM_CTX = 4096   # Ollama's default num_ctx (2048 before 0.6.4; by VRAM in the newest releases)
+
+
+def _split(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: shares separated by commas, e.g. 3,1") from None
+
+
 # (flags, LlamaCppSettings field, argparse options, help): llama-server's own names and short forms
 FLAGS = (
     (("-c", "--ctx-size"), "ctx_size", {"type": int, "metavar": "N"},
@@ -41,16 +50,10 @@ FLAGS = (
      "keep every layer's experts on the CPU"),
     (("--swa-full",), "swa_full", {"action": "store_const", "const": True},
      "a windowed model's window cache as large as the context"),
-    (("-ts", "--tensor-split"), "tensor_split", {"type": lambda text: _split(text), "metavar": "N0,N1,..."},
+    (("-ts", "--tensor-split"), "tensor_split", {"type": _split, "metavar": "N0,N1,..."},
      "each GPU's share of the layers, e.g. 3,1 (default: equal)"),
 )
 
-
-def _split(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: shares separated by commas, e.g. 3,1") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

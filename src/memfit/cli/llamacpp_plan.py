@@ -94,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     if not result.plans:
         console.print(f"{args.model} on {gpu.name} with {host_ram / GiB:.0f} GiB of RAM: {result.reason}")
         return 0
-    cards = f"one {gpu.name} (" if args.gpus == 1 else f"{args.gpus} x {gpu.name} (the fullest shown; "
-    console.print(f"{args.model} in llama.cpp on {cards}{gpu.memory_bytes / GiB:.2f} GiB each) and "
+    size = f"{gpu.memory_bytes / GiB:.2f} GiB"
+    cards = f"one {gpu.name} ({size})" if args.gpus == 1 else \
+        f"{args.gpus} x {gpu.name} ({size} each; the fullest shown)"
+    console.print(f"{args.model} in llama.cpp on {cards} and "
                   f"{host_ram / GiB:.0f} GiB of RAM, {args.objective} first; searched {', '.join(QUALITY)}")
     for i, plan in enumerate(result.plans[:args.top], 1):
         console.print(f"{i}. {plan.quant:<7} KV {plan.settings.cache_type_k:<5} {plan.split:<24} GPU "

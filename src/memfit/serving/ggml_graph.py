@@ -14,11 +14,13 @@ RoPE, K and V written into the cache, then without flash attention KQ (n_kv x to
 softmax in place and KQV, made contiguous; with it one FLASH_ATTN_EXT; the output projection, the residual add, the
 FFN (gate, up, SwiGLU, down; a mixture of experts' as build_moe_ffn builds it: _experts) and its residual add. Qwen3
 norms each head's Q and K before RoPE; a quantized cache (since PR 21038) rotates Q, K and V by a Hadamard matrix
-product before they are stored, and the attention's output back. In the last layer only the output rows are kept
-(GET_ROWS); then the final norm and the logits (n_vocab x outputs). Beside the tokens, the graph takes an input for
-embeddings given instead of tokens (ggml_build_forward_select, llama.cpp PR 18550): allocated, never read. The worst
-case llama.cpp reserves: a full ubatch of tokens, every one an output, against the whole cache (n_kv: the cells of
-one stream).
+product before they are stored, and the attention's output back. Gemma 3 scales the embeddings and Q, norms after
+the attention and after its GeGLU FFN; gpt-oss adds biases and attention sinks; a sliding-window model's two caches
+each have their inputs (rows, mask). In the last layer only the output rows are kept (GET_ROWS; gpt-oss selects them
+after its last layer); then the final norm and the logits (n_vocab x outputs). Beside the tokens, the graph takes
+an input for embeddings given instead of tokens (ggml_build_forward_select, llama.cpp PR 18550): allocated, never
+read. The worst case llama.cpp reserves: a full ubatch of tokens, every one an output, against the whole cache (n_kv:
+the cells of one stream).
 """
 from __future__ import annotations
 

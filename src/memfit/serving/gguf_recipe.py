@@ -13,7 +13,7 @@ the file's order, layer by layer (memfit assumes the converter's numeric layer o
 from __future__ import annotations
 
 from memfit.core.errors import MemfitError
-from memfit.serving.gguf_file import GGUFModel, GGUFTensor, swa_pattern, type_size
+from memfit.serving.gguf_file import WINDOWED, GGUFModel, GGUFTensor, swa_pattern, type_size
 
 # llama.cpp's file types (llama-quantize's names) memfit writes, and the type each starts every tensor from
 FILE_TYPES = {
@@ -150,7 +150,7 @@ def _sliding_window(config: dict, arch: str, n_layer: int) -> dict:
     """The window and its layers, as the converter writes them: transformers' layer_types where the config has
     them, else its sliding_window_pattern (Gemma 3: the last of every 6 layers attends over everything)."""
     window = int(config.get("sliding_window") or 0)
-    if not window or arch not in ("gemma3", "gpt-oss"):   # llama.cpp runs Mistral's and Qwen's as full attention
+    if not window or arch not in WINDOWED:   # llama.cpp runs Mistral's and Qwen's windows as full attention
         return {}
     types = config.get("layer_types")
     pattern = [kind == "sliding_attention" for kind in types] if types else config.get("sliding_window_pattern")

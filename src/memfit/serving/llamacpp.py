@@ -4,13 +4,15 @@ device llama.cpp puts it (llama.cpp's names: --ctx-size, --n-gpu-layers, --n-uba
 Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cache.cpp; the release llama-cpp-python
 0.3.36 vendors) state them and its load logs here show them (benchmarks/llamacpp_cpu_run.py):
 - weights: the token embedding stays on the CPU; with -ngl N the last N of the n_layer + 1 slots (the extra one
-  the output head) go to the GPU (one GPU modelled: --tensor-split is not). A tied embedding is loaded a second time
-  as the head, on the head's device. --n-cpu-moe N keeps the experts (ffn_*_exps) of the first N layers on the CPU.
+  the output head) go to the GPUs, each taking the next run of them in proportion to its --tensor-split share. A
+  tied embedding is loaded a second time as the head, on the head's device. --n-cpu-moe N keeps the experts
+  (ffn_*_exps) of the first N layers on the CPU.
 - KV cache: n_ctx rounded up as the release pads it (to 256 now; llamacpp_releases.py); split over --parallel
   streams unless unified (each stream n_ctx / streams, rounded up); per layer cells x (n_head_kv x head_dim_k in
   type_k's bytes + the same for V), on the layer's device unless --no-kv-offload.
 - output buffer: n_vocab floats per sequence slot (the logits of the last token of each), in host memory.
 - compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py).
+- sliding-window layers (Gemma 3, gpt-oss): their own cache of each slot's window plus a ubatch (swa_cells).
 """
 from __future__ import annotations
 
@@ -18,13 +20,12 @@ from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError
 from memfit.serving.ggml_graph import compute_buffer_bytes, host_compute_bytes
-from memfit.serving.gguf_file import GGUFModel, GGUFTensor, read_gguf, row_bytes, type_size
+from memfit.serving.gguf_file import WINDOWED, GGUFModel, GGUFTensor, read_gguf, row_bytes, type_size
 from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
 # llama.cpp architectures whose graph memfit replays (mistral's and Mixtral's are llama's)
 GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
-WINDOWED = ("gemma3", "gpt-oss")   # of those, the architectures whose sliding-window cache memfit models
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
@@ -48,7 +49,7 @@ class LlamaCppSettings:
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
     n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
     swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others
-    tensor_split: tuple[float, ...] | None = None   # --tensor-split: each GPU's share of the layers (None: equal)'
+    tensor_split: tuple[float, ...] | None = None   # --tensor-split: each GPU's share of the layers (None: equal)
     engine_version: str | None = None   # the build's date, YYYY-MM[-DD]; None: the newest modelled
 
     def __post_init__(self) -> None:
