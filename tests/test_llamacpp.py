@@ -346,6 +346,9 @@ def test_a_notebook_reaches_llamacpp_with_its_config_object_or_through_memfit_es
         estimate_gguf(config, quant="Q4_K_M", ctx=4096)
     with pytest.raises(MemfitError, match=r"llama\.cpp or ollama"):
         memfit.estimate("llama-3.1-8b", task="serve", engine="llamacpp")
+    split = estimate_gguf("qwen2.5-32b", quant="Q4_K_M", gpu="rtx-3090", gpus=4, ctx_size=8192)
+    assert [round(split.buffers[f"GPU{i}"].model / 2**20, 2) for i in range(4)] == [4844.72, 4366.53, 4366.53,
+                                                                                     4930.57]   # R22
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -50,10 +50,11 @@ def load_model(model) -> ServedModel:
 
 
 def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None, gpu: GPU | str | None = None,
-                  **settings) -> LlamaCppEstimate:
+                  gpus: int = 1, **settings) -> LlamaCppEstimate:
     """llama.cpp's buffers (a LlamaCppEstimate) for `model`: a .gguf file, or a Hugging Face model (name, config.json,
-    hub id, a transformers config or its dict) written as `quant`; with a `gpu`, the layers -ngl puts on one GPU,
-    else the CPU alone; `settings`: LlamaCppSettings' fields (ctx_size=..., n_gpu_layers=..., flash_attn=...)."""
+    hub id, a transformers config or its dict) written as `quant`; with a `gpu`, the layers -ngl puts on `gpus` such
+    GPUs, else the CPU alone; `settings`: LlamaCppSettings' fields (ctx_size=..., n_gpu_layers=..., flash_attn=...,
+    n_cpu_moe=..., tensor_split=(3, 1))."""
     from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp, gguf_model
 
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(LlamaCppSettings)})
@@ -63,8 +64,10 @@ def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None,
                           f"{closest(unknown[0], names)}")
     if isinstance(gpu, str):
         get_gpu(gpu)   # an unknown name: one line
+    if gpus < 1:
+        raise MemfitError(f"gpus={gpus}: 1 or more (gpu=None: the CPU alone).")
     return estimate_llamacpp(gguf_model(model, quant), LlamaCppSettings(**settings), engine=engine,
-                             gpus=0 if gpu is None else 1)
+                             gpus=0 if gpu is None else gpus)
 
 
 def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = None, load: Load | dict | None = None,
