@@ -53,7 +53,7 @@ CALIBRATION_ROWS = ("L02", "L04", "L07", "L09", "L11", "L13", "L29", "L31", "L35
 def fp16_tensor_rate(gpu: GPU) -> float:
     """FLOP/s of the FP16 tensor products llama.cpp runs: GeForce cards accumulate in FP16 at twice the rate the
     catalog lists (their FP32-accumulate one); Hopper runs llama.cpp's Ampere-style instructions at half its peak."""
-    rate = (gpu.fp16_tflops or gpu.bf16_tflops) * 1e12
+    rate = gpu.fp16_tflops * 1e12
     if gpu.name.startswith(("rtx-30", "rtx-40", "rtx-50")):
         return 2 * rate
     return rate / 2 if gpu.compute_capability[0] == 9 else rate
