@@ -58,6 +58,7 @@ def compare(run: dict) -> dict:
         "kv_cells": ((predicted.kv.cells, predicted.kv.swa_cells), (run["kv"]["cells"], swa.get("cells", 0))),
         "kv_mib": (cache_mib(model, predicted), (run["kv"]["mib"], swa.get("mib", 0.0))),
         "output_mib": (round(cpu.output / MiB, 2), run["output_buffers_mib"]["CPU"]),
+        "repack_mib": (round(cpu.repack / MiB, 2), run["model_buffers_mib"].get("CPU_REPACK", 0.0)),
         "compute_mib": (round(cpu.compute / MiB, 4), run["compute_buffers_mib"]["CPU"]),
     }
 
@@ -78,21 +79,25 @@ def main() -> None:
     rows = [compare(run) for run in expand(record)]
     lines = [f"memfit against llama.cpp (llama-cpp-python {record['llama_cpp_python']}, CPU) loading tiny GGUF models "
              "here", "",
-             f"{'case':<72} {'weights B':>10} {'KV cells':>9} {'KV MiB':>13} {'out MiB':>11} {'compute MiB':>21}"]
+             f"{'case':<72} {'weights B':>10} {'KV cells':>9} {'KV MiB':>13} {'out MiB':>11} {'repack MiB':>11} "
+             f"{'compute MiB':>21}"]
     errors = []
     for row in rows:
-        w, cells, kv, out, comp = (row[k] for k in ("weights", "kv_cells", "kv_mib", "output_mib", "compute_mib"))
+        w, cells, kv, out, repack, comp = (row[k] for k in ("weights", "kv_cells", "kv_mib", "output_mib", "repack_mib",
+                                                            "compute_mib"))
         error = comp[0] / comp[1] - 1
         errors.append(abs(error))
-        marks = "" if w[0] == w[1] and cells[0] == cells[1] and kv[0] == kv[1] and out[0] == out[1] else "  MISMATCH"
+        same = w[0] == w[1] and cells[0] == cells[1] and kv[0] == kv[1] and out[0] == out[1] and repack[0] == repack[1]
         same_w, same_cells = "=" if w[0] == w[1] else w[0], "=" if cells[0] == cells[1] else cells[0]
         kv = tuple(round(sum(part), 2) for part in kv)   # both caches together
         lines.append(f"{row['case']:<72} {same_w:>10} {same_cells:>9} {kv[0]:>6}/{kv[1]:<6} {out[0]:>5}/{out[1]:<5} "
-                     f"{comp[0]:>9.4f}/{comp[1]:<9.4f} {error:+.1%}{marks}")
+                     f"{repack[0]:>5}/{repack[1]:<5} {comp[0]:>9.4f}/{comp[1]:<9.4f} {error:+.1%}"
+                     f"{'' if same else '  MISMATCH'}")
     exact = sum(r["weights"][0] == r["weights"][1] and r["kv_mib"][0] == r["kv_mib"][1]
                 and r["kv_cells"][0] == r["kv_cells"][1] for r in rows)
-    lines += ["", f"weights and KV exact in {exact} of {len(rows)} loads; compute buffer mean |error| "
-                  f"{sum(errors) / len(errors):.1%}, worst {max(errors):.1%}"]
+    repacked = sum(r["repack_mib"][0] == r["repack_mib"][1] for r in rows)
+    lines += ["", f"weights and KV exact in {exact} of {len(rows)} loads; the CPU's repacked weights (CPU_REPACK) in "
+                  f"{repacked}; compute buffer mean |error| {sum(errors) / len(errors):.1%}, worst {max(errors):.1%}"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     with open(OUT, "w") as fh:

@@ -30,9 +30,9 @@ RUNS = recorder.expand(check.load_record())
 
 
 def assert_equal_to_the_log(row):
-    """Every figure as llama.cpp printed it: the weights' bytes exact, the KV cells exact, the KV and output MiB to
-    the log's 2 decimals, the compute buffer to its 4."""
-    for key in ("weights", "kv_cells", "kv_mib", "output_mib", "compute_mib"):
+    """Every figure as llama.cpp printed it: the weights' bytes exact, the KV cells exact, the KV, output and
+    repacked-weights MiB to the log's 2 decimals, the compute buffer to its 4."""
+    for key in ("weights", "kv_cells", "kv_mib", "output_mib", "repack_mib", "compute_mib"):
         assert row[key][0] == row[key][1], (row["case"], key, row[key])
 
 

@@ -114,7 +114,8 @@ def to_json(result: LlamaCppEstimate) -> dict:
         "cpu_model_bytes": cpu.model, "gpu_model_bytes": sum(b.model for b in gpus),
         "cpu_kv_bytes": cpu.kv, "gpu_kv_bytes": sum(b.kv for b in gpus),
         "cpu_compute_bytes": cpu.compute, "gpu_compute_bytes": sum(b.compute for b in gpus),
-        "output_bytes": cpu.output, "host_bytes": cpu.total, "gpu_buffers_bytes": sum(b.total for b in gpus),
+        "output_bytes": cpu.output, "cpu_repack_bytes": cpu.repack, "host_bytes": cpu.total,
+        "gpu_buffers_bytes": sum(b.total for b in gpus),
         "gpus": [{"device": b.device, "model_bytes": b.model, "kv_bytes": b.kv, "compute_bytes": b.compute,
                   "buffers_bytes": b.total} for b in gpus],
         "weights_bytes": result.weights_bytes,
@@ -162,9 +163,15 @@ def run(args: argparse.Namespace) -> int:
                   f"{result.kv.streams} stream(s)); {slots} of the {result.n_layer + 1} layer slots (the layers, then "
                   "the output head) on the GPU")
     for name, buffers in result.buffers.items():
+        repack = f"  repack {format_bytes(buffers.repack):>11}" if buffers.repack else ""
         console.print(f"  {name:<5} model {format_bytes(buffers.model):>11}  KV {format_bytes(buffers.kv):>11}  "
-                      f"compute {format_bytes(buffers.compute):>11}  output {format_bytes(buffers.output):>10}  "
-                      f"total {format_bytes(buffers.total):>11}")
+                      f"compute {format_bytes(buffers.compute):>11}  output {format_bytes(buffers.output):>10}"
+                      f"{repack}  total {format_bytes(buffers.total):>11}")
+    if result.buffers["CPU"].repack:
+        console.print("note: repack: of the CPU's model bytes, the Q4_0/Q4_K/Q2_K/IQ4_NL/MXFP4 weights it "
+                      "multiplies, copied into its own layout (llama.cpp's CPU_REPACK buffer on an x86 CPU with AVX2); "
+                      "their mapped pages stay as page cache, which the resident size shows until the system needs "
+                      "the memory: the total counts them once")
     for note in result.notes:
         console.print(f"note: {note}")
     console.print(command_line(result))

@@ -11,6 +11,9 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
   streams unless unified (each stream n_ctx / streams, rounded up); per layer cells x (n_head_kv x head_dim_k in
   type_k's bytes + the same for V), on the layer's device unless --no-kv-offload.
 - output buffer: n_vocab floats per sequence slot (the logits of the last token of each), in host memory.
+- the CPU's repacked weights: an x86 CPU with AVX2 copies the Q4_0, Q4_K, Q2_K, IQ4_NL and MXFP4 weights it
+  multiplies into its own layout (the CPU_REPACK buffer, as large as they are; their mapped pages stay as page cache,
+  which the process's resident size shows until the system needs the memory).
 - compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py).
 - sliding-window layers (Gemma 3, gpt-oss): their own cache of each slot's window plus a ubatch (swa_cells).
 """
@@ -29,6 +32,8 @@ GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
+# the types ggml's CPU backend repacks for its x86 AVX2 kernels (ggml-cpu/repack.cpp), a weight of rows in eights
+REPACKED = ("Q4_0", "Q4_K", "Q2_K", "IQ4_NL", "MXFP4")
 CUDA_ROW_PADDING = 512   # ggml-cuda's MATRIX_ROW_PADDING (elements)
 CUDA_ALIGNMENT = 128     # ggml-cuda's buffer alignment
 
@@ -93,9 +98,12 @@ class Buffers:
     kv: int = 0
     compute: int = 0
     output: int = 0
+    repack: int = 0                  # of `model`, what the CPU copies into its own layout (CPU_REPACK)
 
     @property
     def total(self) -> int:
+        """What the device needs: a repacked weight counts once (its mapped pages are page cache, dropped when
+        memory is short)."""
         return self.model + self.kv + self.compute + self.output
 
 
@@ -262,6 +270,9 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     for tensor in model.tensors:
         device = placed[tensor.name]
         buffers[device].model += gpu_tensor_bytes(tensor) if device != "CPU" else tensor.nbytes
+        if device == "CPU" and tensor.type in REPACKED and len(tensor.shape) > 1 and tensor.shape[1] % 8 == 0 \
+                and tensor.name != "token_embd.weight":   # a lookup table, not multiplied
+            buffers["CPU"].repack += tensor.nbytes
     if model.tied_embeddings and device_of(model.n_layer) != "CPU":
         embedding = next(t for t in model.tensors if t.name == "token_embd.weight")
         buffers[device_of(model.n_layer)].model += gpu_tensor_bytes(embedding)   # the head's own copy
