@@ -111,15 +111,12 @@ class Buffers:
 class KVCache:
     cells: int                       # per stream
     streams: int
-    layers: int                      # layers with a cache (those over the window included)
-    k_bytes: int
-    v_bytes: int
-    layer_bytes: list[int] = field(default_factory=list)   # K and V of each layer (0: none)
+    layer_bytes: list[int]           # K and V of each layer (0: a layer with no cache)
     swa_cells: int = 0               # per stream, of the sliding-window layers' own cache (0: none)
 
     @property
     def bytes(self) -> int:
-        return self.k_bytes + self.v_bytes
+        return sum(self.layer_bytes)
 
 
 @dataclass
@@ -208,15 +205,12 @@ def kv_cache(model: GGUFModel, settings: LlamaCppSettings, flash_attn: bool) -> 
     layer's in the window's cache)."""
     n_ctx, cells, streams = padded_ctx(settings, flash_attn)
     window = swa_cells(model, settings, cells, n_ctx)
-    k = v = 0
     per_layer = []
     for layer, heads in enumerate(model.n_head_kv):
         layer_cells = window if window and model.swa_layers[layer] else cells
-        layer_k = row_bytes(settings.cache_type_k.upper(), heads * model.head_dim_k) * layer_cells * streams
-        layer_v = row_bytes(settings.cache_type_v.upper(), heads * model.head_dim_v) * layer_cells * streams
-        k, v = k + layer_k, v + layer_v
-        per_layer.append(layer_k + layer_v)
-    return KVCache(cells, streams, sum(1 for heads in model.n_head_kv if heads), k, v, per_layer, window)
+        per_layer.append(layer_cells * streams * (row_bytes(settings.cache_type_k.upper(), heads * model.head_dim_k)
+                                                  + row_bytes(settings.cache_type_v.upper(), heads * model.head_dim_v)))
+    return KVCache(cells, streams, per_layer, window)
 
 
 def _layer_devices(n_layer: int, on_gpu: int, gpus: int, split: tuple[float, ...] | None):

@@ -36,11 +36,11 @@ HOST_BANDWIDTH_GBPS = 50.0       # assumed default: dual-channel DDR4-3200 (51.2
 DECODE_SHARE = {"gddr": 0.77, "hbm": 0.46}   # F16 weights' share of peak bandwidth generating (see above)
 HOST_SHARE = 0.7                 # assumed: the host's share of its peak bandwidth generating
 HBM_GPUS = ("a100", "h100", "h200", "gh200", "h20", "b200", "v100", "mi300")   # catalog names' prefixes
-# the share of F16's read rate each ggml type's one-token kernel reaches (see above); "assumed": no published row
+# the share of F16's read rate each ggml type's one-token kernel reaches (see above); Q4_1, Q5_0, Q5_1, IQ4_NL, Q5_K,
+# IQ4_XS and MXFP4 have no published row: their family's figure (assumed)
 TYPE_EFFICIENCY = {"F32": 1.0, "F16": 1.0, "BF16": 1.0, "Q8_0": 0.86, "Q4_0": 0.72, "Q4_1": 0.72,
                    "Q5_0": 0.72, "Q5_1": 0.72, "IQ4_NL": 0.72, "Q4_K": 0.75, "Q5_K": 0.75, "Q6_K": 0.75,
                    "IQ4_XS": 0.75, "MXFP4": 0.75, "Q3_K": 0.40, "Q2_K": 0.37}
-ASSUMED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q5_K", "IQ4_XS", "MXFP4")
 MATMUL_SHARE = 0.40              # a prompt's share of the FP16-accumulate tensor rate (see above)
 QUANTIZED_PROMPT = 0.78          # a quantized weight's products against a float one's
 # the published rows (benchmarks/published_llamabench.md) the figures above were read off; the rest are held out

@@ -52,9 +52,10 @@ def offload_host_bytes(workload: ResolvedWorkload, gpu=None) -> tuple[int, int]:
 def parameter_sizes(workload: ResolvedWorkload, gpu=None) -> list[int]:
     family, spec = program_of(workload, gpu)
     try:
-        return list(_declared_sizes(family, spec, workload.source.num_layers))
+        hash(spec)
     except TypeError:   # a spec that cannot be a cache key
         return list(_declared_sizes.__wrapped__(family, spec, workload.source.num_layers))
+    return list(_declared_sizes(family, spec, workload.source.num_layers))
 
 
 @functools.lru_cache(maxsize=64)   # a planner asks for the same model's sizes once per candidate
