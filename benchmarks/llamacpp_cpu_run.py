@@ -96,7 +96,7 @@ CASES += [
 
 def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
                n_vocab: int, tied: bool = False, n_expert: int = 0, n_expert_used: int = 0, n_ff_exp: int = 0,
-               head_dim: int = 0, n_swa: int = 0) -> None:
+               head_dim: int = 0, n_swa: int = 0, n_ctx_train: int = 4096) -> None:
     """A float32 model with llama.cpp's tensor names for `arch` (random weights: only the sizes matter); with
     `n_expert`, each layer's FFN a mixture of experts (the router and 3-D expert tensors, as the converter writes);
     Gemma 3's with its post-norms and, with `n_swa`, sliding-window layers (five in six)."""
@@ -105,7 +105,7 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
 
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(n_layer)
-    writer.add_context_length(4096)
+    writer.add_context_length(n_ctx_train)
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_head)

@@ -105,3 +105,15 @@ def assert_analytic(run, measured_bytes: int | None = None, *, error: float = 0.
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """`memfit ARGV`'s exit code, standard output and standard error (argparse's refusals exit by SystemExit)."""
+    from memfit.cli.main import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err

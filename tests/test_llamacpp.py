@@ -11,6 +11,7 @@ from memfit.cli.main import main
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import read_gguf
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
+from tests.conftest import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,14 +94,6 @@ def test_the_command_line_reads_a_gguf_file_and_prints_the_buffers(tmp_path, cap
     assert "KV" in capsys.readouterr().out
 
 
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:   # argparse's own refusals
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 @pytest.mark.parametrize("argv, fragment", [
     (["llama-3.1-8b"], "Give --quant"),
@@ -109,14 +102,14 @@ def run(capsys, *argv):
     (["llama-3.1-8b", "--quant", "Q9"], "--quant Q9"),
     (["missing.gguf"], "no such GGUF file"),
     (["{path}", "-ctv", "q8_0", "-fa", "off"], "needs flash attention"),
-    (["{path}", "-c", "0"], "--ctx-size 0"),
+    (["{path}", "-c", "-5"], "--ctx-size -5"),
     (["{path}", "-ctk", "q9"], "invalid choice"),
     (["{path}", "--gpus", "-1"], "--gpus -1"),
 ])
 def test_bad_llamacpp_input_is_one_line(argv, fragment, tmp_path, capsys):
     path = str(tmp_path / "model.gguf")
     write_gguf(path, **RUNS[0]["hparams"])
-    code, out, err = run(capsys, "estimate", *[a.format(path=path) for a in argv], "--task", "serve", "--engine",
+    code, out, err = run_cli(capsys, "estimate", *[a.format(path=path) for a in argv], "--task", "serve", "--engine",
                          "llama.cpp")
     assert code == 2 and fragment in err and out == "" and len(err.strip().splitlines()) == 1
 
@@ -221,9 +214,10 @@ def test_a_32b_on_a_12_gb_card_plans_a_partial_offload_with_its_speed(capsys):
     """The issue's case: Qwen2.5-32B on an RTX 3060 with 32 GiB of RAM at 8192 tokens. Every plan leaves llama.cpp's
     fit margin on the card and the system's share of the RAM, splits the layers (no 32B file fits 12 GB), and gets
     faster as its file gets smaller; the exported command uses only flags llama.cpp's argument parser has."""
-    from memfit.serving.llamacpp_plan import FIT_TARGET, HOST_RESERVE
+    from memfit.serving.llamacpp_fit import FIT_TARGET
+    from memfit.serving.llamacpp_plan import HOST_RESERVE
 
-    code, out, err = run(capsys, "plan", "qwen2.5-32b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+    code, out, err = run_cli(capsys, "plan", "qwen2.5-32b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
                          "32GiB", "--ctx-size", "8192", "--json", "--top", "30")
     data = json.loads(out)
     assert code == 0 and data["feasible"] and data["plans"], err
@@ -235,7 +229,7 @@ def test_a_32b_on_a_12_gb_card_plans_a_partial_offload_with_its_speed(capsys):
     f16_kv = {p["quant"]: p for p in data["plans"] if p["cache_type_k"] == "f16"}
     assert f16_kv["Q4_K_M"]["decode_tokens_per_s"] > f16_kv["Q8_0"]["decode_tokens_per_s"]
     assert f16_kv["Q4_K_M"]["n_gpu_layers"] > f16_kv["Q8_0"]["n_gpu_layers"]
-    code, out, _ = run(capsys, "plan", "qwen2.5-32b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+    code, out, _ = run_cli(capsys, "plan", "qwen2.5-32b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
                        "32GiB", "--ctx-size", "8192", "--export", "llama-server")
     words = out.split()
     assert code == 0 and words[0] == "llama-server"
@@ -249,12 +243,12 @@ def test_the_estimates_flags_and_command_are_llamacpps_own():
 
 
 def test_a_host_too_small_names_the_ram_that_would_do(capsys):
-    code, out, _ = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+    code, out, _ = run_cli(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
                        "16GiB", "-c", "8192", "--json")
     data = json.loads(out)
     assert code == 0 and not data["feasible"] and "--host-ram" in data["reason"]
     needed = int(data["reason"].split("--host-ram ")[1].split("GiB")[0])
-    code, out, _ = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+    code, out, _ = run_cli(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
                        f"{needed}GiB", "-c", "8192", "--json")
     assert json.loads(out)["feasible"]
 
@@ -278,8 +272,8 @@ def test_an_allocation_failure_names_its_buffer_and_the_fixes_that_fit(tmp_path,
 
     log = tmp_path / "oom.log"
     log.write_text(OOM_LOG)
-    code, out, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--model", "llama-3.1-8b", "--quant",
-                         "Q4_K_M", "--gpu", "rtx-4060", "--json")
+    code, out, err = run_cli(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--model", "llama-3.1-8b",
+                             "--quant", "Q4_K_M", "--gpu", "rtx-4060", "--json")
     data = json.loads(out)
     assert code == 0, err
     assert data["buffer"] == "kv" and data["failed_bytes"] == 4096 * 2**20
@@ -291,7 +285,7 @@ def test_an_allocation_failure_names_its_buffer_and_the_fixes_that_fit(tmp_path,
     model = gguf_model("llama-3.1-8b", "Q4_K_M")
     over = estimate_llamacpp(model, LlamaCppSettings(ctx_size=context + 256, flash_attn="off"), gpus=1)
     assert over.buffers["GPU0"].total > budget
-    code, _, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--gpu", "t4")
+    code, _, err = run_cli(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--gpu", "t4")
     assert code == 2 and "name the model" in err
 
 
@@ -299,7 +293,7 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
     """--engine ollama with Ollama's names: R01's load (Ollama 0.5.4, num_ctx 2048 x 4 slots, Llama-3.1-8B Q4_K_M)
     gives the log's KV, compute and output buffers (one cache of 8192 cells; the output holds embeddings too), and
     the Modelfile's parameters; llama.cpp's names are refused there, Ollama's elsewhere."""
-    code, out, err = run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "ollama", "--quant",
+    code, out, err = run_cli(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "ollama", "--quant",
                          "Q4_K_M", "--num-ctx", "2048", "--num-parallel", "4", "--gpus", "1", "--engine-version",
                          "2024-12", "--json")
     data = json.loads(out)
@@ -309,9 +303,9 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
     assert mib == {"gpu_kv_bytes": 1024.0, "gpu_compute_bytes": 560.0, "cpu_compute_bytes": 24.01,
                    "output_bytes": 2.02}
     assert "PARAMETER num_ctx 2048" in data["command"] and data["kv_cells"] == 8192
-    assert run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "ollama", "--quant", "Q4_K_M",
+    assert run_cli(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "ollama", "--quant", "Q4_K_M",
                "-c", "100")[0] == 2
-    assert run(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "llama.cpp", "--quant", "Q4_K_M",
+    assert run_cli(capsys, "estimate", "llama-3.1-8b", "--task", "serve", "--engine", "llama.cpp", "--quant", "Q4_K_M",
                "--num-ctx", "100")[0] == 2
 
 
@@ -359,7 +353,7 @@ def test_a_notebook_reaches_llamacpp_with_its_config_object_or_through_memfit_es
 def test_what_a_new_user_typed_is_answered_in_one_line(argv, fragment, tmp_path, capsys):
     path = str(tmp_path / "model.gguf")
     write_gguf(path, **RUNS[0]["hparams"])
-    code, out, err = run(capsys, *[a.format(path=path) for a in argv])
+    code, out, err = run_cli(capsys, *[a.format(path=path) for a in argv])
     assert code == 2 and fragment in err and out == ""
 
 
@@ -367,7 +361,7 @@ def test_a_truncated_log_still_names_the_failed_allocation(tmp_path, capsys):
     log = tmp_path / "cut.log"
     log.write_text("llama_context: n_ctx = 8192\nggml_backend_cuda_buffer_type_alloc_buffer: allocating 1024.00 MiB on "
                    "device 0: cudaMalloc failed: out of mem")
-    code, out, err = run(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--model", "llama-3.1-8b",
+    code, out, err = run_cli(capsys, "explain-oom", str(log), "--engine", "llama.cpp", "--model", "llama-3.1-8b",
                          "--quant", "Q4_K_M", "--gpu", "rtx-4060", "--json")
     data = json.loads(out)
     assert code == 0 and data["buffer"] == "gpu" and data["failed_bytes"] == 2**30, err
@@ -439,7 +433,7 @@ def test_n_cpu_moe_keeps_the_first_layers_experts_in_host_memory(capsys):
     assert every.buffers["GPU0"].model - some.buffers["GPU0"].model == sum(gpu_tensor_bytes(t) for t in moved)
     assert some.buffers["CPU"].model - every.buffers["CPU"].model == sum(t.nbytes for t in moved)
     assert some.buffers["GPU0"].kv == every.buffers["GPU0"].kv and some.layers_on_gpu == every.layers_on_gpu
-    code, out, _ = run(capsys, "estimate", "qwen3-30b-a3b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
+    code, out, _ = run_cli(capsys, "estimate", "qwen3-30b-a3b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
                        "llama.cpp", "--gpus", "1", "-c", "4096", "-cmoe", "--json")
     data = json.loads(out)
     assert code == 0 and data["command"].endswith("--cpu-moe") and data["gpu_model_bytes"] < 2**30
@@ -451,8 +445,8 @@ def test_a_mixture_of_experts_plan_keeps_its_experts_on_the_cpu_and_reads_only_t
     """Qwen3-30B-A3B on an RTX 3060: every layer on the GPU with the first layers' experts on the CPU (--n-cpu-moe)
     beats splitting whole layers (-ngl) for the same file, since a token reads only 8 of the 128 experts; the
     command llama-server is given uses only its own flags; Ollama has no such parameter, and the export says so."""
-    code, out, err = run(capsys, "plan", "qwen3-30b-a3b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
-                         "32GiB", "-c", "8192", "--json", "--top", "40")
+    code, out, err = run_cli(capsys, "plan", "qwen3-30b-a3b", "--engine", "llama.cpp", "--gpu", "rtx-3060",
+                             "--host-ram", "32GiB", "-c", "8192", "--json", "--top", "40")
     data = json.loads(out)
     assert code == 0 and data["feasible"], err
     q4 = [p for p in data["plans"] if p["quant"] == "Q4_K_M" and p["cache_type_k"] == "f16"]
@@ -460,7 +454,7 @@ def test_a_mixture_of_experts_plan_keeps_its_experts_on_the_cpu_and_reads_only_t
     assert experts["n_gpu_layers"] == 49 and 0 < experts["n_cpu_moe"] < 48 and layers["n_gpu_layers"] < 49
     assert experts["decode_tokens_per_s"] > layers["decode_tokens_per_s"] and experts["modelfile"] is None
     assert {w for w in experts["command"].split() if w.startswith("-")} <= LLAMA_FLAGS
-    code, _, err = run(capsys, "plan", "qwen3-30b-a3b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
+    code, _, err = run_cli(capsys, "plan", "qwen3-30b-a3b", "--engine", "llama.cpp", "--gpu", "rtx-3060", "--host-ram",
                        "32GiB", "-c", "8192", "--export", "ollama")
     assert code == 2 and "--export llama-server" in err
 
@@ -516,7 +510,7 @@ def test_a_tensor_split_gives_each_gpu_its_run_of_layers(capsys):
     assert (split.buffers["GPU0"].kv // per_layer_kv, split.buffers["GPU1"].kv // per_layer_kv) == (49, 15)
     assert split.placement["output.weight"] == "GPU1" and split.placement["blk.48.attn_q.weight"] == "GPU0"
     assert sum(b.model for b in split.buffers.values()) == sum(b.model for b in even.buffers.values())
-    code, out, _ = run(capsys, "estimate", "qwen2.5-32b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
+    code, out, _ = run_cli(capsys, "estimate", "qwen2.5-32b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
                        "llama.cpp", "--gpus", "2", "-ts", "3,1", "-c", "8192", "--json")
     data = json.loads(out)
     assert code == 0 and data["command"].endswith("--tensor-split 3,1") and len(data["gpus"]) == 2
@@ -542,11 +536,11 @@ def test_gpt_oss_is_the_file_and_caches_published_loads_show():
 def test_a_plan_over_two_gpus_holds_what_one_cannot(capsys):
     """Llama-3.1-70B on RTX 3090s at 8192 tokens: two cards (llama.cpp splits the layers equally) hold about twice
     the layer slots of one, each card within the fit margin, and the split is faster."""
-    from memfit.serving.llamacpp_plan import FIT_TARGET
+    from memfit.serving.llamacpp_fit import FIT_TARGET
 
     def plan_on(gpus: str) -> dict:
-        code, out, err = run(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3090", "--gpus",
-                             gpus, "--host-ram", "64GiB", "-c", "8192", "--json", "--top", "40")
+        code, out, err = run_cli(capsys, "plan", "llama-3.1-70b", "--engine", "llama.cpp", "--gpu", "rtx-3090",
+                                 "--gpus", gpus, "--host-ram", "64GiB", "-c", "8192", "--json", "--top", "40")
         assert code == 0, err
         return {(p["quant"], p["cache_type_k"]): p for p in json.loads(out)["plans"]}
 

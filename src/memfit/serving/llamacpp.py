@@ -19,6 +19,7 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError
@@ -51,10 +52,13 @@ class LlamaCppSettings:
     parallel: int = 1
     kv_unified: bool = False
     no_kv_offload: bool = False
+    no_op_offload: bool = False      # --no-op-offload: a GPU never runs a prompt's products on weights the CPU holds
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
     n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
     swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others
     tensor_split: tuple[float, ...] | None = None   # --tensor-split: each GPU's share of the layers (None: equal)
+    # --override-tensor: (pattern, device) pairs, the first whose pattern a weight's name contains decides its device
+    override_tensor: tuple[tuple[str, str], ...] = ()
     engine_version: str | None = None   # the build's date, YYYY-MM[-DD]; None: the newest modelled
 
     def __post_init__(self) -> None:
@@ -74,6 +78,14 @@ class LlamaCppSettings:
                                   f"{', '.join(CACHE_TYPES)}.")
         if self.flash_attn not in FLASH_ATTN:
             raise MemfitError(f"--flash-attn {self.flash_attn}: on, off or auto.")
+        for pattern, device in self.override_tensor:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise MemfitError(f"--override-tensor {pattern}={device}: not a regular expression ({error}).") \
+                    from None
+            if not re.fullmatch(r"CPU|GPU\d+", device):
+                raise MemfitError(f"--override-tensor {pattern}={device}: the device is CPU or GPU0, GPU1, ...")
         Release(self.engine_version)   # a malformed version: one line
 
     @property
@@ -230,9 +242,14 @@ def _layer_devices(n_layer: int, on_gpu: int, gpus: int, split: tuple[float, ...
     return device_of
 
 
-def _device(tensor: GGUFTensor, device_of, n_layer: int, cpu_moe: int) -> str:
-    """Where llama.cpp loads a weight: a layer's on its layer's device (its experts on the CPU in the first
-    --n-cpu-moe layers: llama.cpp's tensor override), the token embedding on the CPU, the rest with the head."""
+def _device(tensor: GGUFTensor, device_of, n_layer: int, cpu_moe: int,
+            overrides: tuple[tuple[str, str], ...] = ()) -> str:
+    """Where llama.cpp loads a weight: the device of the first --override-tensor pattern its name contains (searched
+    as llama-model-loader's std::regex_search does); else a layer's on its layer's device (its experts on the CPU in
+    the first --n-cpu-moe layers: llama.cpp's own override), the token embedding on the CPU, the rest with the head."""
+    for pattern, device in overrides:
+        if re.search(pattern, tensor.name):
+            return device
     if tensor.layer is not None:
         return "CPU" if tensor.layer < cpu_moe and tensor.name.endswith("_exps.weight") else device_of(tensor.layer)
     if tensor.name.startswith(("token_embd", "per_layer_token_embd", "token_types", "position_embd")):
@@ -260,7 +277,11 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     device_of = _layer_devices(model.n_layer, on_gpu, gpus, settings.tensor_split)
     buffers = {"CPU": Buffers("CPU")} | {f"GPU{i}": Buffers(f"GPU{i}") for i in range(gpus)}
     cpu_moe = model.n_layer if settings.n_cpu_moe < 0 else settings.n_cpu_moe
-    placed = {tensor.name: _device(tensor, device_of, model.n_layer, cpu_moe) for tensor in model.tensors}
+    for _, device in settings.override_tensor:
+        if device not in buffers:
+            raise MemfitError(f"--override-tensor ...={device}: {gpus} GPU(s) here (--gpus).")
+    placed = {tensor.name: _device(tensor, device_of, model.n_layer, cpu_moe, settings.override_tensor)
+              for tensor in model.tensors}
     for tensor in model.tensors:
         device = placed[tensor.name]
         buffers[device].model += gpu_tensor_bytes(tensor) if device != "CPU" else tensor.nbytes
@@ -290,17 +311,20 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                      "CUDA context and driver pools are not included")
     else:
         buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
-        if on_gpu:   # an upper bound: each device's buffer as if it ran every layer
-            copied = max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
+        if holding:   # an upper bound: each device's buffer as if it ran every layer
+            copied = 0 if settings.no_op_offload else max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
             graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
             for name in holding:
                 buffers[name].compute = copied + graph
             held = f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU"
             if cpu_moe and model.n_expert:
                 held += f", the experts of {min(cpu_moe, model.n_layer)} layers on the CPU"
-            notes.append(f"{held}: each compute buffer is bounded from above (as if its device ran every layer; the "
-                         "GPU's also holds the largest CPU-held weight, which it copies to run a prompt's matrix "
-                         "products); not checked against a log")
+            if settings.override_tensor:
+                held += f", {len(settings.override_tensor)} tensor override(s)"
+            copies = "" if settings.no_op_offload else ("; the GPU's also holds the largest CPU-held weight, which it "
+                                                        "copies to run a prompt's matrix products")
+            notes.append(f"{held}: each compute buffer is bounded from above (as if its device ran every layer"
+                         f"{copies})")
     if len(holding) > 1:
         notes.append(f"{len(holding)} GPUs: the layers split as llama.cpp splits them (checked on a published 4-GPU "
                      "log); each GPU's compute buffer shown as one GPU's graph (llama.cpp splits it, and with every "

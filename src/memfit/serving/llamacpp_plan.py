@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError
-from memfit.core.units import GiB, MiB
+from memfit.core.units import GiB
 from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppEstimate, LlamaCppSettings, estimate_llamacpp, gguf_model
+from memfit.serving.llamacpp_fit import FIT_TARGET
 from memfit.serving.llamacpp_speed import HOST_BANDWIDTH_GBPS, speed
 from memfit.specs.hardware import GPU
 
@@ -22,7 +23,6 @@ QUALITY = {"Q8_0": 0.0003, "Q6_K": 0.0047, "Q5_K_M": 0.0123, "Q5_K_S": 0.0189, "
            "IQ4_XS": 0.0707, "Q3_K_L": 0.1663, "Q3_K_M": 0.1875, "Q3_K_S": 0.2895, "Q2_K": 0.6873}
 QUALITY_SOURCE = ("Llama-3-70B perplexity on wiki.test against F16, dranger003 in llama.cpp PR 6745 "
                   "(github.com/ggml-org/llama.cpp/pull/6745#issuecomment-2093892514)")
-FIT_TARGET = 1024 * MiB          # llama.cpp's --fit-target default: left free on each GPU
 HOST_RESERVE = 2 * GiB           # assumed: what the operating system and other programs keep of host RAM
 SPEED_SOURCE = ("memfit's model (serving/llamacpp_speed.py) against published llama-bench runs "
                 "(benchmarks/published_llamabench.py): generating, mean |error| 8 % on the 16 rows it was calibrated "

@@ -1,0 +1,206 @@
+"""Real llama.cpp --fit here: llama.cpp's own llama-fit-params (the release llama-cpp-python 0.3.36 vendors) fitting
+tiny GGUF models to fake GPUs, and memfit's replay of that fit (serving/llamacpp_fit.py) on the same model and
+free memory.
+
+A fake GPU is ggml's RPC server serving this CPU as a device: llama.cpp counts an RPC device as a GPU, and the
+preloaded shim (benchmarks/native/fake_device_memory.c) sets the memory it reports. Its backend is the CPU's, which
+copies no weight from the host to run a prompt's products: memfit's --no-op-offload. Each case records the fitted
+arguments llama-fit-params prints and the projections its trace (-lv 4) prints.
+
+    bash scripts/setup_llamacpp_fit.sh                 # once: ./.llamacpp-tools (about 10 minutes)
+    python benchmarks/llamacpp_fit_run.py --record     # -> benchmarks/results/llamacpp_fit_run.json
+    python benchmarks/llamacpp_fit_run.py              # memfit against the record -> results/llamacpp_fit_run.txt
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.environ.get("MEMFIT_LLAMACPP_TOOLS", os.path.join(REPO, ".llamacpp-tools"))
+RESULT = os.path.join(REPO, "benchmarks", "results", "llamacpp_fit_run.json")
+TEXT = os.path.join(REPO, "benchmarks", "results", "llamacpp_fit_run.txt")
+PORT = 50152
+MiB = 2**20
+
+# tiny float32 models (write_gguf's arguments), trained at 32768 tokens so that an unset context can shrink
+MODELS = {
+    "dense": dict(arch="llama", n_embd=256, n_layer=8, n_head=8, n_head_kv=4, n_ff=1024, n_vocab=2048,
+                  n_ctx_train=32768),
+    "moe": dict(arch="llama", n_embd=256, n_layer=8, n_head=8, n_head_kv=4, n_ff=1024, n_vocab=2048, n_expert=4,
+                n_expert_used=2, n_ff_exp=1024, n_ctx_train=32768),
+    "qwen3": dict(arch="qwen3", n_embd=384, n_layer=12, n_head=6, n_head_kv=2, n_ff=1024, n_vocab=4096,
+                  head_dim=128, n_ctx_train=32768),
+}
+# (model, each fake GPU's MiB, llama-fit-params' arguments besides -m and --rpc)
+CASES = [
+    ("dense", [220], "-fitt 1 -fitc 256"),                 # nothing changes
+    ("dense", [100], "-fitt 1 -fitc 256"),                 # the context shrinks
+    ("dense", [1200], ""),                                 # the default target (1024 MiB) and least context
+    ("dense", [30], "-fitt 1 -fitc 256"),                  # the least context, then layers
+    ("dense", [40], "-c 4096 -fitt 1"),                    # a context given: layers
+    ("dense", [25], "-c 2048 -fitt 1 -np 2"),              # two slots
+    ("dense", [40], "-c 4096 -fitt 1 -ctk q8_0 -ctv q8_0"),
+    ("dense", [20, 30], "-c 4096 -fitt 1"),                # two GPUs
+    ("dense", [300], "-fitt 1 -fitc 1024 -fa off"),
+    ("qwen3", [60], "-fitt 1 -fitc 512"),
+    ("qwen3", [30], "-c 8192 -fitt 1"),
+    ("moe", [90], "-c 4096 -fitt 1"),                      # the experts of the last layers on the CPU
+    ("moe", [60], "-c 4096 -fitt 1"),
+    ("moe", [80], "-fitt 1 -fitc 1024"),
+    ("moe", [20], "-c 4096 -fitt 1"),                      # even the dense weights do not fit
+    ("moe", [40, 40], "-c 4096 -fitt 1"),
+    ("moe", [55, 60], "-c 4096 -fitt 1"),                  # a layer's FFN split over two GPUs
+]
+
+
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wait_for(port: int) -> None:
+    for _ in range(100):
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise SystemExit(f"ggml-rpc-server did not listen on port {port}")
+
+
+def run_case(folder: str, model: str, free_mib: list[int], arguments: str) -> dict:
+    """llama-fit-params on fake GPUs of `free_mib` MiB: its fitted arguments and the first projection its trace
+    prints."""
+    tools = os.path.join(TOOLS, "build", "bin")
+    path = os.path.join(folder, f"{model}.gguf")
+    if not os.path.exists(path):
+        _benchmark("llamacpp_cpu_run").write_gguf(path, **MODELS[model])
+    servers = []
+    try:
+        for index, mib in enumerate(free_mib):
+            env = {**os.environ, "LD_PRELOAD": os.path.join(TOOLS, "fake_device_memory.so"),
+                   "FAKE_DEVICE_MIB": str(mib)}
+            servers.append(subprocess.Popen([os.path.join(tools, "ggml-rpc-server"), "-H", "127.0.0.1", "-p",
+                                             str(PORT + index), "-t", "1"], env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL))
+            _wait_for(PORT + index)
+        endpoints = ",".join(f"127.0.0.1:{PORT + i}" for i in range(len(free_mib)))
+        done = subprocess.run([os.path.join(tools, "llama-fit-params"), "-m", path, "--rpc", endpoints, "-lv", "4",
+                               *arguments.split()], capture_output=True, text=True, timeout=300)
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+    if done.returncode != 0:
+        raise SystemExit(f"llama-fit-params failed on {model} {free_mib} {arguments}:\n{done.stderr[-3000:]}")
+    fitted = done.stdout.strip().splitlines()[-1]
+    for index in range(len(free_mib)):   # a server's buffer: RPC0[host:port], memfit's GPU of that index
+        fitted = fitted.replace(f"RPC0[127.0.0.1:{PORT + index}]", f"GPU{index}")
+    projected = re.search(r"projected to use (\d+) MiB", done.stderr)
+    return {"model": model, "free_mib": free_mib, "arguments": arguments, "fitted": fitted,
+            "projected_mib": int(projected.group(1)) if projected else None}
+
+
+def record() -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:
+        results = []
+        for model, free_mib, arguments in CASES:
+            results.append(run_case(folder, model, free_mib, arguments))
+            print(f"{model:<6} {'+'.join(map(str, free_mib)):>7} MiB  {arguments:<38} -> {results[-1]['fitted']}",
+                  file=sys.stderr)
+    return results
+
+
+def memfit_fit(case: dict):
+    """memfit's fit of the recorded case: the model the case wrote (its header's figures), the same settings and
+    free memory, the RPC device's no weight copies."""
+    from memfit.cli.llamacpp import FLAGS, settings_from
+    from memfit.serving.gguf_file import read_gguf
+    from memfit.serving.llamacpp_fit import FIT_CTX, FIT_TARGET, fit_llamacpp
+
+    parser = argparse.ArgumentParser()
+    for flags, field, options, _ in FLAGS:
+        parser.add_argument(*flags, dest=field, default=None, **options)
+    parser.add_argument("-fitt", type=int, default=FIT_TARGET // MiB)
+    parser.add_argument("-fitc", type=int, default=FIT_CTX)
+    args = parser.parse_args(case["arguments"].split())
+    args.engine, args.engine_version = "llama.cpp", None
+    settings = settings_from(args)
+    settings = type(settings)(**{**settings.__dict__, "no_op_offload": True})
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, f"{case['model']}.gguf")
+        _benchmark("llamacpp_cpu_run").write_gguf(path, **MODELS[case["model"]])
+        model = read_gguf(path)
+    return fit_llamacpp(model, settings, free=[mib * MiB for mib in case["free_mib"]], margins=[args.fitt * MiB],
+                        n_ctx_min=None if args.ctx_size == 0 else args.fitc)
+
+
+def fitted_settings(text: str) -> dict:
+    """llama-fit-params' line (-c N -ngl N [-ts a,b] [-ot "p=B,..."]) as comparable values."""
+    from memfit.serving.llamacpp_fit import parse_overrides
+
+    overrides = re.search(r'-ot "([^"]*)"', text)
+    split = re.search(r"-ts (\S+)", text)
+    return {"ctx_size": int(re.search(r"-c (\d+)", text).group(1)),
+            "n_gpu_layers": int(re.search(r"-ngl (-?\d+)", text).group(1)),
+            "tensor_split": tuple(float(x) for x in split.group(1).split(",")) if split else None,
+            "override_tensor": parse_overrides(overrides.group(1)) if overrides else ()}
+
+
+def compare(case: dict) -> dict:
+    fit = memfit_fit(case)
+    memfit = fitted_settings(fit.arguments())
+    llama = fitted_settings(case["fitted"])
+    projected = int(re.search(r"use (\d+) MiB", fit.steps[0]).group(1))
+    return {**case, "memfit": fit.arguments(), "same": memfit == llama, "memfit_projected_mib": projected,
+            "differs_in": [key for key in memfit if memfit[key] != llama[key]]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record", action="store_true", help=f"run llama.cpp's fit on every case: {RESULT}")
+    args = parser.parse_args()
+    if args.record:
+        cases = record()
+        with open(RESULT, "w") as fh:
+            json.dump({"llama_cpp": "llama-cpp-python 0.3.36's vendored llama.cpp: llama-fit-params, ggml-rpc-server",
+                       "cases": cases}, fh, indent=1)
+            fh.write("\n")
+    with open(RESULT) as fh:
+        rows = [compare(case) for case in json.load(fh)["cases"]]
+    lines = ["llama.cpp's --fit (llama-fit-params, llama-cpp-python 0.3.36's llama.cpp) on fake GPUs here, and "
+             "memfit's replay of it;",
+             "proj.: the MiB the GPUs would use with the settings given (the fit's first projection)",
+             f"{'model':<6} {'GPUs MiB':>8}  {'arguments':<36} {'proj.':>5} {'memfit':>6}  same  llama.cpp's fit "
+             "(memfit's below where they differ)"]
+    for row in rows:
+        lines.append(f"{row['model']:<6} {'+'.join(map(str, row['free_mib'])):>8}  {row['arguments']:<36} "
+                     f"{row['projected_mib']:>5} {row['memfit_projected_mib']:>6}  "
+                     f"{'yes' if row['same'] else 'NO ':<4}  {row['fitted'][:60]}")
+        if not row["same"]:
+            lines.append(f"{'':>70}memfit: {row['memfit'][:60]} ({', '.join(row['differs_in'])} differ)")
+    same = sum(row["same"] for row in rows)
+    lines.append(f"memfit's fit equal to llama.cpp's in {same} of {len(rows)} cases; projections within "
+                 f"{max(abs(r['projected_mib'] - r['memfit_projected_mib']) for r in rows)} MiB")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    with open(TEXT, "w") as fh:
+        fh.write(text)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import docs_sync  # the docs show these results
+
+    docs_sync.sync()
+
+
+if __name__ == "__main__":
+    main()
