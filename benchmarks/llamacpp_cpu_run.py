@@ -207,12 +207,15 @@ KV_SIZE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s
                      r"K \((\w+)\):\s+([\d.]+) MiB, V \((\w+)\):\s+([\d.]+) MiB")
 
 
-def load(path: str, settings: dict) -> dict:
+def load(path: str, settings: dict, resident: bool = False) -> dict:
     """Load `path` with `settings` (llama.cpp's context parameters) in this process, through llama.cpp's own C API;
-    run in a child, so that its log is this load's alone."""
+    run in a child, so that its log is this load's alone. `resident`: also how much the process's resident size grew
+    by the load and by decoding ubatches until the context is full (every weight read, the cache written, the last
+    ubatch's graph against the whole cache)."""
     import llama_cpp
 
     llama_cpp.llama_backend_init()
+    before = resident_bytes()
     model_params = llama_cpp.llama_model_default_params()
     model_params.n_gpu_layers = 0
     model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
@@ -232,9 +235,27 @@ def load(path: str, settings: dict) -> dict:
     if not context:
         raise SystemExit("llama.cpp could not create the context")
     size = int(llama_cpp.llama_model_size(model))
+    if not resident:
+        llama_cpp.llama_free(context)
+        llama_cpp.llama_model_free(model)
+        return {"model_size_bytes": size}
+    n_tokens = min(params.n_ubatch, params.n_batch, params.n_ctx)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    for start in range(0, params.n_ctx, n_tokens):   # ubatches until the context is full: the last reads it all
+        n = min(n_tokens, params.n_ctx - start)
+        tokens = (llama_cpp.llama_token * n)(*[(start + i) % n_vocab for i in range(n)])
+        if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(tokens, n)) != 0:
+            raise SystemExit("llama.cpp could not decode a ubatch")
+    grown = resident_bytes() - before
     llama_cpp.llama_free(context)
     llama_cpp.llama_model_free(model)
-    return {"model_size_bytes": size}
+    return {"model_size_bytes": size, "resident_growth_bytes": grown}
+
+
+def resident_bytes() -> int:
+    """This process's resident set (VmRSS), in bytes."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
 
 
 def parse(log: str) -> dict:
@@ -249,18 +270,22 @@ def parse(log: str) -> dict:
     return out
 
 
-def run_case(folder: str, model: str, quant: str, settings: dict) -> dict:
+def run_case(folder: str, model: str, quant: str, settings: dict, *, resident: bool = False,
+             models: dict | None = None) -> dict:
+    """Load `model` (one of `models`, by default MODELS) as llama.cpp's quantizer writes it in `quant`, in a child
+    process: its log's buffers, and with `resident` its resident size's growth."""
+    hparams = (models or MODELS)[model]
     source = os.path.join(folder, f"{model}-F32.gguf")
     if not os.path.exists(source):
-        write_gguf(source, **MODELS[model])
+        write_gguf(source, **hparams)
     path = os.path.join(folder, f"{model}-{quant}.gguf")
     if not os.path.exists(path):
         quantize(source, path, quant)
-    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--load", path, json.dumps(settings)],
-                           capture_output=True, text=True, timeout=300)
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--load", path, json.dumps(settings),
+                            *(["--resident"] if resident else [])], capture_output=True, text=True, timeout=600)
     if child.returncode != 0:
         raise SystemExit(f"llama.cpp failed to load {path} with {settings}:\n{child.stderr[-3000:]}")
-    return {"model": model, "quant": quant, "settings": settings, "hparams": MODELS[model],
+    return {"model": model, "quant": quant, "settings": settings, "hparams": hparams,
             "tensors": tensor_table(path), **json.loads(child.stdout.strip().splitlines()[-1]),
             **parse(child.stderr)}
 
@@ -300,9 +325,10 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help=f"run every case and write {RESULT}")
     parser.add_argument("--case", type=int, action="append", help="run these cases (indices) and print them")
     parser.add_argument("--load", nargs=2, metavar=("GGUF", "SETTINGS"), help=argparse.SUPPRESS)
+    parser.add_argument("--resident", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load:
-        print(json.dumps(load(args.load[0], json.loads(args.load[1]))))
+        print(json.dumps(load(args.load[0], json.loads(args.load[1]), args.resident)))
         return
     if args.record:
         (result,) = record(CASES)

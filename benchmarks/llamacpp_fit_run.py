@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.environ.get("MEMFIT_LLAMACPP_TOOLS", os.path.join(REPO, ".llamacpp-tools"))
 RESULT = os.path.join(REPO, "benchmarks", "results", "llamacpp_fit_run.json")
 TEXT = os.path.join(REPO, "benchmarks", "results", "llamacpp_fit_run.txt")
-PORT = 50152
+PORT = 21152   # below the ephemeral ports (32768-60999), which client sockets in TIME_WAIT may hold
 MiB = 2**20
 
 # tiny float32 models (write_gguf's arguments), trained at 32768 tokens so that an unset context can shrink
@@ -62,6 +62,29 @@ CASES = [
 ]
 
 
+# (model, each fake GPU's MiB, llama.cpp's settings): the compute buffer of each device for a graph split between
+# devices, as llama.cpp's dry run reserves it (llama-fit-params --fit-print: its sched_reserve lines)
+SPLITS = [
+    ("dense", [400], "-c 4096"),
+    ("dense", [400], "-c 4096 -ngl 5"),
+    ("dense", [400], "-c 4096 -ngl 1"),
+    ("dense", [400], "-c 2048 -ngl 3 -fa off"),
+    ("dense", [400], "-c 4096 -ngl 6 -ctk q8_0 -ctv q8_0 -ub 256"),
+    ("dense", [400, 400], "-c 4096 -ngl 6 -ts 1,1"),
+    ("dense", [400, 400], "-c 4096"),                      # every layer on two GPUs: pipelined
+    ("moe", [300, 400], "-c 2048 -ub 256"),
+    ("qwen3", [400], "-c 4096 -ngl 7"),
+    ("moe", [400], "-c 4096 -ngl 1"),
+    ("moe", [400], "-c 4096 -ngl 2"),
+    ("moe", [400], "-c 4096 -ngl 5"),
+    ("moe", [400], "-c 4096 -ncmoe 3"),
+    ("moe", [400], r"-c 4096 -ot blk\.[1-8]\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU"),
+    ("moe", [400], r"-c 4096 -ot blk\.1\.ffn_(gate|up|gate_up|down).*=CPU,"
+                   r"blk\.[2-8]\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU"),
+    ("moe", [400, 400], "-c 4096 -ngl 7 -ts 2,1"),
+]
+
+
 def _benchmark(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
@@ -78,9 +101,11 @@ def _wait_for(port: int) -> None:
     raise SystemExit(f"ggml-rpc-server did not listen on port {port}")
 
 
-def run_case(folder: str, model: str, free_mib: list[int], arguments: str) -> dict:
+def run_case(folder: str, model: str, free_mib: list[int], arguments: str, *, split: bool = False) -> dict:
     """llama-fit-params on fake GPUs of `free_mib` MiB: its fitted arguments and the first projection its trace
-    prints."""
+    prints; with `split`, instead each device's compute buffer at these settings (MiB, as its log prints them)."""
+    global PORT
+    PORT += 4   # a fresh port for each run: a server just stopped may still hold the last one
     tools = os.path.join(TOOLS, "build", "bin")
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
@@ -95,42 +120,60 @@ def run_case(folder: str, model: str, free_mib: list[int], arguments: str) -> di
                                             stderr=subprocess.DEVNULL))
             _wait_for(PORT + index)
         endpoints = ",".join(f"127.0.0.1:{PORT + i}" for i in range(len(free_mib)))
-        done = subprocess.run([os.path.join(tools, "llama-fit-params"), "-m", path, "--rpc", endpoints, "-lv", "4",
-                               *arguments.split()], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([os.path.join(tools, "llama-fit-params"), "-m", path, "--rpc", endpoints,
+                               *(["-lv", "5", "-fitp", "on"] if split else ["-lv", "4"]), *arguments.split()],
+                              capture_output=True, text=True, timeout=300)
     finally:
         for server in servers:
             server.kill()
             server.wait()
     if done.returncode != 0:
         raise SystemExit(f"llama-fit-params failed on {model} {free_mib} {arguments}:\n{done.stderr[-3000:]}")
+    if split:
+        compute = {}
+        for device, mib in re.findall(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB", done.stderr):
+            compute[_device_name(device, len(free_mib))] = float(mib)
+        return {"model": model, "free_mib": free_mib, "arguments": arguments, "compute_mib": compute}
     fitted = done.stdout.strip().splitlines()[-1]
-    for index in range(len(free_mib)):   # a server's buffer: RPC0[host:port], memfit's GPU of that index
+    for index in range(len(free_mib)):
         fitted = fitted.replace(f"RPC0[127.0.0.1:{PORT + index}]", f"GPU{index}")
     projected = re.search(r"projected to use (\d+) MiB", done.stderr)
     return {"model": model, "free_mib": free_mib, "arguments": arguments, "fitted": fitted,
             "projected_mib": int(projected.group(1)) if projected else None}
 
 
-def record() -> list[dict]:
+def _device_name(buffer: str, gpus: int) -> str:
+    """A server's buffer, RPC0[host:port], as memfit's GPU of that index (the CPU's stays CPU)."""
+    for index in range(gpus):
+        if buffer == f"RPC0[127.0.0.1:{PORT + index}]":
+            return f"GPU{index}"
+    return buffer
+
+
+def record() -> tuple[list[dict], list[dict]]:
     with tempfile.TemporaryDirectory() as folder:
-        results = []
+        results, splits = [], []
         for model, free_mib, arguments in CASES:
             results.append(run_case(folder, model, free_mib, arguments))
             print(f"{model:<6} {'+'.join(map(str, free_mib)):>7} MiB  {arguments:<38} -> {results[-1]['fitted']}",
                   file=sys.stderr)
-    return results
+        for model, free_mib, arguments in SPLITS:
+            splits.append(run_case(folder, model, free_mib, arguments, split=True))
+            print(f"{model:<6} {arguments:<60} -> {splits[-1]['compute_mib']}", file=sys.stderr)
+    return results, splits
 
 
-def memfit_fit(case: dict):
-    """memfit's fit of the recorded case: the model the case wrote (its header's figures), the same settings and
-    free memory, the RPC device's no weight copies."""
+def _case_settings(case: dict):
+    """The recorded case's model (the file it wrote, read back), settings (llama.cpp's flags; the RPC device copies
+    no weight) and llama-fit-params' own flags."""
     from memfit.cli.llamacpp import FLAGS, settings_from
     from memfit.serving.gguf_file import read_gguf
-    from memfit.serving.llamacpp_fit import FIT_CTX, FIT_TARGET, fit_llamacpp
+    from memfit.serving.llamacpp_fit import FIT_CTX, FIT_TARGET
 
     parser = argparse.ArgumentParser()
-    for flags, field, options, _ in FLAGS:
-        parser.add_argument(*flags, dest=field, default=None, **options)
+    for flags, field, options, _ in FLAGS:   # as the command line reads them (-ot repeatable)
+        parser.add_argument(*flags, dest=field, default=None,
+                            **({**options, "action": "append"} if field == "override_tensor" else options))
     parser.add_argument("-fitt", type=int, default=FIT_TARGET // MiB)
     parser.add_argument("-fitc", type=int, default=FIT_CTX)
     args = parser.parse_args(case["arguments"].split())
@@ -141,8 +184,26 @@ def memfit_fit(case: dict):
         path = os.path.join(folder, f"{case['model']}.gguf")
         _benchmark("llamacpp_cpu_run").write_gguf(path, **MODELS[case["model"]])
         model = read_gguf(path)
+    return model, settings, args
+
+
+def memfit_fit(case: dict):
+    """memfit's fit of the recorded case, on the same model, settings and free memory."""
+    from memfit.serving.llamacpp_fit import fit_llamacpp
+
+    model, settings, args = _case_settings(case)
     return fit_llamacpp(model, settings, free=[mib * MiB for mib in case["free_mib"]], margins=[args.fitt * MiB],
                         n_ctx_min=None if args.ctx_size == 0 else args.fitc)
+
+
+def compare_split(case: dict) -> dict:
+    """memfit's compute buffer on each device against llama.cpp's (MiB to its log's 2 decimals)."""
+    from memfit.serving.llamacpp import estimate_llamacpp
+
+    model, settings, _ = _case_settings(case)
+    estimate = estimate_llamacpp(model, settings, gpus=len(case["free_mib"]))
+    memfit = {name: round(estimate.buffers[name].compute / MiB, 2) for name in case["compute_mib"]}
+    return {**case, "memfit_mib": memfit, "same": memfit == case["compute_mib"]}
 
 
 def fitted_settings(text: str) -> dict:
@@ -171,13 +232,15 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help=f"run llama.cpp's fit on every case: {RESULT}")
     args = parser.parse_args()
     if args.record:
-        cases = record()
+        cases, splits = record()
         with open(RESULT, "w") as fh:
             json.dump({"llama_cpp": "llama-cpp-python 0.3.36's vendored llama.cpp: llama-fit-params, ggml-rpc-server",
-                       "cases": cases}, fh, indent=1)
+                       "cases": cases, "splits": splits}, fh, indent=1)
             fh.write("\n")
     with open(RESULT) as fh:
-        rows = [compare(case) for case in json.load(fh)["cases"]]
+        recorded = json.load(fh)
+    rows = [compare(case) for case in recorded["cases"]]
+    splits = [compare_split(case) for case in recorded["splits"]]
     lines = ["llama.cpp's --fit (llama-fit-params, llama-cpp-python 0.3.36's llama.cpp) on fake GPUs here, and "
              "memfit's replay of it;",
              "proj.: the MiB the GPUs would use with the settings given (the fit's first projection)",
@@ -192,6 +255,12 @@ def main() -> None:
     same = sum(row["same"] for row in rows)
     lines.append(f"memfit's fit equal to llama.cpp's in {same} of {len(rows)} cases; projections within "
                  f"{max(abs(r['projected_mib'] - r['memfit_projected_mib']) for r in rows)} MiB")
+    lines += ["", "each device's compute buffer (MiB) for a graph split between devices: llama.cpp's / memfit's",
+              f"{'model':<6} {'arguments':<64} devices"]
+    for row in splits:
+        shown = "  ".join(f"{name} {mib:.2f}/{row['memfit_mib'][name]:.2f}" for name, mib in row["compute_mib"].items())
+        lines.append(f"{row['model']:<6} {row['arguments'][:64]:<64} {shown}{'' if row['same'] else '  (differs)'}")
+    lines.append(f"equal in {sum(r['same'] for r in splits)} of {len(splits)} settings, every device")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     with open(TEXT, "w") as fh:

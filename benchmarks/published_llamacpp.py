@@ -63,8 +63,9 @@ ROWS = [
      {"gpu_model": 4168.09, "cpu_model": 292.36, "kv": 224.00, "gpu_compute": 304.00},
      ("Vulkan; --fit kept every layer",)),
     ("R14", "qwen2.5-7b", "Q4_K_M", dict(ctx_size=8192, n_gpu_layers=27, engine_version="2026-09"), {},
-     {"gpu_model": 3883.68, "cpu_model": 576.77, "gpu_kv": 416.00, "cpu_kv": 32.00},
-     ("--fit moved 2 layers to the CPU (-ngl 27 given here); a partial offload's compute buffers: not modelled",)),
+     {"gpu_model": 3883.68, "cpu_model": 576.77, "gpu_kv": 416.00, "cpu_kv": 32.00, "gpu_compute": 304.00},
+     ("--fit moved 2 layers to the CPU (memfit's fit replays it: tests/test_llamacpp_fit.py; -ngl 27 given here); "
+      "the GPU's part of the split graph",)),
     ("R15", "qwen2.5-7b", "Q4_K_M", dict(ctx_size=8192, flash_attn="on", cache_type_k="q8_0", cache_type_v="q8_0"),
      {}, {"kv": 238.0}, ("the KV the author derived from nvidia-smi (q8_0, 8192, one slot)",)),
     ("R16", "qwen2.5-7b", "Q4_K_M", dict(ctx_size=8192, flash_attn="on", cache_type_k="q4_0", cache_type_v="q4_0"),
@@ -76,13 +77,19 @@ ROWS = [
       "equal)",)),
     ("R23", "qwen2.5-32b", "Q4_K_M", dict(ctx_size=4096), {}, {"gpu_model": 18508.35},
      ("ROCm; the fit's projection and the OOM at the compute reservation are not compared",)),
-    ("R24", "llama-3.1-70b", "Q4_0", dict(ctx_size=4096, n_batch=2048, gpus=2), {},
-     {"gpu0_model": 18821.56, "gpu1_model": 18725.42, "cpu_model": 563.62, "gpu0_kv": 656.00, "gpu1_kv": 624.00},
-     ("2 RPC workers, split as two GPUs (equally); each worker's compute buffer: several devices not modelled",)),
-    ("R25", "llama-3.1-70b", "Q4_K_S", dict(ctx_size=8192, gpus=2), {"vocab_size": 128262},
-     {"gpu0_model": 19142.56, "gpu1_model": 18764.46, "cpu_model": 563.65},
+    ("R24", "llama-3.1-70b", "Q4_0", dict(ctx_size=4096, n_batch=2048, gpus=2, flash_attn="off", pipeline=False,
+                                          engine_version="2025-08-20"), {},
+     {"gpu0_model": 18821.56, "gpu1_model": 18725.42, "cpu_model": 563.62, "gpu0_kv": 656.00, "gpu1_kv": 624.00,
+      "gpu0_compute": 588.01, "gpu1_compute": 588.01, "host_compute": 28.01},
+     ("2 RPC workers (b6209), split as two GPUs (equally); their RPC servers had no events then: no pipeline",)),
+    ("R25", "llama-3.1-70b", "Q4_K_S", dict(ctx_size=8192, gpus=2, flash_attn="off", pipeline=False,
+                                           engine_version="2024-11"),
+     {"vocab_size": 128262},
+     {"gpu0_model": 19142.56, "gpu1_model": 18764.46, "cpu_model": 563.65, "gpu0_compute": 1104.00,
+      "gpu1_compute": 1104.00, "host_compute": 32.01},
      ("Reflection-Llama-3.1-70B: Llama-3.1-70B with 6 more tokens (vocab 128262); the RPC worker first, then CUDA0 "
-      "(llama.cpp puts RPC devices at the front of its list), split as two GPUs",)),
+      "(llama.cpp puts RPC devices at the front of its list), split as two GPUs; equal compute buffers: no pipeline "
+      "(its RPC server had no events then); late 2024: the release assumed 2024-11",)),
     ("R37", "gpt-oss-20b", "MXFP4_MOE", dict(ctx_size=131072, n_batch=2048, n_ubatch=2048, flash_attn="on"), {},
      {"kv": 3126.00, "gpu_compute": 1672.08},
      ("Apple M5 (Metal: its host buffer, 1064.59 MiB, is not llama.cpp's CUDA one and is not compared)",)),
@@ -131,7 +138,7 @@ def predicted(model: str, quant: str, settings: dict, changes: dict) -> dict[str
     gpus = settings.pop("gpus", 1)
     result = estimate_llamacpp(gguf, LlamaCppSettings(**settings), gpus=gpus)
     cpu, devices = result.buffers["CPU"], [b for name, b in result.buffers.items() if name != "CPU"]
-    each = {f"gpu{i}_{part}": getattr(b, part) for i, b in enumerate(devices) for part in ("model", "kv")}
+    each = {f"gpu{i}_{part}": getattr(b, part) for i, b in enumerate(devices) for part in ("model", "kv", "compute")}
     gpu_kv = sum(b.kv for b in devices)
     return {"gpu_model": sum(b.model for b in devices), "cpu_model": cpu.model, "kv": gpu_kv + cpu.kv,
             "gpu_kv": gpu_kv, "cpu_kv": cpu.kv, "gpu_compute": devices[0].compute, "host_compute": cpu.compute,

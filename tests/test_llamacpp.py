@@ -549,3 +549,16 @@ def test_a_plan_over_two_gpus_holds_what_one_cannot(capsys):
         assert two[key]["gpus"] == 2 and two[key]["n_gpu_layers"] >= 2 * one[key]["n_gpu_layers"] - 2
         assert two[key]["gpu_bytes"] <= 23.58 * 2**30 - FIT_TARGET
         assert two[key]["decode_tokens_per_s"] > one[key]["decode_tokens_per_s"]
+
+
+def test_the_process_grows_by_the_host_figure():
+    """benchmarks/llamacpp_cpu_rss.py's record: llama.cpp's process on this CPU, a 250M-parameter model in four file
+    types with its context filled, grew its resident size by memfit's host buffers plus the repacked weights' pages
+    within 10 % each; for a repacked type (Q4_0) the pages the repacking copied from stay resident (without them
+    memfit would be over 15 % short)."""
+    rss = _benchmark("llamacpp_cpu_rss")
+    with open(rss.RESULTS + ".json") as fh:
+        rows = rss.rows(json.load(fh)["runs"])
+    assert len(rows) >= 5 and all(abs(row["error"]) <= 0.10 for row in rows), rows
+    q4_0 = next(row for row in rows if row["quant"] == "Q4_0")
+    assert q4_0["repack_mib"] > 0 and q4_0["measured_mib"] > 1.15 * q4_0["host_mib"]

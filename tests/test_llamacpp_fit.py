@@ -166,30 +166,32 @@ def _fit_run():
     return bench
 
 
-def test_fits_recorded_from_real_llamacpp_runs_here():
+def test_fits_and_split_graphs_recorded_from_real_llamacpp_runs_here():
     """llama.cpp's own llama-fit-params fitting tiny models to fake GPUs here (RPC devices of a chosen memory:
     benchmarks/llamacpp_fit_run.py's record): memfit's replay gives the same context, -ngl, split and overrides in
-    every case whose devices hold whole layers or a mixture's partial ones, and projects each single GPU's use to the
-    MiB the trace prints. The cases it misses need a device's part of a split graph (its compute buffer is bounded
-    by the whole graph's): a GPU holding only the output head, and two GPUs that pipeline the graph."""
+    every case, and projects the GPUs' use to the MiB its trace prints. Each device's compute buffer for a graph split
+    between the GPUs and the CPU (layers, a mixture's experts, tensor overrides, two GPUs, two GPUs pipelining every
+    layer) equals llama.cpp's to its log's 0.01 MiB."""
     bench = _fit_run()
     with open(bench.RESULT) as fh:
-        rows = [bench.compare(case) for case in json.load(fh)["cases"]]
-    assert len(rows) >= 17 and sum(row["same"] for row in rows) >= 15
-    for row in rows:
-        if len(row["free_mib"]) == 1:
-            assert row["projected_mib"] == row["memfit_projected_mib"], row
-        if row["model"] != "moe":
-            assert row["same"], row
+        recorded = json.load(fh)
+    rows = [bench.compare(case) for case in recorded["cases"]]
+    assert len(rows) >= 17 and all(row["same"] for row in rows), [row for row in rows if not row["same"]]
+    assert all(row["projected_mib"] == row["memfit_projected_mib"] for row in rows)
+    splits = [bench.compare_split(case) for case in recorded["splits"]]
+    assert len(splits) >= 16 and all(split["same"] for split in splits), [s for s in splits if not s["same"]]
+    assert {name for split in splits for name in split["compute_mib"]} == {"CPU", "GPU0", "GPU1"}
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_fit_run().TOOLS, "build", "bin", "llama-fit-params")),
                     reason="llama.cpp's fit tools are not built: bash scripts/setup_llamacpp_fit.sh (CI builds them)")
 def test_llamacpp_fits_here_as_memfit_replays_it(tmp_path):
     """Live: llama.cpp's own fit on fake GPUs now (a shrunk context, layers moved, a mixture's experts sent to the
-    CPU, two GPUs) gives the arguments memfit's replay gives."""
+    CPU, two GPUs) gives the arguments memfit's replay gives, and a split graph the compute buffers memfit gives."""
     bench = _fit_run()
     for model, free_mib, arguments in (("dense", [100], "-fitt 1 -fitc 256"), ("dense", [40], "-c 4096 -fitt 1"),
                                        ("moe", [90], "-c 4096 -fitt 1"), ("dense", [20, 30], "-c 4096 -fitt 1")):
         row = bench.compare(bench.run_case(str(tmp_path), model, free_mib, arguments))
         assert row["same"], row
+    split = bench.compare_split(bench.run_case(str(tmp_path), "moe", [400], "-c 4096 -ncmoe 3", split=True))
+    assert split["same"] and set(split["compute_mib"]) == {"CPU", "GPU0"}, split

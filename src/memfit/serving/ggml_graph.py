@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from memfit.serving.gguf_file import type_size
+from memfit.serving.gguf_file import row_bytes, type_size
 
 if TYPE_CHECKING:
     from memfit.serving.gguf_file import GGUFModel
@@ -58,8 +58,9 @@ class Graph:
         self.nodes: list[Tensor] = []
         self.inputs: list[Tensor] = []   # in the order ggml meets them (its leafs): placed before any node
 
-    def external(self, name: str) -> Tensor:
-        return Tensor(name, 0, external=True)
+    def external(self, name: str, nbytes: int = 0) -> Tensor:
+        """A tensor in another buffer (a weight, the KV cache): `nbytes`, what a copy of it would take."""
+        return Tensor(name, nbytes, external=True)
 
     def input(self, name: str, nbytes: int) -> Tensor:
         tensor = Tensor(name, nbytes, is_input=True)
@@ -298,7 +299,10 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
             cur = projection(layer, f"attn_{part}", width, attn_in, tokens)
             built[part] = rotated(rope(layer, "k", cur) if part == "k" else cur, rotation)
         k, v = built["k"], built["v"]
-        cache_k, cache_v = graph.external(f"cache_k_l{layer}"), graph.external(f"cache_v_l{layer}")
+        cache_k = graph.external(f"cache_k_l{layer}", n_kv * row_bytes(settings.cache_type_k.upper(),
+                                                                     kv_heads * head_dim))
+        cache_v = graph.external(f"cache_v_l{layer}", n_kv * row_bytes(settings.cache_type_v.upper(),
+                                                                     kv_heads * model.head_dim_v))
         for cache, cur, rows in ((cache_k, k, k_idxs), (cache_v, v, v_idxs)):   # written into the cache (a view)
             written = graph.op("SET_ROWS" if rows else "CPY", "cache_write", 0, graph.view(cache), graph.view(cur),
                                *([rows] if rows else []))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError
 from memfit.serving.ggml_graph import compute_buffer_bytes, host_compute_bytes
+from memfit.serving.ggml_sched import split_compute_bytes
 from memfit.serving.gguf_file import WINDOWED, GGUFModel, GGUFTensor, read_gguf, row_bytes, type_size
 from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
@@ -37,6 +38,7 @@ FLASH_ATTN = ("on", "off", "auto")
 REPACKED = ("Q4_0", "Q4_K", "Q2_K", "IQ4_NL", "MXFP4")
 CUDA_ROW_PADDING = 512   # ggml-cuda's MATRIX_ROW_PADDING (elements)
 CUDA_ALIGNMENT = 128     # ggml-cuda's buffer alignment
+PIPELINE_COPIES = 4      # ggml-backend's GGML_SCHED_MAX_COPIES: the copies a pipelined graph keeps of its inputs
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class LlamaCppSettings:
     kv_unified: bool = False
     no_kv_offload: bool = False
     no_op_offload: bool = False      # --no-op-offload: a GPU never runs a prompt's products on weights the CPU holds
+    # several GPUs holding every layer pipeline the graph where each has async compute and events (CUDA's do; RPC
+    # servers of 2024-2025 builds did not): not a flag of llama.cpp's
+    pipeline: bool = True
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
     n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
     swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others
@@ -302,16 +307,49 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         notes.append("Ollama runs Gemma 3 on its own engine, not llama.cpp's runner: these are llama.cpp's buffers")
     on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
     holding = [name for name in buffers if name != "CPU" and any(placed[t.name] == name for t in model.tensors)]
-    if gpus and not on_cpu:
+    if gpus and not on_cpu and settings.no_kv_offload:   # the cache on the host: the attention there too
         graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
         for name in holding:
             buffers[name].compute = graph
         buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
-        notes.append("the GPU's compute buffer: llama.cpp's graph on the GPU, checked against published logs only; the "
-                     "CUDA context and driver pools are not included")
+        notes.append("--no-kv-offload: each GPU's compute buffer shown as its graph with every layer (the attention "
+                     "runs on the CPU: not modelled); the CUDA context and driver pools are not included")
+    elif holding and not settings.no_kv_offload:   # a graph split between the GPUs and the CPU
+        by_name = {tensor.name: tensor for tensor in model.tensors}
+        head = device_of(model.n_layer)
+
+        def where(name: str) -> str:
+            if name.startswith("cache_"):
+                return device_of(int(name.rsplit("_l", 1)[1]))
+            return placed.get(name, head)   # a tied model's head: its own copy of the embedding
+
+        def copy_bytes(name: str) -> int:
+            return gpu_tensor_bytes(by_name.get(name) or by_name["token_embd.weight"])
+
+        # llama_context's pipeline parallelism: several GPUs, every layer slot on them, no tensor override
+        pipelined = settings.pipeline and gpus > 1 and not on_cpu and on_gpu == model.n_layer + 1 \
+            and not settings.override_tensor and not settings.n_cpu_moe
+        parts = split_compute_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, device_of=where,
+                                    weight_bytes=copy_bytes, devices=["CPU", *holding],
+                                    op_offload=None if settings.no_op_offload else "GPU0",
+                                    n_copies=PIPELINE_COPIES if pipelined else 1)
+        for name, size in parts.items():
+            buffers[name].compute = size
+        if on_cpu or settings.override_tensor:
+            offload = "" if settings.no_op_offload else (
+                "; with op offload (CUDA's, llama.cpp's default) GPU0 runs every prompt-sized op on a CPU weight, "
+                "copying the weight in: modelled from ggml-cuda's rule, not checked against a CUDA log")
+            notes.append(f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU: each device's compute buffer is its "
+                         "part of the graph as ggml's scheduler splits it (equal to llama.cpp's on RPC devices here)"
+                         + offload)
+        elif pipelined:
+            notes.append(f"{len(holding)} GPUs pipeline the graph: each holds {PIPELINE_COPIES} copies of what it "
+                         "reads from another device, the host as many of the graph's inputs (equal to llama.cpp's on "
+                         "two RPC devices here)")
+        notes.append("the CUDA context and driver pools are not included")
     else:
         buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
-        if holding:   # an upper bound: each device's buffer as if it ran every layer
+        if holding:   # --no-kv-offload: an upper bound, each device's buffer as if it ran every layer
             copied = 0 if settings.no_op_offload else max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
             graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
             for name in holding:
@@ -327,8 +365,7 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                          f"{copies})")
     if len(holding) > 1:
         notes.append(f"{len(holding)} GPUs: the layers split as llama.cpp splits them (checked on a published 4-GPU "
-                     "log); each GPU's compute buffer shown as one GPU's graph (llama.cpp splits it, and with every "
-                     "layer offloaded pipelines it: not modelled)")
+                     "log)")
     return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
                             n_layer=model.n_layer, layers_on_gpu=on_gpu,
                             kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, placement=placed, notes=notes)
