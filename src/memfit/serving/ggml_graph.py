@@ -399,17 +399,23 @@ def _experts(graph: Graph, model: GGUFModel, layer: int, x: Tensor, tokens: int)
     return out
 
 
+def graph_key(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool) -> tuple:
+    """What the worst-case graphs depend on: the model's shapes (not its tensors' types) and the settings that shape
+    them."""
+    shapes = (model.n_layer, model.n_embd, model.n_head, tuple(model.n_head_kv), model.head_dim_k, model.head_dim_v,
+              model.n_ff, model.n_vocab, model.n_expert, model.n_expert_used, model.n_ff_exp,
+              tuple(sorted(t.name for t in model.tensors if t.name.endswith(GRAPH_TENSORS))), model.arch,
+              tuple(cache_kinds(model, kv)))
+    return (shapes, settings.n_ubatch_at(n_ctx), kv.cells, kv.swa_cells, flash_attn, settings.release,
+            rotations(model, settings))
+
+
 def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool,
                          on_gpu: bool = False) -> int:
     """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
     full ubatch) and its one-token graph. It depends on the model's shapes, not on its tensors' types: a planner
     asking for many quantizations replays each graph once."""
-    shapes = (model.n_layer, model.n_embd, model.n_head, tuple(model.n_head_kv), model.head_dim_k, model.head_dim_v,
-              model.n_ff, model.n_vocab, model.n_expert, model.n_expert_used, model.n_ff_exp,
-              tuple(sorted(t.name for t in model.tensors if t.name.endswith(GRAPH_TENSORS))), model.arch,
-              tuple(cache_kinds(model, kv)))
-    key = (shapes, settings.n_ubatch_at(n_ctx), kv.cells, kv.swa_cells, flash_attn, settings.release,
-           rotations(model, settings), on_gpu)
+    key = (graph_key(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash_attn), on_gpu)
     if key not in _REPLAYED:
         alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
         _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, kv=kv, flash_attn=flash_attn,
@@ -418,7 +424,7 @@ def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx:
     return _REPLAYED[key]
 
 
-_REPLAYED: dict[tuple, int] = {}   # compute buffers by the graph's shapes and settings
+_REPLAYED: dict[tuple, int] = {}   # compute buffers by the graph's shapes and settings (and split: by placement)
 
 
 def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool

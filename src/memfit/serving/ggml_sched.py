@@ -1,15 +1,19 @@
-"""A device's part of a graph split between devices: which nodes ggml's scheduler (ggml-backend.cpp,
+"""Each device's part of a graph split between devices: which nodes ggml's scheduler (ggml-backend.cpp,
 ggml_backend_sched_split_graph) runs on it, and the compute buffer that part reserves there.
 
 The scheduler's passes, as far as an attention decoder's graph needs them:
 1. a node that writes into a pre-allocated tensor (the KV cache) runs on that tensor's device; a node that reads a
-   weight runs on the weight's device (RoPE excepted), unless the weight is the CPU's, the op works on a batch (32
-   tokens or more) and the first GPU offloads such ops (CUDA does; an RPC device does not; --no-op-offload: none);
-   graph inputs are the CPU's;
+   weight runs on the weight's device (RoPE excepted), unless the weight is the CPU's, the op works on 32 rows or more
+   and the first GPU offloads such ops (CUDA's offload_op; an RPC device has none; --no-op-offload: none); graph
+   inputs are the CPU's;
 2. the rest take the device of the nearest assigned node before them, then after them, GPUs first (views skipped);
-3. each split copies in what it reads from another device: those copies are allocated at the split's start, freed
-   after their last use; the graph's inputs stay in the CPU's buffer.
-The part's buffer is ggml's allocator replayed on the copies and the device's nodes (ggml_graph.allocate).
+3. a split ends where the device changes, or where a node reads another device's weight once the split has inputs;
+   each split copies in what it reads from another device (once per device), at its start; a copy is freed after its
+   last use, and is its source's last use there. Several GPUs holding every layer pipeline the graph: every copy,
+   and every graph input, is then held four times and never freed.
+Each part's buffer is ggml's allocator replayed on it (ggml_graph.allocate). Checked against llama.cpp's own dry runs
+on RPC devices here (benchmarks/llamacpp_fit_run.py), which offload no op: the op-offload rule is ggml-cuda's, as its
+source states it.
 """
 from __future__ import annotations
 
@@ -17,7 +21,15 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from memfit.serving.ggml_graph import CPU_ALIGNMENT, GPU_ALIGNMENT, Graph, Tensor, allocate, decoder_graph
+from memfit.serving.ggml_graph import (
+    CPU_ALIGNMENT,
+    GPU_ALIGNMENT,
+    Graph,
+    Tensor,
+    allocate,
+    decoder_graph,
+    graph_key,
+)
 
 if TYPE_CHECKING:
     from memfit.serving.gguf_file import GGUFModel
@@ -63,7 +75,7 @@ def assign(graph: Graph, device_of: Callable[[str], str], *, op_offload: str | N
                     current = None if gpus_only and assigned[node] == "CPU" else assigned[node]
                 elif current is not None:
                     assigned[node] = current
-    for node in graph.nodes:   # views and cache writes: their source's device
+    for node in graph.nodes:   # views: their source's device
         if node not in assigned:
             assigned[node] = assigned.get(node.view_of or node.srcs[0], "CPU") if node.srcs else "CPU"
     return assigned
@@ -144,10 +156,16 @@ def device_parts(graph: Graph, assigned: dict[Tensor, str], devices: list[str], 
 
 def split_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache,
                         flash_attn: bool, device_of: Callable[[str], str], weight_bytes: Callable[[str], int],
-                        devices: list[str], op_offload: str | None, n_copies: int = 1) -> dict[str, int]:
+                        devices: list[str], op_offload: str | None, n_copies: int = 1, placement: tuple = ()
+                        ) -> dict[str, int]:
     """The compute buffer each of `devices` reserves for its part of the worst-case graphs (a full ubatch, one
     token), each weight and cache on the device `device_of` names (`weight_bytes`: a weight's copy on a GPU;
-    `n_copies`: pipeline parallelism's)."""
+    `n_copies`: pipeline parallelism's). `placement`: what else the result depends on (where each weight and cache
+    is, the copied weights' sizes): with it, a repeated question is answered once."""
+    key = (graph_key(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash_attn), settings.cache_type_k,
+           settings.cache_type_v, tuple(devices), op_offload, n_copies, placement)
+    if placement and key in _SPLIT:
+        return dict(_SPLIT[key])
     device_of = functools.lru_cache(maxsize=None)(device_of)
     sizes = dict.fromkeys(devices, 0)
     for tokens in (settings.n_ubatch_at(n_ctx), 1):
@@ -159,4 +177,9 @@ def split_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: 
         assigned = assign(graph, device_of, op_offload=op_offload, tokens=tokens)
         for device, part in device_parts(graph, assigned, devices, device_of, n_copies).items():
             sizes[device] = max(sizes[device], allocate(part, CPU_ALIGNMENT if device == "CPU" else GPU_ALIGNMENT))
+    if placement:
+        _SPLIT[key] = dict(sizes)
     return sizes
+
+
+_SPLIT: dict[tuple, dict[str, int]] = {}   # each device's compute buffer by the graph, settings and placement

@@ -6,7 +6,7 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
 - weights: the token embedding stays on the CPU; with -ngl N the last N of the n_layer + 1 slots (the extra one
   the output head) go to the GPUs, each taking the next run of them in proportion to its --tensor-split share. A
   tied embedding is loaded a second time as the head, on the head's device. --n-cpu-moe N keeps the experts
-  (ffn_*_exps) of the first N layers on the CPU.
+  (ffn_*_exps) of the first N layers on the CPU; --override-tensor puts the weights a pattern names where it says.
 - KV cache: n_ctx rounded up as the release pads it (to 256 now; llamacpp_releases.py); split over --parallel
   streams unless unified (each stream n_ctx / streams, rounded up); per layer cells x (n_head_kv x head_dim_k in
   type_k's bytes + the same for V), on the layer's device unless --no-kv-offload.
@@ -14,7 +14,8 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
 - the CPU's repacked weights: an x86 CPU with AVX2 copies the Q4_0, Q4_K, Q2_K, IQ4_NL and MXFP4 weights it
   multiplies into its own layout (the CPU_REPACK buffer, as large as they are; their mapped pages stay as page cache,
   which the process's resident size shows until the system needs the memory).
-- compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py).
+- compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py); with
+  several devices, on each device's part of it as ggml's scheduler splits it (serving/ggml_sched.py).
 - sliding-window layers (Gemma 3, gpt-oss): their own cache of each slot's window plus a ubatch (swa_cells).
 """
 from __future__ import annotations
@@ -263,8 +264,9 @@ def _device(tensor: GGUFTensor, device_of, n_layer: int, cpu_moe: int,
 
 
 def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None, *, engine: str = "llama.cpp",
-                      gpus: int = 0) -> LlamaCppEstimate:
-    """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone)."""
+                      gpus: int = 0, compute: bool = True) -> LlamaCppEstimate:
+    """Each buffer llama.cpp allocates for `model` with `settings`, on `gpus` GPUs (0: the CPU alone); without
+    `compute`, the compute buffers are left at 0 (a lower bound a search can rule settings out with)."""
     settings = settings or LlamaCppSettings()
     if model.arch not in GRAPHS or (model.n_swa and model.arch not in WINDOWED):
         kind = f"{model.arch}'s windowed attention" if model.n_swa else model.arch
@@ -307,7 +309,9 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         notes.append("Ollama runs Gemma 3 on its own engine, not llama.cpp's runner: these are llama.cpp's buffers")
     on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
     holding = [name for name in buffers if name != "CPU" and any(placed[t.name] == name for t in model.tensors)]
-    if gpus and not on_cpu and settings.no_kv_offload:   # the cache on the host: the attention there too
+    if not compute:
+        pass
+    elif gpus and not on_cpu and settings.no_kv_offload:   # the cache on the host: the attention there too
         graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
         for name in holding:
             buffers[name].compute = graph
@@ -329,10 +333,15 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         # llama_context's pipeline parallelism: several GPUs, every layer slot on them, no tensor override
         pipelined = settings.pipeline and gpus > 1 and not on_cpu and on_gpu == model.n_layer + 1 \
             and not settings.override_tensor and not settings.n_cpu_moe
+        op_offload = None if settings.no_op_offload else "GPU0"
+        # what the parts depend on besides the graph: each weight's and cache's device, and with op offload the
+        # sizes of the CPU's weights GPU0 would copy (the embedding's only lookup is never offloaded)
+        placement = (tuple(placed.items()), tuple(device_of(layer) for layer in range(model.n_layer + 1)),
+                     tuple(copy_bytes(name) for name, device in placed.items()
+                           if op_offload and device == "CPU" and name != "token_embd.weight"))
         parts = split_compute_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, device_of=where,
-                                    weight_bytes=copy_bytes, devices=["CPU", *holding],
-                                    op_offload=None if settings.no_op_offload else "GPU0",
-                                    n_copies=PIPELINE_COPIES if pipelined else 1)
+                                    weight_bytes=copy_bytes, devices=["CPU", *holding], op_offload=op_offload,
+                                    n_copies=PIPELINE_COPIES if pipelined else 1, placement=placement)
         for name, size in parts.items():
             buffers[name].compute = size
         if on_cpu or settings.override_tensor:

@@ -145,7 +145,7 @@ def fit_llamacpp(model: GGUFModel, settings: LlamaCppSettings, *, free: list[int
             settings = replace(settings, ctx_size=n_ctx_min_total)
             least = sum(measure(settings))
             if target > least:
-                n_ctx = n_ctx_min_total + (n_ctx_max - n_ctx_min_total) * (target - least) // (sum(full) - least)
+                n_ctx = n_ctx_min_total + (n_ctx_max - n_ctx_min_total) * (target - least) // max(sum(full) - least, 1)
                 align = 256 * n_streams
                 settings = replace(settings, ctx_size=max(n_ctx - n_ctx % align, n_ctx_min_total))
                 steps.append(f"context size reduced from {n_ctx_max} to {settings.ctx_size}")

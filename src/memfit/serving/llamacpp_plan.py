@@ -111,8 +111,11 @@ def _most(settings: LlamaCppSettings, gguf: GGUFModel, gpu: GPU, gpus: int, *, e
     while low <= high:
         middle = (low + high) // 2
         at = replace(settings, n_cpu_moe=gguf.n_layer - middle) if experts else replace(settings, n_gpu_layers=middle)
-        estimate = estimate_llamacpp(gguf, at, gpus=gpus)
-        if _fits(estimate, gpu, 0)[0]:
+        fits = _fits(estimate_llamacpp(gguf, at, gpus=gpus, compute=False), gpu, 0)[0]   # weights and KV first
+        if fits:
+            estimate = estimate_llamacpp(gguf, at, gpus=gpus)
+            fits = _fits(estimate, gpu, 0)[0]
+        if fits:
             best, low = estimate, middle + 1
         else:
             high = middle - 1
