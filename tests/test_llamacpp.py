@@ -343,6 +343,10 @@ def test_a_notebook_reaches_llamacpp_with_its_config_object_or_through_memfit_es
     split = estimate_gguf("qwen2.5-32b", quant="Q4_K_M", gpu="rtx-3090", gpus=4, ctx_size=8192)
     assert [round(split.buffers[f"GPU{i}"].model / 2**20, 2) for i in range(4)] == [4844.72, 4366.53, 4366.53,
                                                                                      4930.57]   # R22
+    # no context given: llama.cpp's --fit shrinks the training context to the card, as the command line says
+    fitted = estimate_gguf("qwen2.5-7b", quant="Q4_K_M", gpu="rtx-3060")
+    assert fitted.n_ctx < 131072 and fitted.notes[0].startswith("llama.cpp's --fit: projected")
+    assert estimate_gguf("qwen2.5-7b", quant="Q4_K_M", gpu="rtx-3060", fit=False).n_ctx == 131072
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -50,12 +50,15 @@ def load_model(model) -> ServedModel:
 
 
 def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None, gpu: GPU | str | None = None,
-                  gpus: int = 1, **settings) -> LlamaCppEstimate:
+                  gpus: int = 1, fit: bool = True, **settings) -> LlamaCppEstimate:
     """llama.cpp's buffers (a LlamaCppEstimate) for `model`: a .gguf file, or a Hugging Face model (name, config.json,
     hub id, a transformers config or its dict) written as `quant`; with a `gpu`, the layers -ngl puts on `gpus` such
-    GPUs, else the CPU alone; `settings`: LlamaCppSettings' fields (ctx_size=..., n_gpu_layers=..., flash_attn=...,
-    n_cpu_moe=..., tensor_split=(3, 1))."""
+    GPUs (with `fit`, llama.cpp's default --fit first: the context and layers it chooses for the GPUs' memory less the
+    CUDA context; its steps in the notes), else the CPU alone; `settings`: LlamaCppSettings' fields (ctx_size=...,
+    n_gpu_layers=..., flash_attn=..., n_cpu_moe=..., tensor_split=(3, 1), override_tensor=(("exps", "CPU"),))."""
     from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp, gguf_model
+    from memfit.serving.llamacpp_fit import fit_llamacpp
+    from memfit.serving.llamacpp_oom import gpu_budget
 
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(LlamaCppSettings)})
     if unknown:
@@ -63,11 +66,17 @@ def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None,
         raise MemfitError(f"unknown llama.cpp setting(s) {', '.join(unknown)}; it takes {', '.join(names)}."
                           f"{closest(unknown[0], names)}")
     if isinstance(gpu, str):
-        get_gpu(gpu)   # an unknown name: one line
+        gpu = get_gpu(gpu)   # an unknown name: one line
     if gpus < 1:
         raise MemfitError(f"gpus={gpus}: 1 or more (gpu=None: the CPU alone).")
-    return estimate_llamacpp(gguf_model(model, quant), LlamaCppSettings(**settings), engine=engine,
-                             gpus=0 if gpu is None else gpus)
+    gguf, chosen = gguf_model(model, quant), LlamaCppSettings(**settings)
+    steps = []
+    if gpu is not None and fit and engine == "llama.cpp":
+        fitted = fit_llamacpp(gguf, chosen, free=[gpu_budget(gpu)] * gpus)
+        chosen, steps = fitted.settings, [f"llama.cpp's --fit: {'; '.join(fitted.steps)}"]
+    result = estimate_llamacpp(gguf, chosen, engine=engine, gpus=0 if gpu is None else gpus)
+    result.notes[:0] = steps
+    return result
 
 
 def estimate(model, gpu: GPU | str = "h100", settings: ServeSettings | None = None, load: Load | dict | None = None,
