@@ -90,8 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-version", metavar="YYYY-MM", help="the llama.cpp build's date, where its rules "
                         "changed (default: the newest modelled; Ollama: the llama.cpp it vendors)")
     parser.add_argument("--gpus", type=int, metavar="N",
-                        help="GPUs the layers go to (default 0, the CPU alone; with --gpu or --gpu-free, 1 or one a "
-                             "figure)")
+                        help="GPUs the layers go to (default: 0, the CPU alone; with --gpu, 1; with --gpu-free, one "
+                             "per figure)")
     parser.add_argument("--gpu", help="the GPU (memfit gpus): its memory less the CUDA context is what llama.cpp "
                                       "finds free, for --fit and whether it fits")
     parser.add_argument("--gpu-free", type=_split, metavar="MiB,...", help="each GPU's free memory as llama.cpp's "
