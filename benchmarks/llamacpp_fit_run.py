@@ -166,14 +166,12 @@ def record() -> tuple[list[dict], list[dict]]:
 def _case_settings(case: dict):
     """The recorded case's model (the file it wrote, read back), settings (llama.cpp's flags; the RPC device copies
     no weight) and llama-fit-params' own flags."""
-    from memfit.cli.llamacpp import FLAGS, settings_from
+    from memfit.cli.llamacpp import add_settings, settings_from
     from memfit.serving.gguf_file import read_gguf
     from memfit.serving.llamacpp_fit import FIT_CTX, FIT_TARGET
 
     parser = argparse.ArgumentParser()
-    for flags, field, options, _ in FLAGS:   # as the command line reads them (-ot repeatable)
-        parser.add_argument(*flags, dest=field, default=None,
-                            **({**options, "action": "append"} if field == "override_tensor" else options))
+    add_settings(parser)   # as the command line reads them
     parser.add_argument("-fitt", type=int, default=FIT_TARGET // MiB)
     parser.add_argument("-fitc", type=int, default=FIT_CTX)
     args = parser.parse_args(case["arguments"].split())

@@ -117,3 +117,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "llama_server_flags.txt")) as fh:
+    LLAMA_FLAGS = {line for line in fh.read().split() if line.startswith("-")}   # llama-server's own flags

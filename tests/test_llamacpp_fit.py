@@ -10,11 +10,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import MiB
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp, gguf_model
 from memfit.serving.llamacpp_fit import FIT_TARGET, _step, fit_llamacpp, parse_overrides
-from tests.conftest import run_cli
-
-with open("tests/data/llama_server_flags.txt") as fh:
-    LLAMA_FLAGS = {line for line in fh.read().split() if line.startswith("-")}
-
+from tests.conftest import LLAMA_FLAGS, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ FLAGS = (
      "a windowed model's window cache as large as the context"),
     (("-ts", "--tensor-split"), "tensor_split", {"type": _split, "metavar": "N0,N1,..."},
      "each GPU's share of the layers, e.g. 3,1 (default: equal)"),
-    (("-ot", "--override-tensor"), "override_tensor", {"type": _overrides, "metavar": "PATTERN=BUFFER,..."},
+    (("-ot", "--override-tensor"), "override_tensor",
+     {"type": _overrides, "action": "append", "metavar": "PATTERN=BUFFER,..."},
      "the weights whose names contain PATTERN (a regular expression) on BUFFER: CPU, CUDA0, ... (e.g. exps=CPU)"),
 )
 
@@ -105,11 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"kept free on each GPU (default {FIT_TARGET // MiB})")
     fit.add_argument("-fitc", "--fit-ctx", type=int, metavar="N", default=FIT_CTX,
                      help=f"the least context --fit sets (default {FIT_CTX})")
-    group = parser.add_argument_group("llama.cpp settings (its own names)")
-    for flags, field, options, text in FLAGS:
-        if field == "override_tensor":   # repeatable, as llama.cpp's
-            options = {**options, "action": "append"}
-        group.add_argument(*flags, dest=field, default=None, help=text, **options)
+    add_settings(parser.add_argument_group("llama.cpp settings (its own names)"))
     ollama = parser.add_argument_group("Ollama's settings (--engine ollama; its llama runner: one cache of num_ctx x "
                                        "num_parallel cells, embeddings in the output buffer)")
     ollama.add_argument("--num-ctx", type=int, metavar="N", help=f"context per slot (default {OLLAMA_NUM_CTX})")
@@ -117,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ollama.add_argument("--num-gpu", type=int, metavar="N", help="layers on the GPU (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(run=run)
+
+
+def add_settings(group) -> None:
+    """llama.cpp's settings (FLAGS), under its own names, to a parser or argument group."""
+    for flags, field, options, text in FLAGS:
+        group.add_argument(*flags, dest=field, default=None, help=text, **options)
 
 
 def settings_from(args: argparse.Namespace) -> LlamaCppSettings:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.console import output_console, print_json, read_text
-from memfit.cli.llamacpp import FLAGS, settings_from
+from memfit.cli.llamacpp import FLAGS, add_settings, settings_from
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB
 from memfit.serving.gguf_recipe import FILE_TYPES
@@ -23,9 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", type=str.upper, metavar="TYPE", help=f"its file type: {', '.join(FILE_TYPES)}")
     parser.add_argument("--gpu", required=True, help="the GPU (memfit gpus)")
     parser.add_argument("--engine-version", metavar="YYYY-MM", help="the llama.cpp build's date")
-    group = parser.add_argument_group("llama.cpp settings (its own names; the log's where not given)")
-    for flags, field, options, text in FLAGS:
-        group.add_argument(*flags, dest=field, default=None, help=text, **options)
+    add_settings(parser.add_argument_group("llama.cpp settings (its own names; the log's where not given)"))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
 

@@ -307,11 +307,26 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
         else []
     if engine == "ollama" and model.arch == "gemma3":
         notes.append("Ollama runs Gemma 3 on its own engine, not llama.cpp's runner: these are llama.cpp's buffers")
-    on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
     holding = [name for name in buffers if name != "CPU" and any(placed[t.name] == name for t in model.tensors)]
-    if not compute:
-        pass
-    elif gpus and not on_cpu and settings.no_kv_offload:   # the cache on the host: the attention there too
+    if compute:
+        notes += _compute_buffers(model, settings, n_ctx=n_ctx, kv=kv, flash=flash, placed=placed,
+                                  device_of=device_of, buffers=buffers, holding=holding, gpus=gpus, on_gpu=on_gpu,
+                                  cpu_moe=cpu_moe)
+    if len(holding) > 1:
+        notes.append(f"{len(holding)} GPUs: the layers split as llama.cpp splits them (checked on a published 4-GPU "
+                     "log)")
+    return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
+                            n_layer=model.n_layer, layers_on_gpu=on_gpu,
+                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, placement=placed, notes=notes)
+
+
+def _compute_buffers(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash: bool,
+                     placed: dict[str, str], device_of, buffers: dict[str, Buffers], holding: list[str], gpus: int,
+                     on_gpu: int, cpu_moe: int) -> list[str]:
+    """Each device's compute buffer, set in `buffers`; the notes on how it was found."""
+    notes: list[str] = []
+    on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
+    if gpus and not on_cpu and settings.no_kv_offload:   # the cache on the host: the attention there too
         graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
         for name in holding:
             buffers[name].compute = graph
@@ -372,9 +387,4 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
                                                         "copies to run a prompt's matrix products")
             notes.append(f"{held}: each compute buffer is bounded from above (as if its device ran every layer"
                          f"{copies})")
-    if len(holding) > 1:
-        notes.append(f"{len(holding)} GPUs: the layers split as llama.cpp splits them (checked on a published 4-GPU "
-                     "log)")
-    return LlamaCppEstimate(model=model.name, source=model.source, engine=engine, settings=settings, n_ctx=n_ctx,
-                            n_layer=model.n_layer, layers_on_gpu=on_gpu,
-                            kv=kv, buffers=buffers, weights_bytes=model.weights_bytes, placement=placed, notes=notes)
+    return notes
