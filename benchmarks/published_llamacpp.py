@@ -6,8 +6,9 @@ copied from the shared data) typed in as llama.cpp's settings, memfit's figure b
 Rows {id, metric, reported, predicted, error, notes}; error = predicted / reported - 1. The GGUF is the one llama.cpp's
 converter and quantizer write for the row's model and file type (memfit's recipe); the release is the row's build
 date (Ollama's: the llama.cpp it vendored, where its log shows which). A row memfit cannot express (a model it has no
-config or recipe for, sliding-window or mixture-of-experts models, several GPUs or RPC devices, Ollama's own
-estimates) is a miss with its reason. The summary: mean and worst |error| of the weights and KV rows (target: mean
+config or recipe for, sliding-window or mixture-of-experts models it does not replay) is a miss with its reason.
+Ollama's own estimate (its log's memory.* fields, which chose num_gpu: serving/ollama.py) is compared field by field
+as its log prints it (0.1 GiB or MiB). The summary: mean and worst |error| of the weights and KV rows (target: mean
 <= 0.5 %) and of the compute-buffer rows (target: mean <= 10 %).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_recipe import from_config, quantize
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
+from memfit.serving.ollama import OllamaGPU, OllamaRelease, schedule_ollama
 from memfit.specs.model_configs import find_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -111,13 +113,11 @@ MISSES = [
     ("R09", "Qwen2.5-14B: no config bundled, and offline"),
     ("R17", "Gemma 4 (sliding-window layers): not modelled"), ("R18", "Gemma 4: not modelled"),
     ("R19", "Gemma 4: not modelled"), ("R20", "Gemma 4: not modelled"),
-    ("R26", "Ollama's own estimate (not an allocation): its memory model is not modelled"),
-    ("R27", "Ollama's own estimate (not an allocation): its memory model is not modelled"),
     ("R28", "Mixtral of March 2024: its converter's F16 router and -ngl's rule then (N repeating layers, the head on "
             "the CPU) are not release rules memfit has (their dates unknown); with both, its GPU and file figures to "
             "the hundredth (tests/test_llamacpp.py)"),
     ("R29", "Mixtral in an imatrix type of January 2024 not named (62030 MiB), -ngl's rule then: not expressible"),
-    ("R30", "DeepSeek-V3 (MLA, experts): not modelled"), ("R31", "Gemma 3 (Ollama's engine): not modelled"),
+    ("R30", "DeepSeek-V3 (MLA, experts): not modelled"),
     ("R34", "Phi-3 (phi3 architecture): no recipe"),
 
     ("R39", "Qwen3-Coder-Next (hybrid, experts): not modelled"), ("R40", "Qwen3-Coder-Next: not modelled"),
@@ -125,6 +125,43 @@ MISSES = [
     ("R43", "Gemma 2 (SYCL): no recipe for gemma2"), ("R44", "Qwen2-14B distill: no config bundled"),
     ("R46", "Qwen3.6 MoE with MTP: not modelled"),
     ("R47", "Qwen3.5 MoE: not modelled"),
+]
+# Ollama's own estimate (its log's "offload to cuda" line): id, model, file type, config changes, release (or the
+# date it was built), each GPU's free GiB, num_ctx (None: the release's default), {field: as logged}, notes. The
+# slots are left to Ollama's scheduler (none of these logs set OLLAMA_NUM_PARALLEL, as far as they show).
+OLLAMA_ROWS = [
+    ("R01", "llama-3.1-8b", "Q4_K_M", {}, "0.5.4", [23.3], None,
+     {"layers.offload": "33", "memory.required.full": "6.5 GiB", "memory.required.partial": "6.5 GiB",
+      "memory.required.kv": "1.0 GiB", "memory.required.allocations": "[6.5 GiB]",
+      "memory.weights.total": "4.9 GiB", "memory.weights.repeating": "4.5 GiB",
+      "memory.weights.nonrepeating": "411.0 MiB", "memory.graph.full": "560.0 MiB",
+      "memory.graph.partial": "677.5 MiB"}, ("the LoRA adapter is outside Ollama's estimate",)),
+    ("R02", "llama-3.1-8b", "Q4_0", {}, "0.3.8", [14.6], None,
+     {"layers.offload": "33", "memory.required.full": "6.2 GiB", "memory.required.partial": "6.2 GiB",
+      "memory.required.kv": "1.0 GiB", "memory.required.allocations": "[6.2 GiB]",
+      "memory.weights.total": "4.7 GiB", "memory.weights.repeating": "4.3 GiB",
+      "memory.weights.nonrepeating": "411.0 MiB", "memory.graph.full": "560.0 MiB",
+      "memory.graph.partial": "677.5 MiB"}, ()),
+    ("R26", "llama-3.3-70b", "Q8_0", {}, "2025-02-18", [22.0] * 4, 64000,
+     {"layers.offload": "44", "layers.split": "11,11,11,11", "memory.required.full": "127.4 GiB",
+      "memory.required.partial": "87.1 GiB", "memory.required.kv": "19.5 GiB",
+      "memory.required.allocations": "[21.8 GiB 21.8 GiB 21.8 GiB 21.8 GiB]", "memory.weights.total": "87.3 GiB",
+      "memory.weights.repeating": "86.2 GiB", "memory.weights.nonrepeating": "1.0 GiB",
+      "memory.graph.full": "8.2 GiB", "memory.graph.partial": "8.2 GiB"},
+     ("an 80-layer Llama-3.x-70B in Q8_0 (the issue names no file; 3.1 and 3.3 share the shapes)",)),
+    ("R27", "llama-3.2-3b", "Q4_K_M", {}, "2024-12-15", [78.6], None,
+     {"layers.offload": "29", "memory.required.full": "3.7 GiB", "memory.required.partial": "3.7 GiB",
+      "memory.required.kv": "896.0 MiB", "memory.required.allocations": "[3.7 GiB]",
+      "memory.weights.total": "2.4 GiB", "memory.weights.repeating": "2.1 GiB",
+      "memory.weights.nonrepeating": "308.2 MiB", "memory.graph.full": "424.0 MiB",
+      "memory.graph.partial": "570.7 MiB"}, ()),
+    ("R31", "gemma-3-12b", "Q4_K_M", {"vocab_size": 262144}, "2025-08-22", [11.1], 8192,
+     {"memory.required.kv": "992.0 MiB", "memory.weights.total": "6.8 GiB", "memory.weights.repeating": "6.0 GiB",
+      "memory.weights.nonrepeating": "787.5 MiB", "memory.graph.full": "519.5 MiB",
+      "memory.graph.partial": "1.3 GiB"},
+     ("Ollama's gemma3 file: 262144 tokens (its tokenizer's; the Hugging Face config pads to 262208)",
+      "the vision tower in the same file (projector 795.9 MiB + graph 1.0 GiB, which Ollama adds to the output "
+      "layer) is not modelled: layers.offload (48) and required.* not compared")),
 ]
 WEIGHTS_KV = ("gpu_model", "cpu_model", "kv", "gpu_kv", "cpu_kv", "output")
 
@@ -145,6 +182,33 @@ def predicted(model: str, quant: str, settings: dict, changes: dict) -> dict[str
             "output": cpu.output, **each}
 
 
+def as_mib(text: str) -> float:
+    """A figure of Ollama's log in MiB (the sum of a list's), or a count."""
+    units = {"GiB": 1024.0, "MiB": 1.0, "KiB": 1 / 1024, "B": 1 / MiB}
+    sizes = re.findall(r"([\d.]+) (GiB|MiB|KiB|B)\b", text)
+    if sizes:
+        return sum(float(n) * units[unit] for n, unit in sizes)
+    return float(sum(int(n) for n in text.split(",")))
+
+
+def ollama_records() -> list[dict]:
+    records = []
+    for row_id, model, quant, changes, version, free, num_ctx, logged, notes in OLLAMA_ROWS:
+        found = find_config(model)
+        assert found is not None, model
+        gguf = quantize(from_config(found.name, {**found.hf_config, **changes}, found.where), quant)
+        release = OllamaRelease.at(version) if "-" in version else OllamaRelease.parse(version)
+        estimate, _, _ = schedule_ollama(gguf, [OllamaGPU(int(g * 1024 * MiB)) for g in free], release=release,
+                                         num_ctx=num_ctx)
+        fields = estimate.fields()
+        for i, (name, text) in enumerate(logged.items()):
+            records.append({"id": row_id, "metric": f"ollama {name}", "reported": as_mib(text),
+                            "predicted": as_mib(fields[name]), "error": as_mib(fields[name]) / as_mib(text) - 1,
+                            "printed": fields[name], "logged": text,
+                            "notes": "; ".join((f"Ollama {release.name}",) + notes) if i == 0 else ""})
+    return records
+
+
 def run() -> list[dict]:
     records = []
     for row_id, model, quant, settings, changes, reported, notes in ROWS:
@@ -157,18 +221,22 @@ def run() -> list[dict]:
             value = round(figures[metric] / MiB, 2)
             records.append({"id": row_id, "metric": metric, "reported": logged, "predicted": value,
                             "error": value / logged - 1, "notes": "; ".join(notes) if i == 0 else ""})
+    records += ollama_records()
     records += [{"id": row_id, "metric": "-", "notes": reason} for row_id, reason in MISSES]
     return records
 
 
 def summary(records: list[dict]) -> dict:
-    compared = [r for r in records if r["metric"] != "-"]
+    ollama = [r for r in records if r["metric"].startswith("ollama ")]
+    compared = [r for r in records if r["metric"] != "-" and r not in ollama]
     weights_kv = [r for r in compared if r["metric"] in WEIGHTS_KV or re.fullmatch(r"gpu\d+_(model|kv)", r["metric"])]
     groups = {"weights_and_kv": weights_kv, "compute": [r for r in compared if r not in weights_kv]}
     totals: dict = {"rows": len({r["id"] for r in records}), "misses": sum(r["metric"] == "-" for r in records)}
     for name, group in groups.items():
         errors = [abs(r["error"]) for r in group]
         totals[name] = {"figures": len(group), "mean_abs_error": sum(errors) / len(errors), "worst": max(errors)}
+    totals["ollama_estimate"] = {"fields": len(ollama), "as_printed": sum(r["printed"] == r["logged"] for r in ollama),
+                                 "worst": max(abs(r["error"]) for r in ollama)}
     return totals
 
 
@@ -179,7 +247,9 @@ def main() -> int:
              f"{totals['weights_and_kv']['mean_abs_error']:.2%}, worst {totals['weights_and_kv']['worst']:.2%} "
              f"({totals['weights_and_kv']['figures']} figures); compute buffers mean "
              f"{totals['compute']['mean_abs_error']:.1%}, worst {totals['compute']['worst']:.1%} "
-             f"({totals['compute']['figures']}); {totals['misses']} rows missed, with their reason")
+             f"({totals['compute']['figures']}); Ollama's own estimate: {totals['ollama_estimate']['as_printed']} of "
+             f"{totals['ollama_estimate']['fields']} fields as its log prints them; {totals['misses']} rows missed, "
+             "with their reason")
     write_results("published_llamacpp", totals, records, rows_table(title, records))
     return 0
 

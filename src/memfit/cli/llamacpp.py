@@ -3,9 +3,10 @@ model with these settings (llama.cpp's flag names), read from the file's header 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memfit.cli.console import output_console, print_json
+from memfit.cli.ollama import ollama_settings, release_of, scheduled
 from memfit.core.errors import MemfitError
 from memfit.core.units import MiB, format_bytes, parse_bytes
 from memfit.serving.gguf_recipe import FILE_TYPES
@@ -19,9 +20,8 @@ from memfit.serving.llamacpp import (
 )
 from memfit.serving.llamacpp_fit import FIT_CTX, FIT_TARGET, FitResult, backend_name, fit_llamacpp, parse_overrides
 from memfit.serving.llamacpp_oom import gpu_budget
+from memfit.serving.ollama import OllamaEstimate
 from memfit.specs.hardware import get_gpu
-
-OLLAMA_NUM_CTX = 4096   # Ollama's default num_ctx (2048 before 0.6.4; by VRAM in the newest releases)
 
 
 def _split(text: str) -> tuple[float, ...]:
@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("llama.cpp", "ollama"), required=True,
                         help="llama.cpp, or Ollama's llama runner (its names below)")
     parser.add_argument("--engine-version", metavar="YYYY-MM", help="the llama.cpp build's date, where its rules "
-                        "changed (default: the newest modelled; Ollama: the llama.cpp it vendors)")
+                        "changed (default: the newest modelled); for Ollama its release (e.g. 0.5.4) or a date: its "
+                        "defaults, how it sizes the load (its own estimate up to 0.12), the llama.cpp it ran")
     parser.add_argument("--gpus", type=int, metavar="N",
                         help="GPUs the layers go to (default: 0, the CPU alone; with --gpu, 1; with --gpu-free, one "
                              "per figure)")
@@ -109,9 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings(parser.add_argument_group("llama.cpp settings (its own names)"))
     ollama = parser.add_argument_group("Ollama's settings (--engine ollama; its llama runner: one cache of num_ctx x "
                                        "num_parallel cells, embeddings in the output buffer)")
-    ollama.add_argument("--num-ctx", type=int, metavar="N", help=f"context per slot (default {OLLAMA_NUM_CTX})")
-    ollama.add_argument("--num-parallel", type=int, metavar="N", help="slots, OLLAMA_NUM_PARALLEL (default 1)")
-    ollama.add_argument("--num-gpu", type=int, metavar="N", help="layers on the GPU (default: all)")
+    ollama.add_argument("--num-ctx", type=int, metavar="N", help="context per slot (default: the release's: 2048, "
+                        "4096 from 0.6.7, by the GPUs' memory from 0.15.5)")
+    ollama.add_argument("--num-parallel", type=int, metavar="N", help="slots, OLLAMA_NUM_PARALLEL (default: the "
+                        "release's: 4 then 1 where 4 do not fit, 2 from 0.6.7, 1 from 0.10)")
+    ollama.add_argument("--num-gpu", type=int, metavar="N",
+                        help="layers on the GPU (default: what Ollama's estimate or llama.cpp's --fit chooses)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(run=run)
 
@@ -122,7 +126,9 @@ def add_settings(group) -> None:
         group.add_argument(*flags, dest=field, default=None, help=text, **options)
 
 
-def settings_from(args: argparse.Namespace) -> LlamaCppSettings:
+def settings_from(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSettings:
+    """The settings given (for Ollama, its runner's at its release; total_vram: the GPUs' memory, which sets the
+    newest releases' default num_ctx)."""
     given = {field: getattr(args, field) for _, field, _, _ in FLAGS if getattr(args, field) is not None}
     if given.get("ctx_size") == 0:   # llama.cpp's -c 0: the training context
         del given["ctx_size"]
@@ -138,14 +144,7 @@ def settings_from(args: argparse.Namespace) -> LlamaCppSettings:
         names = sorted(flags[-1] for flags, field, _, _ in FLAGS if field in given)
         raise MemfitError(f"--engine ollama takes Ollama's names (--num-ctx, --num-parallel, --num-gpu), not "
                           f"llama.cpp's ({', '.join(names)}).")
-    slots = ollama["num_parallel"] or 1
-    num_ctx = ollama["num_ctx"] or OLLAMA_NUM_CTX
-    if slots < 1 or num_ctx < 1:
-        raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
-    # Ollama's llama runner: n_ctx = num_ctx x num_parallel in one unified cache, a 512-token batch, embeddings on
-    return LlamaCppSettings(ctx_size=num_ctx * slots, parallel=slots, kv_unified=True, n_batch=512, embeddings=True,
-                            flash_attn="off", n_gpu_layers=-1 if ollama["num_gpu"] is None else ollama["num_gpu"],
-                            engine_version=args.engine_version)
+    return ollama_settings(args, total_vram)
 
 
 @dataclass
@@ -155,6 +154,11 @@ class Machine:
     free: list[int] | None = None
     context: int = 0
     host_ram: int | None = None
+    vendor: str | None = None   # the catalog GPU's (None: --gpu-free's, taken as NVIDIA's)
+
+    @property
+    def total_vram(self) -> int:
+        return sum(self.free or []) + self.context * len(self.free or [])
 
     def fits(self, result: LlamaCppEstimate) -> bool | None:
         """Each GPU's buffers within what it has free, and the host's within its RAM (None: neither said)."""
@@ -232,7 +236,7 @@ def machine_from(args: argparse.Namespace) -> tuple[Machine, int]:
         raise MemfitError(f"--gpus {gpus}: 0 (the CPU alone) or more.")
     if args.gpu:
         gpu = get_gpu(args.gpu)
-        machine.free, machine.context = [gpu_budget(gpu)] * gpus, gpu.context_bytes
+        machine.free, machine.context, machine.vendor = [gpu_budget(gpu)] * gpus, gpu.context_bytes, gpu.vendor
     elif args.gpu_free:
         if len(args.gpu_free) not in (1, gpus) or min(args.gpu_free) <= 0:
             raise MemfitError(f"--gpu-free: one figure in MiB, more than 0, or one per GPU ({gpus}).")
@@ -247,9 +251,8 @@ def fitted(model, settings: LlamaCppSettings, args: argparse.Namespace, machine:
     """The settings llama.cpp loads with after its --fit, the fit, and a note where it could not be replayed."""
     if not args.fit:
         return settings, None, ""
-    if args.engine == "ollama":
-        return settings, None, ("Ollama chooses num_ctx and num_gpu by its own estimate (llama-server's --fit only "
-                                "in its newest releases): the settings shown are the ones given")
+    if args.engine == "ollama" and release_of(args).sizing != "fit":
+        return settings, None, ""   # Ollama's estimate (ollama_load) or its measured allocations
     if not gpus and settings.ctx_size is not None:
         return settings, None, ""   # the CPU alone: --fit changes only an unset context
     if (gpus and machine.free is None) or (not gpus and machine.host_ram is None):
@@ -264,20 +267,61 @@ def fitted(model, settings: LlamaCppSettings, args: argparse.Namespace, machine:
     return fit.settings, fit, ""
 
 
+def ollama_load(model, settings: LlamaCppSettings, args: argparse.Namespace, machine: Machine, gpus: int
+                ) -> tuple[LlamaCppSettings, OllamaEstimate | None, str]:
+    """For --engine ollama, the settings its release loads with, its estimate where it made one, and a note."""
+    if args.engine != "ollama":
+        return settings, None, ""
+    release = release_of(args)
+    if release.sizing == "measured":
+        return settings, None, (f"Ollama {release.name} sizes the load by the allocations its runner measures, layer "
+                                "by layer (not replayed): shown, the settings given")
+    if release.sizing == "fit":
+        return settings, None, ""
+    if not machine.free:
+        return settings, None, (f"Ollama {release.name}'s own estimate chooses num_gpu (and the slots) for the GPUs' "
+                                "free memory: give --gpu NAME or --gpu-free MiB to see its choice")
+    if gpus != len(machine.free):
+        machine.free = machine.free[:1] * gpus
+    settings, _, estimate = scheduled(model, settings, args, machine.free, machine.vendor)
+    return settings, estimate, ""
+
+
+def ollama_json(estimate: OllamaEstimate | None, args: argparse.Namespace) -> dict | None:
+    if args.engine != "ollama":
+        return None
+    release = release_of(args)
+    return {"release": release.name, "sizing": release.sizing,
+            "estimate": None if estimate is None else {**estimate.fields(), "layers": estimate.layers,
+                                                        "required_full_bytes": estimate.required_full,
+                                                        "required_partial_bytes": estimate.required_partial,
+                                                        "kv_bytes": estimate.kv,
+                                                        "allocations_bytes": estimate.allocations,
+                                                        "graph_full_bytes": estimate.graph_full,
+                                                        "graph_partial_bytes": estimate.graph_partial},
+            "source": "Ollama's llm/memory.go and fs/ggml GraphSize at that release, replayed (checked on the "
+                      "estimates of published Ollama logs)" if estimate else None}
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise MemfitError("name a .gguf file, or a Hugging Face model with --quant Q4_K_M (or another type).")
     machine, gpus = machine_from(args)
     model = gguf_model(args.model, args.quant)
-    given = settings_from(args)
-    settings, fit, fit_note = fitted(model, given, args, machine, gpus)
+    given = settings_from(args, machine.total_vram)
+    settings, ollama, ollama_note = ollama_load(model, given, args, machine, gpus)
+    if ollama is not None:   # the slots its scheduler chose
+        given = replace(given, ctx_size=settings.ctx_size, parallel=settings.parallel)
+    gpus = gpus if ollama is None else len(settings.tensor_split or ()) or int(settings.n_gpu_layers != 0)
+    settings, fit, fit_note = fitted(model, settings, args, machine, gpus)
     result = estimate_llamacpp(model, settings, engine=args.engine, gpus=gpus)
-    if fit_note:
-        result.notes.append(fit_note)
+    result.notes += [note for note in (ollama_note, fit_note) if note]
     if args.json:
-        print_json(to_json(result, machine, fit, given))
+        print_json({**to_json(result, machine, fit, given), "ollama": ollama_json(ollama, args)})
         return 0
     console = output_console()
+    if ollama is not None:
+        console.print(f"Ollama {ollama.release.name}'s estimate, as its log prints it: {ollama.log_line()}")
     if fit is not None:
         console.print(f"llama.cpp's --fit: {'; '.join(fit.steps)}")
         if fit.status == "fitted":

@@ -1,0 +1,119 @@
+"""Ollama's own memory estimate (serving/ollama.py: llm/memory.go's EstimateGPULayers and GraphSize by release), its
+scheduler's choice of slots and GPUs, and `memfit estimate --engine ollama` by release: the estimate up to 0.12,
+measured allocations (not replayed) after, llama-server's --fit from 0.30."""
+import json
+
+import pytest
+
+from memfit.core.errors import MemfitError
+from memfit.serving.llamacpp import gguf_model
+from memfit.serving.ollama import (
+    OllamaGPU,
+    OllamaRelease,
+    _groups,
+    default_num_ctx,
+    estimate_ollama,
+    human_bytes,
+    schedule_ollama,
+)
+from tests.conftest import run_cli
+
+GiB = 1 << 30
+
+
+def _estimate(*argv):
+    return ("estimate", "llama-3.1-8b", "--quant", "Q4_K_M", "--task", "serve", "--engine", "ollama", *argv)
+
+
+def test_r01s_estimate_line_and_the_load_it_chose(capsys):
+    """R01 (Ollama 0.5.4, an RTX 4090 with 23.3 GiB free, OLLAMA_NUM_PARALLEL unset): its scheduler keeps its
+    default 4 slots of the default 2048 tokens, and the log's memory.* line comes out as printed; the llama.cpp
+    buffers then loaded at -ngl 33 are the log's (1024 MiB of KV, 560 MiB of compute)."""
+    code, out, err = run_cli(capsys, *_estimate("--engine-version", "0.5.4", "--gpu-free", str(int(23.3 * 1024)),
+                                                "--json"))
+    assert code == 0, err
+    data = json.loads(out)
+    fields = data["ollama"]["estimate"]
+    assert data["ollama"]["sizing"] == "estimate" and fields["layers.offload"] == "33"
+    assert {k: fields[k] for k in ("memory.required.full", "memory.required.kv", "memory.weights.repeating",
+                                   "memory.graph.full", "memory.graph.partial")} == {
+        "memory.required.full": "6.5 GiB", "memory.required.kv": "1.0 GiB", "memory.weights.repeating": "4.5 GiB",
+        "memory.graph.full": "560.0 MiB", "memory.graph.partial": "677.5 MiB"}
+    assert data["layers_on_gpu"] == 33 and data["n_ctx"] == 8192
+    assert round(data["gpu_kv_bytes"] / 2**20, 2) == 1024.0 and round(data["gpu_compute_bytes"] / 2**20, 2) == 560.0
+    assert "PARAMETER num_ctx 2048" in data["command"] and "OLLAMA_NUM_PARALLEL=4" in data["command"]
+
+
+def test_r26_four_gpus_partial_load_split_as_ollama_split_it():
+    """R26 (Ollama ~0.5.11, four 24 GB GPUs with 22.0 GiB free, num_ctx 64000, a 70B in Q8_0): 4 slots do not fit,
+    nor 1, so the scheduler loads one slot partially on every GPU: 11 layers each, the log's figures."""
+    model = gguf_model("llama-3.3-70b", "Q8_0")
+    estimate, slots, chosen = schedule_ollama(model, [OllamaGPU(22 * GiB)] * 4, release=OllamaRelease.parse("0.5.11"),
+                                              num_ctx=64000)
+    assert slots == 1 and chosen == [0, 1, 2, 3] and estimate.split == [11, 11, 11, 11]
+    fields = estimate.fields()
+    assert (fields["memory.required.full"], fields["memory.required.partial"], fields["memory.required.kv"]) == (
+        "127.4 GiB", "87.1 GiB", "19.5 GiB")
+    assert fields["memory.required.allocations"] == "[21.8 GiB 21.8 GiB 21.8 GiB 21.8 GiB]"
+
+
+def test_the_rules_that_changed_by_release():
+    """The same load under the releases' rules: memory.weights counted the KV cache until 0.6.1 and the total the
+    output layer from 0.6.3; from 0.7.0 the layers go last first, and those left off the GPU count in
+    required.full layer by layer; num_ctx's default went 2048 -> 4096 (0.6.7) -> by the GPUs' memory (0.15.5)."""
+    model = gguf_model("llama-3.1-8b", "Q4_K_M")
+    gpu = [OllamaGPU(5 * GiB)]
+    old, new = (estimate_ollama(model, gpu, release=OllamaRelease.parse(v), num_ctx=4096) for v in ("0.5.4", "0.7.1"))
+    assert old.weights_total - new.weights_repeating == old.kv   # 0.5.4: blocks + KV; 0.7.1: blocks alone
+    assert new.weights_total == new.weights_repeating + new.weights_nonrepeating
+    assert old.layers == new.layers == 27   # 27 of 32 blocks; the output layer is left off too
+    groups, kv = _groups(model), old.kv // 32
+    # required.full is what the GPU holds plus what was left off it: 0.5.4 counts the 5 blocks left as 5 of the
+    # last one it looked at (blk.31, which Q4_K_M gives more bits); 0.7.1, going last first, each of blk.0-4
+    assert old.required_full - old.required_partial == 5 * (groups["blk.31"] + kv) + old.weights_nonrepeating
+    assert new.required_full - new.required_partial == sum(groups[f"blk.{i}"] + kv for i in range(5)) + (
+        new.weights_nonrepeating)
+    assert [default_num_ctx(OllamaRelease.parse(v), 24 * GiB) for v in ("0.5.4", "0.9.0", "0.15.5")] == [
+        2048, 4096, 32768]
+
+
+def test_a_gpu_too_small_for_one_layer_leaves_the_model_on_the_cpu(capsys):
+    """Less free memory than the minimum, the graph and two layers: no layer placed, required.partial 0 B (as
+    Ollama prints it) and the CPU runner: llama.cpp's buffers all on the CPU."""
+    model = gguf_model("llama-3.1-8b", "Q4_K_M")
+    estimate = estimate_ollama(model, [OllamaGPU(GiB)], release=OllamaRelease.parse("0.5.4"))
+    assert estimate.layers == 0 and estimate.fields()["memory.required.partial"] == "0 B"
+    code, out, err = run_cli(capsys, *_estimate("--engine-version", "0.5.4", "--gpu-free", "1024", "--json"))
+    assert code == 0, err
+    assert json.loads(out)["layers_on_gpu"] == 0 and json.loads(out)["gpu_model_bytes"] == 0
+
+
+def test_each_release_sizes_the_load_its_own_way(capsys):
+    """Up to 0.12.10 the estimate; 0.12.11 to 0.2x measured allocations (said, not replayed); from 0.30 llama-server
+    with --fit, which memfit replays (the context Ollama gives it stays; the layers move)."""
+    assert [OllamaRelease.parse(v).sizing for v in ("0.3.8", "0.12.10", "0.12.11", "0.24.0", "0.30.0")] == [
+        "estimate", "estimate", "measured", "measured", "fit"]
+    code, out, _ = run_cli(capsys, *_estimate("--engine-version", "0.20.0", "--gpu", "rtx-3060", "--json"))
+    assert code == 0 and any("measures" in note for note in json.loads(out)["notes"])
+    code, out, err = run_cli(capsys, "estimate", "qwen2.5-32b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
+                             "ollama", "--gpu", "rtx-3060", "--json")
+    data = json.loads(out)
+    assert code == 0, err
+    assert data["ollama"]["sizing"] == "fit" and data["fit"]["status"] == "fitted" and data["n_ctx"] == 4096
+    assert 0 < data["layers_on_gpu"] < 65 and data["fits"] is True
+
+
+@pytest.mark.parametrize("version", ["0.5", "v0.5.4", "2024-12"])
+def test_a_release_is_named_by_version_or_date(version):
+    assert OllamaRelease.parse(version).version[:2] == (0, 5) if "-" not in version else (
+        OllamaRelease.at(version).version[:2] == (0, 5))
+
+
+def test_bad_releases_and_sizes_are_refused_plainly(capsys):
+    for bad in ("five", "0.x", "1999-01"):
+        code, _, err = run_cli(capsys, *_estimate("--engine-version", bad, "--gpu", "rtx-3060"))
+        assert code == 2 and "--engine-version" in err and "Traceback" not in err
+    with pytest.raises(MemfitError, match="measured allocations"):
+        estimate_ollama(gguf_model("llama-3.1-8b", "Q4_K_M"), [OllamaGPU(GiB)], release=OllamaRelease.parse("0.13"))
+    assert [human_bytes(n) for n in (512, 2048, 5 * 2**20, int(6.25 * GiB))] == ["512 B", "2.0 KiB", "5.0 MiB",
+                                                                                 "6.2 GiB"]
