@@ -20,7 +20,7 @@ from pathlib import Path
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_recipe import from_config, quantize
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
-from memfit.serving.ollama import OllamaGPU, OllamaRelease, schedule_ollama
+from memfit.serving.ollama import OllamaGPU, OllamaRelease, layout_ollama, schedule_ollama
 from memfit.specs.model_configs import find_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -100,7 +100,7 @@ ROWS = [
     ("R45", "gpt-oss-20b", "MXFP4_MOE", dict(ctx_size=131072, n_gpu_layers=0, flash_attn="on"), {},
      {"cpu_model": 11536.18}, ("LM Studio 0.3.23: every layer on the CPU (0/25), the whole file mapped",)),
     ("R32", "mistral-small-24b", "Q8_0", dict(ctx_size=4096), {}, {"cpu_model": 680.0},
-     ("Ollama's mistral3 file also holds the vision encoder: its GPU weights (11.5 + 11.9 GiB) are not compared",)),
+     ("Ollama's mistral3 file also holds the vision encoder; its GPUs' weights: the layout row below",)),
     ("R35", "llama-2-7b", "Q4_0", dict(ctx_size=8192, parallel=2, n_batch=1024, flash_attn="off",
                                       engine_version="2025-07", embeddings=True), {"rope_scaling": None},
      {"gpu_model": 3577.57, "cpu_model": 70.31, "kv": 4096.00, "gpu_compute": 560.00, "host_compute": 24.01,
@@ -163,6 +163,14 @@ OLLAMA_ROWS = [
       "the vision tower in the same file (projector 795.9 MiB + graph 1.0 GiB, which Ollama adds to the output "
       "layer) is not modelled: layers.offload (48) and required.* not compared")),
 ]
+# Ollama's layout (0.12.11 to 0.2x; R32 is its own engine's, which lays out the same way on the tensors' bytes): id,
+# model, file type, release, each GPU's free GiB, num_ctx, {log line's device: as logged}, notes
+LAYOUT_ROWS = [
+    ("R32", "mistral-small-24b", "Q8_0", "0.12.11", [22.0, 22.0], 4096, {"model weights CUDA0": "11.5 GiB"},
+     ("PR 11090's layout (2025-07), as 0.12.11 has it",
+      "two GPUs of 24 GB assumed (their free memory is not in the log; 30 GiB each would hold it on one)",
+      "CUDA1's 11.9 GiB holds the vision encoder with the output layer (not modelled): not compared")),
+]
 WEIGHTS_KV = ("gpu_model", "cpu_model", "kv", "gpu_kv", "cpu_kv", "output")
 
 
@@ -209,6 +217,24 @@ def ollama_records() -> list[dict]:
     return records
 
 
+def layout_records() -> list[dict]:
+    records = []
+    for row_id, model, quant, version, free, num_ctx, logged, notes in LAYOUT_ROWS:
+        found = find_config(model)
+        assert found is not None, model
+        gguf = quantize(from_config(found.name, found.hf_config, found.where), quant)
+        lines = layout_ollama(gguf, [OllamaGPU(int(g * 1024 * MiB)) for g in free],
+                              release=OllamaRelease.parse(version), num_ctx=num_ctx).log_lines()
+        for i, (name, text) in enumerate(logged.items()):
+            label, device = name.rsplit(" ", 1)
+            printed = next(line.split('size="')[1].rstrip('"') for line in lines
+                           if f'msg="{label}" device={device} ' in line)
+            records.append({"id": row_id, "metric": f"ollama layout {name}", "reported": as_mib(text),
+                            "predicted": as_mib(printed), "error": as_mib(printed) / as_mib(text) - 1,
+                            "printed": printed, "logged": text, "notes": "; ".join(notes) if i == 0 else ""})
+    return records
+
+
 def run() -> list[dict]:
     records = []
     for row_id, model, quant, settings, changes, reported, notes in ROWS:
@@ -221,7 +247,7 @@ def run() -> list[dict]:
             value = round(figures[metric] / MiB, 2)
             records.append({"id": row_id, "metric": metric, "reported": logged, "predicted": value,
                             "error": value / logged - 1, "notes": "; ".join(notes) if i == 0 else ""})
-    records += ollama_records()
+    records += ollama_records() + layout_records()
     records += [{"id": row_id, "metric": "-", "notes": reason} for row_id, reason in MISSES]
     return records
 
@@ -247,7 +273,8 @@ def main() -> int:
              f"{totals['weights_and_kv']['mean_abs_error']:.2%}, worst {totals['weights_and_kv']['worst']:.2%} "
              f"({totals['weights_and_kv']['figures']} figures); compute buffers mean "
              f"{totals['compute']['mean_abs_error']:.1%}, worst {totals['compute']['worst']:.1%} "
-             f"({totals['compute']['figures']}); Ollama's own estimate: {totals['ollama_estimate']['as_printed']} of "
+             f"({totals['compute']['figures']}); Ollama's own estimate and layout: "
+             f"{totals['ollama_estimate']['as_printed']} of "
              f"{totals['ollama_estimate']['fields']} fields as its log prints them; {totals['misses']} rows missed, "
              "with their reason")
     write_results("published_llamacpp", totals, records, rows_table(title, records))

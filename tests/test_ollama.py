@@ -1,6 +1,6 @@
 """Ollama's own memory estimate (serving/ollama.py: llm/memory.go's EstimateGPULayers and GraphSize by release), its
 scheduler's choice of slots and GPUs, and `memfit estimate --engine ollama` by release: the estimate up to 0.12,
-measured allocations (not replayed) after, llama-server's --fit from 0.30."""
+its layout (0.12.11 to 0.2x), llama-server's --fit from 0.30."""
 import json
 
 import pytest
@@ -13,7 +13,9 @@ from memfit.serving.ollama import (
     _groups,
     default_num_ctx,
     estimate_ollama,
+    graph_sizes,
     human_bytes,
+    layout_ollama,
     schedule_ollama,
 )
 from tests.conftest import run_cli
@@ -89,12 +91,13 @@ def test_a_gpu_too_small_for_one_layer_leaves_the_model_on_the_cpu(capsys):
 
 
 def test_each_release_sizes_the_load_its_own_way(capsys):
-    """Up to 0.12.10 the estimate; 0.12.11 to 0.2x measured allocations (said, not replayed); from 0.30 llama-server
-    with --fit, which memfit replays (the context Ollama gives it stays; the layers move)."""
+    """Up to 0.12.10 the estimate; 0.12.11 to 0.2x the layout; from 0.30 llama-server with --fit, which memfit
+    replays (the context Ollama gives it stays; the layers move)."""
     assert [OllamaRelease.parse(v).sizing for v in ("0.3.8", "0.12.10", "0.12.11", "0.24.0", "0.30.0")] == [
-        "estimate", "estimate", "measured", "measured", "fit"]
+        "estimate", "estimate", "layout", "layout", "fit"]
     code, out, _ = run_cli(capsys, *_estimate("--engine-version", "0.20.0", "--gpu", "rtx-3060", "--json"))
-    assert code == 0 and any("measures" in note for note in json.loads(out)["notes"])
+    data = json.loads(out)
+    assert code == 0 and data["ollama"]["layout"]["layers"] == 33 and data["layers_on_gpu"] == 33
     code, out, err = run_cli(capsys, "estimate", "qwen2.5-32b", "--quant", "Q4_K_M", "--task", "serve", "--engine",
                              "ollama", "--gpu", "rtx-3060", "--json")
     data = json.loads(out)
@@ -113,7 +116,39 @@ def test_bad_releases_and_sizes_are_refused_plainly(capsys):
     for bad in ("five", "0.x", "1999-01"):
         code, _, err = run_cli(capsys, *_estimate("--engine-version", bad, "--gpu", "rtx-3060"))
         assert code == 2 and "--engine-version" in err and "Traceback" not in err
-    with pytest.raises(MemfitError, match="measured allocations"):
+    with pytest.raises(MemfitError, match="its layout"):
         estimate_ollama(gguf_model("llama-3.1-8b", "Q4_K_M"), [OllamaGPU(GiB)], release=OllamaRelease.parse("0.13"))
     assert [human_bytes(n) for n in (512, 2048, 5 * 2**20, int(6.25 * GiB))] == ["512 B", "2.0 KiB", "5.0 MiB",
                                                                                  "6.2 GiB"]
+
+
+def test_the_layout_packs_as_few_gpus_as_hold_the_most_layers_evenly():
+    """0.12.11's layout (llamaServer.Load on GraphSize's memory): one GPU where the model fits on it; else the layers
+    spread over two so that neither is fuller than it must be (the bisection on the capacity factor); a GPU too
+    small for all of them takes the last ones, without the output layer if that places more; each GPU used keeps
+    the graph besides (its log's lines). R32's two 24 GB GPUs: CUDA0's 11.5 GiB as its log printed."""
+    release = OllamaRelease.parse("0.13.0")
+    model = gguf_model("llama-3.1-8b", "Q4_K_M")
+    alone = layout_ollama(model, [OllamaGPU(23 * GiB), OllamaGPU(23 * GiB)], release=release)
+    assert [(g, len(slots)) for g, slots in alone.gpu_layers] == [(0, 33)]
+    shared = layout_ollama(model, [OllamaGPU(6 * GiB), OllamaGPU(6 * GiB)], release=release, num_ctx=8192)
+    counts = shared.per_gpu(2)
+    assert sum(counts) == 33 and abs(counts[0] - counts[1]) <= 3 and shared.gpu_layers[-1][1][-1] == 32
+    small = layout_ollama(model, [OllamaGPU(4 * GiB)], release=release)
+    slots = small.gpu_layers[0][1]
+    assert 0 < len(slots) < 32 and 32 not in slots and slots[-1] == 31   # the last blocks, the output layer off
+    assert small.graph == graph_sizes(model, release, 4096, 512, sum(small.layer_cache))[0]   # partial offload
+    lines = small.log_lines()
+    assert lines[0].startswith('msg="model weights" device=CUDA0 size=') and lines[-1].startswith('msg="total memory"')
+    r32 = layout_ollama(gguf_model("mistral-small-24b", "Q8_0"), [OllamaGPU(22 * GiB)] * 2, release=release)
+    assert 'msg="model weights" device=CUDA0 size="11.5 GiB"' in r32.log_lines()
+
+
+def test_a_layout_without_the_output_layer_says_llamacpp_loads_it(capsys):
+    """Ollama's layout may leave the output layer off while its runner passes llama.cpp -ngl N, which puts the last N
+    slots, the output layer among them, on the GPU: memfit shows llama.cpp's buffers and says so."""
+    code, out, err = run_cli(capsys, *_estimate("--engine-version", "0.20.0", "--gpu-free", "4096", "--json"))
+    data = json.loads(out)
+    assert code == 0, err
+    assert data["layers_on_gpu"] == data["ollama"]["layout"]["layers"] > 0
+    assert any("output layer off the GPUs" in note for note in data["notes"])

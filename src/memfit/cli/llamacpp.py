@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, replace
 
 from memfit.cli.console import output_console, print_json
-from memfit.cli.ollama import ollama_settings, release_of, scheduled
+from memfit.cli.ollama import ollama_json, ollama_lines, ollama_load, ollama_settings, release_of
 from memfit.core.errors import MemfitError
 from memfit.core.units import MiB, format_bytes, parse_bytes
 from memfit.serving.gguf_recipe import FILE_TYPES
@@ -20,7 +20,6 @@ from memfit.serving.llamacpp import (
 )
 from memfit.serving.llamacpp_fit import FIT_CTX, FIT_TARGET, FitResult, backend_name, fit_llamacpp, parse_overrides
 from memfit.serving.llamacpp_oom import gpu_budget
-from memfit.serving.ollama import OllamaEstimate
 from memfit.specs.hardware import get_gpu
 
 
@@ -252,7 +251,7 @@ def fitted(model, settings: LlamaCppSettings, args: argparse.Namespace, machine:
     if not args.fit:
         return settings, None, ""
     if args.engine == "ollama" and release_of(args).sizing != "fit":
-        return settings, None, ""   # Ollama's estimate (ollama_load) or its measured allocations
+        return settings, None, ""   # Ollama's estimate or layout (ollama_load)
     if not gpus and settings.ctx_size is not None:
         return settings, None, ""   # the CPU alone: --fit changes only an unset context
     if (gpus and machine.free is None) or (not gpus and machine.host_ram is None):
@@ -267,52 +266,15 @@ def fitted(model, settings: LlamaCppSettings, args: argparse.Namespace, machine:
     return fit.settings, fit, ""
 
 
-def ollama_load(model, settings: LlamaCppSettings, args: argparse.Namespace, machine: Machine, gpus: int
-                ) -> tuple[LlamaCppSettings, OllamaEstimate | None, str]:
-    """For --engine ollama, the settings its release loads with, its estimate where it made one, and a note."""
-    if args.engine != "ollama":
-        return settings, None, ""
-    release = release_of(args)
-    if release.sizing == "measured":
-        return settings, None, (f"Ollama {release.name} sizes the load by the allocations its runner measures, layer "
-                                "by layer (not replayed): shown, the settings given")
-    if release.sizing == "fit":
-        return settings, None, ""
-    if not machine.free:
-        return settings, None, (f"Ollama {release.name}'s own estimate chooses num_gpu (and the slots) for the GPUs' "
-                                "free memory: give --gpu NAME or --gpu-free MiB to see its choice")
-    if gpus != len(machine.free):
-        machine.free = machine.free[:1] * gpus
-    settings, _, estimate = scheduled(model, settings, args, machine.free, machine.vendor)
-    return settings, estimate, ""
-
-
-def ollama_json(estimate: OllamaEstimate | None, args: argparse.Namespace) -> dict | None:
-    if args.engine != "ollama":
-        return None
-    release = release_of(args)
-    return {"release": release.name, "sizing": release.sizing,
-            "estimate": None if estimate is None else {**estimate.fields(), "layers": estimate.layers,
-                                                        "required_full_bytes": estimate.required_full,
-                                                        "required_partial_bytes": estimate.required_partial,
-                                                        "kv_bytes": estimate.kv,
-                                                        "allocations_bytes": estimate.allocations,
-                                                        "graph_full_bytes": estimate.graph_full,
-                                                        "graph_partial_bytes": estimate.graph_partial},
-            "source": "Ollama's llm/memory.go and fs/ggml GraphSize at that release, replayed (checked on the "
-                      "estimates of published Ollama logs)" if estimate else None}
-
-
 def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise MemfitError("name a .gguf file, or a Hugging Face model with --quant Q4_K_M (or another type).")
     machine, gpus = machine_from(args)
     model = gguf_model(args.model, args.quant)
     given = settings_from(args, machine.total_vram)
-    settings, ollama, ollama_note = ollama_load(model, given, args, machine, gpus)
+    settings, gpus, ollama, ollama_note = ollama_load(model, given, args, machine.free, machine.vendor, gpus)
     if ollama is not None:   # the slots its scheduler chose
         given = replace(given, ctx_size=settings.ctx_size, parallel=settings.parallel)
-    gpus = gpus if ollama is None else len(settings.tensor_split or ()) or int(settings.n_gpu_layers != 0)
     settings, fit, fit_note = fitted(model, settings, args, machine, gpus)
     result = estimate_llamacpp(model, settings, engine=args.engine, gpus=gpus)
     result.notes += [note for note in (ollama_note, fit_note) if note]
@@ -320,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
         print_json({**to_json(result, machine, fit, given), "ollama": ollama_json(ollama, args)})
         return 0
     console = output_console()
-    if ollama is not None:
-        console.print(f"Ollama {ollama.release.name}'s estimate, as its log prints it: {ollama.log_line()}")
+    for line in ollama_lines(ollama) if ollama is not None else []:
+        console.print(line)
     if fit is not None:
         console.print(f"llama.cpp's --fit: {'; '.join(fit.steps)}")
         if fit.status == "fitted":

@@ -1,6 +1,6 @@
 """`memfit estimate MODEL --task serve --engine ollama`: Ollama's names and defaults by release, and how that release
-sizes the load: its own estimate (up to 0.12.x: it chooses num_gpu and the slots), its measured allocations (not
-replayed), or llama-server with llama.cpp's --fit (from 0.30)."""
+sizes the load: its own estimate (up to 0.12.10: it chooses num_gpu and the slots), its layout (0.12.11 to 0.2x),
+or llama-server with llama.cpp's --fit (from 0.30)."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,11 @@ from memfit.serving.llamacpp import LlamaCppSettings
 from memfit.serving.ollama import (
     OllamaEstimate,
     OllamaGPU,
+    OllamaLayout,
     OllamaRelease,
     default_num_ctx,
     default_parallel,
+    layout_ollama,
     newest_release,
     schedule_ollama,
 )
@@ -63,19 +65,62 @@ def ollama_gpus(free: list[int], vendor: str | None) -> list[OllamaGPU]:
     return [OllamaGPU(f, library) for f in free]
 
 
-def scheduled(model: GGUFModel, settings: LlamaCppSettings, args: argparse.Namespace, free: list[int],
-              vendor: str | None) -> tuple[LlamaCppSettings, int, OllamaEstimate]:
-    """The load Ollama's scheduler and estimate choose (a release up to 0.12.x): the slots (where
-    --num-parallel is not given), the GPUs, num_gpu (where --num-gpu is not given) and, on several GPUs, the layers
-    each takes (its --tensor-split); the settings llama.cpp then loads with, the GPUs, and the estimate."""
+def ollama_load(model: GGUFModel, settings: LlamaCppSettings, args: argparse.Namespace, free: list[int] | None,
+                vendor: str | None, gpus: int
+                ) -> tuple[LlamaCppSettings, int, OllamaEstimate | OllamaLayout | None, str]:
+    """What Ollama's release loads: up to 0.12 its scheduler and estimate choose the slots (where --num-parallel is
+    not given), the GPUs and num_gpu (where --num-gpu is not given); from 0.12.11 its layout places the layers
+    GPU by GPU; from 0.30 llama.cpp's --fit does (replayed with llama.cpp's). Returns the settings llama.cpp then
+    loads with, the GPUs, Ollama's estimate or layout, and a note where it could not be replayed."""
     release = release_of(args)
-    num_ctx = (settings.ctx_size or model.n_ctx_train) // settings.parallel
-    estimate, slots, chosen = schedule_ollama(model, ollama_gpus(free, vendor), release=release, num_ctx=num_ctx,
-                                              parallel=args.num_parallel, num_gpu=settings.n_gpu_layers)
-    ctx = min(num_ctx, model.n_ctx_train or num_ctx) * slots
-    layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else estimate.layers
-    if estimate.layers == 0:
-        layers, chosen = 0, []   # no layer fits: Ollama runs its CPU runner
-    split = tuple(float(n) for n in estimate.split) if len(chosen) > 1 else None
-    changed = replace(settings, ctx_size=ctx, parallel=slots, n_gpu_layers=layers, tensor_split=split)
-    return changed, len(chosen), estimate
+    if release.sizing == "fit":
+        return settings, gpus, None, ""
+    if not free:
+        return settings, gpus, None, (f"Ollama {release.name}'s own {release.sizing} chooses num_gpu for the GPUs' "
+                                      "free memory: give --gpu NAME or --gpu-free MiB to see its choice")
+    num_ctx = min((settings.ctx_size or model.n_ctx_train) // settings.parallel, model.n_ctx_train or 1 << 30)
+    devices, note = ollama_gpus(free, vendor), ""
+    if release.sizing == "estimate":
+        estimate, slots, _ = schedule_ollama(model, devices, release=release, num_ctx=num_ctx,
+                                                  parallel=args.num_parallel, num_gpu=settings.n_gpu_layers)
+        counts = estimate.split if estimate.layers else []
+        placed: OllamaEstimate | OllamaLayout = estimate
+    else:
+        slots = settings.parallel
+        layout = layout_ollama(model, devices, release=release, num_ctx=num_ctx, parallel=slots,
+                               num_gpu=settings.n_gpu_layers)
+        counts = layout.per_gpu(len(devices)) if layout.layers else []
+        placed = layout
+        if counts and all(model.n_layer not in slots_ for _, slots_ in layout.gpu_layers):
+            note = (f"Ollama's layout leaves the output layer off the GPUs, but its runner passes llama.cpp -ngl "
+                    f"{sum(counts)}, the last {sum(counts)} layer slots, the output layer among them: the buffers "
+                    "below are llama.cpp's")
+    layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 and counts else sum(counts)
+    split = tuple(float(n) for n in counts) if len(counts) > 1 else None
+    changed = replace(settings, ctx_size=num_ctx * slots, parallel=slots, n_gpu_layers=layers, tensor_split=split)
+    return changed, len(counts), placed, note
+
+
+def ollama_json(placed: OllamaEstimate | OllamaLayout | None, args: argparse.Namespace) -> dict | None:
+    if args.engine != "ollama":
+        return None
+    release = release_of(args)
+    source = (f"Ollama's llm/memory.go and fs/ggml GraphSize at {release.name}, replayed (checked on the estimates "
+              "of five published Ollama logs)") if release.sizing == "estimate" else (
+        f"Ollama's llm/server.go layout at {release.name} on GraphSize's memory, replayed (not checked on a log)")
+    return {"release": release.name, "sizing": release.sizing, "source": source if placed else None,
+            "estimate": {**placed.fields(), "layers": placed.layers, "required_full_bytes": placed.required_full,
+                         "required_partial_bytes": placed.required_partial, "kv_bytes": placed.kv,
+                         "allocations_bytes": placed.allocations, "graph_full_bytes": placed.graph_full,
+                         "graph_partial_bytes": placed.graph_partial} if isinstance(placed, OllamaEstimate) else None,
+            "layout": {"lines": placed.log_lines(), "layers": placed.layers, "per_gpu": [
+                len(slots) for _, slots in placed.gpu_layers], "graph_bytes": placed.graph}
+            if isinstance(placed, OllamaLayout) else None}
+
+
+def ollama_lines(placed: OllamaEstimate | OllamaLayout) -> list[str]:
+    """What Ollama's log prints of its choice."""
+    if isinstance(placed, OllamaEstimate):
+        return [f"Ollama {placed.release.name}'s estimate, as its log prints it: {placed.log_line()}"]
+    return [f"Ollama {placed.release.name}'s layout, as its log prints it:"] + [f"  {line}"
+                                                                               for line in placed.log_lines()]
