@@ -152,3 +152,18 @@ def test_a_layout_without_the_output_layer_says_llamacpp_loads_it(capsys):
     assert code == 0, err
     assert data["layers_on_gpu"] == data["ollama"]["layout"]["layers"] > 0
     assert any("output layer off the GPUs" in note for note in data["notes"])
+
+
+def test_ollamas_flash_attention_and_cache_type(capsys):
+    """OLLAMA_FLASH_ATTENTION and OLLAMA_KV_CACHE_TYPE: with flash attention a q8_0 cache is half the f16 one in
+    Ollama's estimate (one byte an element) and llama.cpp's 34/32 of that; without it Ollama ignores the type."""
+    code, out, err = run_cli(capsys, *_estimate("--engine-version", "0.5.4", "--gpu", "rtx-4090", "--flash-attention",
+                                                "on", "--kv-cache-type", "q8_0", "--json"))
+    data = json.loads(out)
+    assert code == 0, err
+    assert data["ollama"]["estimate"]["memory.required.kv"] == "512.0 MiB"
+    assert data["gpu_kv_bytes"] == 544 * 2**20
+    code, out, _ = run_cli(capsys, *_estimate("--engine-version", "0.5.4", "--gpu", "rtx-4090", "--kv-cache-type",
+                                              "q8_0", "--json"))
+    data = json.loads(out)
+    assert data["gpu_kv_bytes"] == 1024 * 2**20 and any("ignores OLLAMA_KV_CACHE_TYPE" in n for n in data["notes"])

@@ -115,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "release's: 4 then 1 where 4 do not fit, 2 from 0.6.7, 1 from 0.10)")
     ollama.add_argument("--num-gpu", type=int, metavar="N",
                         help="layers on the GPU (default: what Ollama's estimate or llama.cpp's --fit chooses)")
+    ollama.add_argument("--flash-attention", choices=("on", "off"), help="OLLAMA_FLASH_ATTENTION (default: off; "
+                        "llama-server's auto from 0.30)")
+    ollama.add_argument("--kv-cache-type", choices=("f16", "q8_0", "q4_0"), help="OLLAMA_KV_CACHE_TYPE (before 0.30 "
+                        "only with --flash-attention on)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(run=run)
 
@@ -133,11 +137,12 @@ def settings_from(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSett
         del given["ctx_size"]
     if "override_tensor" in given:
         given["override_tensor"] = tuple(pair for pairs in given["override_tensor"] for pair in pairs)
-    ollama = {name: getattr(args, name, None) for name in ("num_ctx", "num_parallel", "num_gpu")}
+    ollama = {name: getattr(args, name, None) for name in ("num_ctx", "num_parallel", "num_gpu", "flash_attention",
+                                                           "kv_cache_type")}
     if getattr(args, "engine", "llama.cpp") != "ollama":
         if any(value is not None for value in ollama.values()):
-            raise MemfitError("--num-ctx, --num-parallel and --num-gpu are Ollama's: give --engine ollama (or "
-                              "llama.cpp's -c, -np and -ngl).")
+            raise MemfitError("--num-ctx, --num-parallel, --num-gpu, --flash-attention and --kv-cache-type are "
+                              "Ollama's: give --engine ollama (or llama.cpp's -c, -np, -ngl, -fa, -ctk/-ctv).")
         return LlamaCppSettings(engine_version=args.engine_version, **given)
     if given:
         names = sorted(flags[-1] for flags, field, _, _ in FLAGS if field in given)

@@ -51,11 +51,17 @@ def ollama_settings(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSe
         raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
     layers = -1 if args.num_gpu is None else args.num_gpu
     version = llama_version(args, release)
-    if release.sizing == "fit":
+    flash = getattr(args, "flash_attention", None)
+    cache = getattr(args, "kv_cache_type", None) or "f16"
+    if release.sizing == "fit":   # llama-server: --flash-attn auto unless set; the cache type passed as given
         return LlamaCppSettings(ctx_size=num_ctx * slots, parallel=slots, n_batch=512, n_gpu_layers=layers,
+                                flash_attn=flash or "auto", cache_type_k=cache, cache_type_v=cache,
                                 engine_version=version)
+    if flash != "on":
+        cache = "f16"   # Ollama's runner ignores OLLAMA_KV_CACHE_TYPE without flash attention (and warns)
     return LlamaCppSettings(ctx_size=num_ctx * slots, parallel=slots, kv_unified=True, n_batch=512, embeddings=True,
-                            flash_attn="off", n_gpu_layers=layers, engine_version=version)
+                            flash_attn=flash or "off", n_gpu_layers=layers, cache_type_k=cache, cache_type_v=cache,
+                            engine_version=version)
 
 
 def ollama_gpus(free: list[int], vendor: str | None) -> list[OllamaGPU]:
@@ -80,15 +86,18 @@ def ollama_load(model: GGUFModel, settings: LlamaCppSettings, args: argparse.Nam
                                       "free memory: give --gpu NAME or --gpu-free MiB to see its choice")
     num_ctx = min((settings.ctx_size or model.n_ctx_train) // settings.parallel, model.n_ctx_train or 1 << 30)
     devices, note = ollama_gpus(free, vendor), ""
+    if getattr(args, "kv_cache_type", None) not in (None, "f16") and settings.cache_type_k == "f16":
+        note = "Ollama's runner ignores OLLAMA_KV_CACHE_TYPE without flash attention (--flash-attention on)"
     if release.sizing == "estimate":
         estimate, slots, _ = schedule_ollama(model, devices, release=release, num_ctx=num_ctx,
-                                                  parallel=args.num_parallel, num_gpu=settings.n_gpu_layers)
+                                             parallel=args.num_parallel, num_gpu=settings.n_gpu_layers,
+                                             kv_type=settings.cache_type_k)
         counts = estimate.split if estimate.layers else []
         placed: OllamaEstimate | OllamaLayout = estimate
     else:
         slots = settings.parallel
         layout = layout_ollama(model, devices, release=release, num_ctx=num_ctx, parallel=slots,
-                               num_gpu=settings.n_gpu_layers)
+                               num_gpu=settings.n_gpu_layers, kv_type=settings.cache_type_k)
         counts = layout.per_gpu(len(devices)) if layout.layers else []
         placed = layout
         if counts and all(model.n_layer not in slots_ for _, slots_ in layout.gpu_layers):
