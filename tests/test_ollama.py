@@ -167,3 +167,18 @@ def test_ollamas_flash_attention_and_cache_type(capsys):
                                               "q8_0", "--json"))
     data = json.loads(out)
     assert data["gpu_kv_bytes"] == 1024 * 2**20 and any("ignores OLLAMA_KV_CACHE_TYPE" in n for n in data["notes"])
+
+
+def test_a_plans_modelfile_names_the_servers_environment_it_needs():
+    """A llama.cpp plan exported for Ollama: flash attention, the KV cache type and the slots are the server's
+    environment, not Modelfile parameters, so the Modelfile is headed by them (without them Ollama before 0.30 runs
+    with flash attention off: another compute buffer than the plan's)."""
+    from memfit.serving.llamacpp_plan import plan_llamacpp
+    from memfit.specs.hardware import get_gpu
+
+    result = plan_llamacpp("llama-3.2-1b", get_gpu("rtx-3060"), host_ram_bytes=16 * GiB, ctx_size=8192,
+                           quants=("Q4_K_M",))
+    by_kv = {p.settings.cache_type_k: p.modelfile("llama-3.2-1b") for p in result.plans}
+    assert by_kv["q8_0"].splitlines()[0] == ("# serve with: OLLAMA_FLASH_ATTENTION=1 OLLAMA_NUM_PARALLEL=1 "
+                                             "OLLAMA_KV_CACHE_TYPE=q8_0 ollama serve")
+    assert "OLLAMA_KV_CACHE_TYPE" not in by_kv["f16"] and "PARAMETER num_gpu 17" in by_kv["f16"]

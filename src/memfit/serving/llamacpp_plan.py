@@ -66,14 +66,18 @@ class LlamaCppPlan:
         return " ".join(words)
 
     def modelfile(self, model: str) -> str | None:
-        """Ollama's Modelfile for the plan (its num_ctx is per slot; OLLAMA_NUM_PARALLEL sets the slots); None where
-        the plan keeps experts on the CPU, which Ollama has no parameter for."""
+        """Ollama's Modelfile for the plan (its num_ctx is per slot), headed by the server's environment the plan
+        needs (flash attention, the KV cache type and the slots are not Modelfile parameters); None where the plan
+        keeps experts on the CPU, which Ollama has no parameter for."""
         s = self.settings
         if s.n_cpu_moe:
             return None
         per_slot = (s.ctx_size or self.estimate.n_ctx) // s.parallel
-        return "\n".join([f"FROM ./{model}-{self.quant}.gguf", f"PARAMETER num_ctx {per_slot}",
-                          f"PARAMETER num_gpu {self.estimate.layers_on_gpu}"]) + "\n"
+        env = [f"OLLAMA_FLASH_ATTENTION={int(s.flash_attn == 'on')}", f"OLLAMA_NUM_PARALLEL={s.parallel}"]
+        if s.cache_type_k != "f16":
+            env.append(f"OLLAMA_KV_CACHE_TYPE={s.cache_type_k}")
+        return "\n".join([f"# serve with: {' '.join(env)} ollama serve", f"FROM ./{model}-{self.quant}.gguf",
+                          f"PARAMETER num_ctx {per_slot}", f"PARAMETER num_gpu {self.estimate.layers_on_gpu}"]) + "\n"
 
 
 @dataclass
