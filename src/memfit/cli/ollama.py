@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import replace
 
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
@@ -17,9 +16,9 @@ from memfit.serving.ollama import (
     OllamaRelease,
     default_num_ctx,
     default_parallel,
-    layout_ollama,
     newest_release,
-    schedule_ollama,
+    place,
+    runner_settings,
 )
 
 _DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
@@ -41,27 +40,14 @@ def llama_version(args: argparse.Namespace, release: OllamaRelease) -> str | Non
 
 
 def ollama_settings(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSettings:
-    """The settings Ollama's runner loads with: llama-server's (-c num_ctx x slots, -np slots, -b 512) from 0.30,
-    before that its llama runner's (one cache of num_ctx x slots cells, a 512-token batch, embeddings in the output
-    buffer, flash attention off unless OLLAMA_FLASH_ATTENTION)."""
+    """The settings Ollama's runner loads with at the release given (runner_settings)."""
     release = release_of(args)
-    num_ctx = args.num_ctx or default_num_ctx(release, total_vram)
-    slots = args.num_parallel or default_parallel(release)
-    if slots < 1 or num_ctx < 1:
-        raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
-    layers = -1 if args.num_gpu is None else args.num_gpu
-    version = llama_version(args, release)
-    flash = getattr(args, "flash_attention", None)
-    cache = getattr(args, "kv_cache_type", None) or "f16"
-    if release.sizing == "fit":   # llama-server: --flash-attn auto unless set; the cache type passed as given
-        return LlamaCppSettings(ctx_size=num_ctx * slots, parallel=slots, n_batch=512, n_gpu_layers=layers,
-                                flash_attn=flash or "auto", cache_type_k=cache, cache_type_v=cache,
-                                engine_version=version)
-    if flash != "on":
-        cache = "f16"   # Ollama's runner ignores OLLAMA_KV_CACHE_TYPE without flash attention (and warns)
-    return LlamaCppSettings(ctx_size=num_ctx * slots, parallel=slots, kv_unified=True, n_batch=512, embeddings=True,
-                            flash_attn=flash or "off", n_gpu_layers=layers, cache_type_k=cache, cache_type_v=cache,
-                            engine_version=version)
+    return runner_settings(release, num_ctx=args.num_ctx or default_num_ctx(release, total_vram),
+                           parallel=args.num_parallel or default_parallel(release),
+                           num_gpu=-1 if args.num_gpu is None else args.num_gpu,
+                           flash=getattr(args, "flash_attention", None),
+                           cache=getattr(args, "kv_cache_type", None) or "f16",
+                           engine_version=llama_version(args, release))
 
 
 def ollama_gpus(free: list[int], vendor: str | None) -> list[OllamaGPU]:
@@ -84,30 +70,15 @@ def ollama_load(model: GGUFModel, settings: LlamaCppSettings, args: argparse.Nam
     if not free:
         return settings, gpus, None, (f"Ollama {release.name}'s own {release.sizing} chooses num_gpu for the GPUs' "
                                       "free memory: give --gpu NAME or --gpu-free MiB to see its choice")
-    num_ctx = min((settings.ctx_size or model.n_ctx_train) // settings.parallel, model.n_ctx_train or 1 << 30)
-    devices, note = ollama_gpus(free, vendor), ""
+    note = ""
     if getattr(args, "kv_cache_type", None) not in (None, "f16") and settings.cache_type_k == "f16":
         note = "Ollama's runner ignores OLLAMA_KV_CACHE_TYPE without flash attention (--flash-attention on)"
-    if release.sizing == "estimate":
-        estimate, slots, _ = schedule_ollama(model, devices, release=release, num_ctx=num_ctx,
-                                             parallel=args.num_parallel, num_gpu=settings.n_gpu_layers,
-                                             kv_type=settings.cache_type_k)
-        counts = estimate.split if estimate.layers else []
-        placed: OllamaEstimate | OllamaLayout = estimate
-    else:
-        slots = settings.parallel
-        layout = layout_ollama(model, devices, release=release, num_ctx=num_ctx, parallel=slots,
-                               num_gpu=settings.n_gpu_layers, kv_type=settings.cache_type_k)
-        counts = layout.per_gpu(len(devices)) if layout.layers else []
-        placed = layout
-        if counts and all(model.n_layer not in slots_ for _, slots_ in layout.gpu_layers):
-            note = (f"Ollama's layout leaves the output layer off the GPUs, but its runner passes llama.cpp -ngl "
-                    f"{sum(counts)}, the last {sum(counts)} layer slots, the output layer among them: the buffers "
-                    "below are llama.cpp's")
-    layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 and counts else sum(counts)
-    split = tuple(float(n) for n in counts) if len(counts) > 1 else None
-    changed = replace(settings, ctx_size=num_ctx * slots, parallel=slots, n_gpu_layers=layers, tensor_split=split)
-    return changed, len(counts), placed, note
+    changed, used, placed = place(model, settings, release, ollama_gpus(free, vendor), parallel=args.num_parallel)
+    if isinstance(placed, OllamaLayout) and used and all(model.n_layer not in slots for _, slots in placed.gpu_layers):
+        note = (f"Ollama's layout leaves the output layer off the GPUs, but its runner passes llama.cpp -ngl "
+                f"{changed.n_gpu_layers}, the last {changed.n_gpu_layers} layer slots, the output layer among them: "
+                "the buffers below are llama.cpp's")
+    return changed, used, placed, note
 
 
 def ollama_json(placed: OllamaEstimate | OllamaLayout | None, args: argparse.Namespace) -> dict | None:
