@@ -182,3 +182,28 @@ def test_a_plans_modelfile_names_the_servers_environment_it_needs():
     assert by_kv["q8_0"].splitlines()[0] == ("# serve with: OLLAMA_FLASH_ATTENTION=1 OLLAMA_NUM_PARALLEL=1 "
                                              "OLLAMA_KV_CACHE_TYPE=q8_0 ollama serve")
     assert "OLLAMA_KV_CACHE_TYPE" not in by_kv["f16"] and "PARAMETER num_gpu 17" in by_kv["f16"]
+
+
+def test_an_ollama_plan_takes_the_layers_ollama_chooses(capsys):
+    """`memfit plan --engine ollama`: each file type and environment at the layers Ollama's release itself puts on
+    the GPU (its estimate here, 0.5.4), llama.cpp's buffers there within the card, the Modelfile to export; the
+    llama.cpp planner's names (-c) are refused for it."""
+    from memfit.serving.ollama_plan import plan_ollama
+    from memfit.specs.hardware import get_gpu
+
+    gpu = get_gpu("rtx-3060")
+    release = OllamaRelease.parse("0.5.4")
+    result = plan_ollama("qwen2.5-32b", gpu, release, host_ram_bytes=64 * GiB, num_ctx=4096, quants=("Q4_K_M",))
+    model = gguf_model("qwen2.5-32b", "Q4_K_M")
+    chosen = schedule_ollama(model, [OllamaGPU(gpu.memory_bytes - gpu.context_bytes)], release=release,
+                             num_ctx=4096)[0]
+    f16 = next(p for p in result.plans if p.settings.flash_attn == "off")
+    assert 0 < f16.estimate.layers_on_gpu == chosen.layers < 65 and f16.gpu_bytes <= gpu.memory_bytes
+    assert {p.settings.cache_type_k for p in result.plans} == {"f16", "q8_0"}
+    code, out, err = run_cli(capsys, "plan", "llama-3.1-8b", "--engine", "ollama", "--engine-version", "0.5.4",
+                             "--gpu", "rtx-3060", "--host-ram", "32GiB", "--num-ctx", "8192", "--export", "ollama")
+    assert code == 0, err
+    assert "PARAMETER num_ctx 8192" in out and "PARAMETER num_gpu 33" in out
+    code, _, err = run_cli(capsys, "plan", "llama-3.1-8b", "--engine", "ollama", "--gpu", "rtx-3060", "--host-ram",
+                           "32GiB", "-c", "8192")
+    assert code == 2 and "--num-ctx" in err

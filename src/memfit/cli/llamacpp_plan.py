@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.console import output_console, print_json
+from memfit.cli.ollama import release_of
 from memfit.core.errors import MemfitError
 from memfit.core.units import GiB, parse_bytes
 from memfit.serving.llamacpp_plan import (
@@ -16,20 +17,29 @@ from memfit.serving.llamacpp_plan import (
     LlamaCppPlan,
     plan_llamacpp,
 )
+from memfit.serving.ollama_plan import plan_ollama
 from memfit.specs.hardware import get_gpu
+
+SIZING = {"estimate": "its estimate", "layout": "its layout", "fit": "llama-server's --fit"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Plan llama.cpp on your machine: the GGUF quantization, KV cache type and layers on the GPU "
                           "(-ngl) that fit its VRAM and your RAM, best quality first, with the speed of each.")
     parser.add_argument("model", nargs="?", help="a Hugging Face model: catalog name, config.json, folder or hub id")
-    parser.add_argument("--engine", choices=("llama.cpp",), required=True, help="llama.cpp")
+    parser.add_argument("--engine", choices=("llama.cpp", "ollama"), required=True,
+                        help="llama.cpp (memfit chooses -ngl), or Ollama (it chooses num_gpu: its choice replayed)")
+    parser.add_argument("--engine-version", metavar="X.Y.Z", help="Ollama's release, or a date (default: the newest; "
+                        "its defaults and how it places the layers)")
     parser.add_argument("--gpu", required=True, help="the GPU (memfit gpus)")
     parser.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs of that kind (default 1; llama.cpp "
                         "splits the layers over them)")
     parser.add_argument("--host-ram", required=True, metavar="SIZE", help="the machine's RAM, e.g. 32GiB")
     parser.add_argument("-c", "--ctx-size", type=int, metavar="N", help="context (default: the model's)")
     parser.add_argument("-np", "--parallel", type=int, default=1, metavar="N", help="sequence slots (default 1)")
+    parser.add_argument("--num-ctx", type=int, metavar="N", help="Ollama: context per slot (default: the release's)")
+    parser.add_argument("--num-parallel", type=int, metavar="N",
+                        help="Ollama: OLLAMA_NUM_PARALLEL (default: the release's choice)")
     parser.add_argument("--objective", choices=("quality", "fastest"), default="quality",
                         help="quality: the least perplexity first (default); fastest: the most tokens/s first")
     parser.add_argument("--host-bandwidth", type=float, default=HOST_BANDWIDTH_GBPS, metavar="GB/s",
@@ -67,8 +77,24 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError(f"--host-bandwidth {args.host_bandwidth:g}: GB/s, more than 0.")
     gpu = get_gpu(args.gpu)
     host_ram = parse_bytes(args.host_ram, "--host-ram")
-    result = plan_llamacpp(args.model, gpu, host_ram_bytes=host_ram, ctx_size=args.ctx_size, parallel=args.parallel,
-                           objective=args.objective, host_bandwidth_gbps=args.host_bandwidth, gpus=args.gpus)
+    if args.engine == "ollama":
+        if args.ctx_size is not None or args.parallel != 1:
+            raise MemfitError("--engine ollama takes Ollama's names: --num-ctx (per slot) and --num-parallel.")
+        if (args.num_ctx is not None and args.num_ctx < 1) or (args.num_parallel is not None and args.num_parallel < 1):
+            raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
+        release = release_of(args)
+        result = plan_ollama(args.model, gpu, release, host_ram_bytes=host_ram, num_ctx=args.num_ctx,
+                             parallel=args.num_parallel, objective=args.objective, gpus=args.gpus,
+                             host_bandwidth_gbps=args.host_bandwidth)
+        engine = f"Ollama {release.name} ({SIZING[release.sizing]} choosing the layers)"
+    else:
+        if args.num_ctx is not None or args.num_parallel is not None or args.engine_version is not None:
+            raise MemfitError("--num-ctx, --num-parallel and --engine-version are for --engine ollama (llama.cpp: "
+                              "-c and -np).")
+        result = plan_llamacpp(args.model, gpu, host_ram_bytes=host_ram, ctx_size=args.ctx_size,
+                               parallel=args.parallel, objective=args.objective,
+                               host_bandwidth_gbps=args.host_bandwidth, gpus=args.gpus)
+        engine = "llama.cpp"
     if args.export:
         if not result.plans:
             raise MemfitError(f"nothing to export: {result.reason}")
@@ -84,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             print(text, end="")
         return 0
     if args.json:
-        print_json({"schema": "memfit.llamacpp-plan/1", "model": args.model, "gpu": gpu.name,
+        print_json({"schema": "memfit.llamacpp-plan/1", "model": args.model, "gpu": gpu.name, "engine": engine,
                     "host_ram_bytes": host_ram, "feasible": bool(result.plans), "reason": result.reason,
                     "plans": [plan_json(p, args.model) for p in result.plans[:args.top]],
                     "rejected": result.rejected, "ppl_source": QUALITY_SOURCE,
@@ -97,13 +123,16 @@ def run(args: argparse.Namespace) -> int:
     size = f"{gpu.memory_bytes / GiB:.2f} GiB"
     cards = f"one {gpu.name} ({size})" if args.gpus == 1 else \
         f"{args.gpus} x {gpu.name} ({size} each; the fullest shown)"
-    console.print(f"{args.model} in llama.cpp on {cards} and "
+    console.print(f"{args.model} in {engine} on {cards} and "
                   f"{host_ram / GiB:.0f} GiB of RAM, {args.objective} first; searched {', '.join(QUALITY)}")
     for i, plan in enumerate(result.plans[:args.top], 1):
-        console.print(f"{i}. {plan.quant:<7} KV {plan.settings.cache_type_k:<5} {plan.split:<24} GPU "
+        flash = f"FA {plan.settings.flash_attn:<4} " if args.engine == "ollama" else ""
+        console.print(f"{i}. {plan.quant:<7} {flash}KV {plan.settings.cache_type_k:<5} {plan.split:<24} GPU "
                       f"{plan.gpu_bytes / GiB:5.2f} GiB  host {plan.host_bytes / GiB:5.2f} GiB  "
                       f"~{plan.decode_tokens_per_s:6.1f} tok/s generating, ~{plan.prompt_tokens_per_s:7.0f} reading  "
                       f"ppl +{plan.ppl_increase:.2%}")
-    console.print(f"plan 1: {result.plans[0].command()}")
+    best = result.plans[0]
+    console.print("plan 1: " + (best.modelfile(args.model) or "").replace("\n", "; ").rstrip("; ")
+                  if args.engine == "ollama" else f"plan 1: {best.command()}")
     console.print(f"perplexity: {QUALITY_SOURCE}; speed: {SPEED_SOURCE}")
     return 0

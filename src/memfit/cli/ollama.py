@@ -10,6 +10,7 @@ from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppSettings
 from memfit.serving.ollama import (
+    LIBRARIES,
     OllamaEstimate,
     OllamaGPU,
     OllamaLayout,
@@ -22,7 +23,6 @@ from memfit.serving.ollama import (
 )
 
 _DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
-LIBRARIES = {"nvidia": "cuda", "amd": "rocm"}   # a catalog GPU's vendor: the library Ollama's log names
 
 
 def release_of(args: argparse.Namespace) -> OllamaRelease:

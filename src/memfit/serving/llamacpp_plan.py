@@ -73,7 +73,8 @@ class LlamaCppPlan:
         if s.n_cpu_moe:
             return None
         per_slot = (s.ctx_size or self.estimate.n_ctx) // s.parallel
-        env = [f"OLLAMA_FLASH_ATTENTION={int(s.flash_attn == 'on')}", f"OLLAMA_NUM_PARALLEL={s.parallel}"]
+        env = ["OLLAMA_FLASH_ATTENTION=1"] if s.flash_attn == "on" else []   # else Ollama's default
+        env.append(f"OLLAMA_NUM_PARALLEL={s.parallel}")
         if s.cache_type_k != "f16":
             env.append(f"OLLAMA_KV_CACHE_TYPE={s.cache_type_k}")
         return "\n".join([f"# serve with: {' '.join(env)} ollama serve", f"FROM ./{model}-{self.quant}.gguf",

@@ -37,6 +37,7 @@ from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppSettings
 
 MiB, GiB = 1 << 20, 1 << 30
+LIBRARIES = {"nvidia": "cuda", "amd": "rocm"}   # a catalog GPU's vendor: the library Ollama's log names
 # discover/gpu.go's and gpu_darwin.go's MinimumMemory: held on each GPU besides the layers
 MINIMUM_MEMORY = {"cuda": 457 * MiB, "rocm": 457 * MiB, "metal": 512 * MiB}
 KV_BYTES = {"f16": 2.0, "q8_0": 1.0, "q4_0": 0.5}   # kvCacheBytesPerElement
