@@ -207,3 +207,62 @@ def test_an_ollama_plan_takes_the_layers_ollama_chooses(capsys):
     code, _, err = run_cli(capsys, "plan", "llama-3.1-8b", "--engine", "ollama", "--gpu", "rtx-3060", "--host-ram",
                            "32GiB", "-c", "8192")
     assert code == 2 and "--num-ctx" in err
+
+
+OLLAMA_OOM_LOG = """level=INFO source=memory.go:356 msg="offload to cuda" layers.requested=-1 layers.model=33 \
+layers.offload=33 layers.split="" memory.available="[7.6 GiB]" memory.required.full="6.5 GiB"
+level=INFO source=server.go:376 msg="starting llama server" cmd="ollama_llama_server runner --model blob \
+--ctx-size 32768 --batch-size 512 --n-gpu-layers 33 --threads 8 --parallel 4 --port 41234"
+llama_new_context_with_model: n_ctx      = 32768
+llama_new_context_with_model: flash_attn = 0
+ggml_backend_cuda_buffer_type_alloc_buffer: allocating 2176.00 MiB on device 0: cudaMalloc failed: out of memory
+llama_new_context_with_model: failed to allocate compute buffers
+"""
+
+
+def test_explain_oom_reads_ollamas_log_and_answers_in_its_words(tmp_path, capsys):
+    """An Ollama log whose load failed on the GPU: its runner's settings (--ctx-size 32768, --parallel 4, 33 layers)
+    and the free memory it found (7.6 GiB) read from the log; llama.cpp's buffers there beside what Ollama's own
+    estimate expected; the fixes as a Modelfile PARAMETER or the server's environment."""
+    log = tmp_path / "ollama.log"
+    log.write_text(OLLAMA_OOM_LOG)
+    code, out, err = run_cli(capsys, "explain-oom", str(log), "--engine", "ollama", "--engine-version", "0.5.4",
+                             "--model", "llama-3.1-8b", "--quant", "Q4_K_M", "--gpu", "rtx-3060", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["buffer"] == "compute" and data["settings"]["num_ctx"] == 8192 and data["settings"]["num_gpu"] == 33
+    assert data["gpu_budget_bytes"] == int(7.6 * GiB) and data["gpu_bytes"] > data["gpu_budget_bytes"]
+    changes = [f["change"] for f in data["fixes"]]
+    assert "OLLAMA_FLASH_ATTENTION=1, OLLAMA_KV_CACHE_TYPE=q8_0" in changes
+    assert any(c.startswith("PARAMETER num_gpu ") for c in changes) and all(
+        f["gpu_bytes"] <= data["gpu_budget_bytes"] for f in data["fixes"])
+    code, _, err = run_cli(capsys, "explain-oom", str(log), "--engine", "ollama", "--model", "llama-3.1-8b",
+                           "--quant", "Q4_K_M", "--gpu", "rtx-3060", "-c", "4096")
+    assert code == 2 and "Ollama's names" in err
+
+
+def test_explain_oom_replays_ollamas_system_memory_check(tmp_path, capsys):
+    """"model requires more system memory (X) than is available (Y)": X is what Ollama's estimate leaves off the GPU
+    (required.full less required.partial); memfit replays it and finds the longest num_ctx and the best file type
+    whose X is within Y."""
+    from memfit.serving.ollama import place, runner_settings
+    from memfit.serving.ollama_oom import system_bytes
+    from memfit.specs.hardware import get_gpu
+
+    release, gpu = OllamaRelease.parse("0.5.4"), get_gpu("rtx-3060")
+    model = gguf_model("qwen2.5-32b", "Q4_K_M")
+    settings = runner_settings(release, num_ctx=16384, parallel=4)
+    needed = system_bytes(place(model, settings, release, [OllamaGPU(gpu.memory_bytes - gpu.context_bytes)])[2])
+    available = needed - 2 * GiB
+    log = tmp_path / "ollama.log"
+    log.write_text(f"Error: model requires more system memory ({needed / GiB:.1f} GiB) than is available "
+                   f"({available / GiB:.1f} GiB)\n")
+    code, out, err = run_cli(capsys, "explain-oom", str(log), "--engine", "ollama", "--engine-version", "0.5.4",
+                             "--model", "qwen2.5-32b", "--quant", "Q4_K_M", "--gpu", "rtx-3060", "--num-ctx", "16384",
+                             "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["buffer"] == "host" and data["system_bytes"] == needed
+    context = next(f for f in data["fixes"] if f["change"].startswith("PARAMETER num_ctx"))
+    assert int(context["change"].split()[-1]) < 16384 and context["system_bytes"] <= data["available_bytes"]
+    assert any(f["change"].startswith("a ") for f in data["fixes"])

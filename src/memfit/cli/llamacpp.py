@@ -6,7 +6,14 @@ import argparse
 from dataclasses import dataclass, replace
 
 from memfit.cli.console import output_console, print_json
-from memfit.cli.ollama import ollama_json, ollama_lines, ollama_load, ollama_settings, release_of
+from memfit.cli.ollama import (
+    add_ollama_settings,
+    ollama_json,
+    ollama_lines,
+    ollama_load,
+    ollama_settings,
+    release_of,
+)
 from memfit.core.errors import MemfitError
 from memfit.core.units import MiB, format_bytes, parse_bytes
 from memfit.serving.gguf_recipe import FILE_TYPES
@@ -107,18 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("-fitc", "--fit-ctx", type=int, metavar="N", default=FIT_CTX,
                      help=f"the least context --fit sets (default {FIT_CTX})")
     add_settings(parser.add_argument_group("llama.cpp settings (its own names)"))
-    ollama = parser.add_argument_group("Ollama's settings (--engine ollama; its llama runner: one cache of num_ctx x "
-                                       "num_parallel cells, embeddings in the output buffer)")
-    ollama.add_argument("--num-ctx", type=int, metavar="N", help="context per slot (default: the release's: 2048, "
-                        "4096 from 0.6.7, by the GPUs' memory from 0.15.5)")
-    ollama.add_argument("--num-parallel", type=int, metavar="N", help="slots, OLLAMA_NUM_PARALLEL (default: the "
-                        "release's: 4 then 1 where 4 do not fit, 2 from 0.6.7, 1 from 0.10)")
-    ollama.add_argument("--num-gpu", type=int, metavar="N",
-                        help="layers on the GPU (default: what Ollama's estimate or llama.cpp's --fit chooses)")
-    ollama.add_argument("--flash-attention", choices=("on", "off"), help="OLLAMA_FLASH_ATTENTION (default: off; "
-                        "llama-server's auto from 0.30)")
-    ollama.add_argument("--kv-cache-type", choices=("f16", "q8_0", "q4_0"), help="OLLAMA_KV_CACHE_TYPE (before 0.30 "
-                        "only with --flash-attention on)")
+    add_ollama_settings(parser.add_argument_group("Ollama's settings (--engine ollama; before 0.30 its llama runner: "
+                                                  "one cache of num_ctx x num_parallel cells)"))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(run=run)
 

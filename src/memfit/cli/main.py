@@ -34,7 +34,8 @@ TASK_MODULES = {("estimate", "serve"): "memfit.cli.serve", ("explain-oom", "serv
 # llama.cpp: its own flags (llama-server's names), with or without --task serve
 ENGINE_MODULES = {("estimate", "llama.cpp"): "memfit.cli.llamacpp", ("estimate", "ollama"): "memfit.cli.llamacpp",
                   ("plan", "llama.cpp"): "memfit.cli.llamacpp_plan", ("plan", "ollama"): "memfit.cli.llamacpp_plan",
-                  ("explain-oom", "llama.cpp"): "memfit.cli.llamacpp_oom"}
+                  ("explain-oom", "llama.cpp"): "memfit.cli.llamacpp_oom",
+                  ("explain-oom", "ollama"): "memfit.cli.llamacpp_oom"}
 
 
 def flag_in(argv: list[str], flag: str) -> str | None:

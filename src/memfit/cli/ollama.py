@@ -25,6 +25,20 @@ from memfit.serving.ollama import (
 _DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 
 
+def add_ollama_settings(group) -> None:
+    """Ollama's own names for its settings (a Modelfile's PARAMETERs and the server's environment)."""
+    group.add_argument("--num-ctx", type=int, metavar="N", help="context per slot (default: the release's: 2048, "
+                       "4096 from 0.6.7, by the GPUs' memory from 0.15.5)")
+    group.add_argument("--num-parallel", type=int, metavar="N", help="slots, OLLAMA_NUM_PARALLEL (default: the "
+                       "release's: 4 then 1 where 4 do not fit, 2 from 0.6.7, 1 from 0.10)")
+    group.add_argument("--num-gpu", type=int, metavar="N",
+                       help="layers on the GPU (default: what Ollama's estimate or llama.cpp's --fit chooses)")
+    group.add_argument("--flash-attention", choices=("on", "off"), help="OLLAMA_FLASH_ATTENTION (default: off; "
+                       "llama-server's auto from 0.30)")
+    group.add_argument("--kv-cache-type", choices=("f16", "q8_0", "q4_0"), help="OLLAMA_KV_CACHE_TYPE (before 0.30 "
+                       "only with --flash-attention on)")
+
+
 def release_of(args: argparse.Namespace) -> OllamaRelease:
     """--engine-version for Ollama: its release (0.5.4), or a date (the release then, and llama.cpp's build then)."""
     text = getattr(args, "engine_version", None)
