@@ -5,7 +5,8 @@ free memory.
 A fake GPU is ggml's RPC server serving this CPU as a device: llama.cpp counts an RPC device as a GPU, and the
 preloaded shim (benchmarks/native/fake_device_memory.c) sets the memory it reports. Its backend is the CPU's, which
 copies no weight from the host to run a prompt's products: memfit's --no-op-offload. Each case records the fitted
-arguments llama-fit-params prints and the projections its trace (-lv 4) prints.
+arguments llama-fit-params prints and the projections its trace (-lv 4) prints; each split the compute buffers its
+dry run reserves on each device; each load (llama-batched-bench) the ones a real load allocates.
 
     bash scripts/setup_llamacpp_fit.sh                 # once: ./.llamacpp-tools (about 10 minutes)
     python benchmarks/llamacpp_fit_run.py --record     # -> benchmarks/results/llamacpp_fit_run.json
@@ -84,6 +85,20 @@ SPLITS = [
     ("moe", [400, 400], "-c 4096 -ngl 7 -ts 2,1"),
 ]
 
+# (model, each fake GPU's MiB, llama.cpp's settings): each device's compute buffer as a real load allocates it
+# (llama-batched-bench, --fit off): --no-kv-offload without flash attention, whose dry run (the fit's, above) loses
+# llama.cpp's setting of the attention's output to the CPU (ggml_backend_sched_reserve_size resets the scheduler)
+LOADS = [
+    ("dense", [400], "-c 2048 -ngl 3 -nkvo -fa off"),
+    ("dense", [400], "-c 4096 -nkvo -fa off"),
+    ("qwen3", [400], "-c 4096 -nkvo -fa off"),
+    ("dense", [400, 400], "-c 4096 -nkvo -fa off"),
+    ("dense", [400], "-c 4096 -ngl 5 -nkvo"),
+    ("dense", [400], "-c 4096 -nkvo"),
+    ("moe", [400], "-c 4096 -ngl 5 -nkvo -fa off"),
+    ("dense", [400], "-c 4096 -ngl 5"),                     # the cache on the GPU, for comparison
+]
+
 
 def _benchmark(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
@@ -101,15 +116,46 @@ def _wait_for(port: int) -> None:
     raise SystemExit(f"ggml-rpc-server did not listen on port {port}")
 
 
-def run_case(folder: str, model: str, free_mib: list[int], arguments: str, *, split: bool = False) -> dict:
+def run_case(folder: str, model: str, free_mib: list[int], arguments: str, *, split: bool = False,
+             load: bool = False) -> dict:
     """llama-fit-params on fake GPUs of `free_mib` MiB: its fitted arguments and the first projection its trace
-    prints; with `split`, instead each device's compute buffer at these settings (MiB, as its log prints them)."""
-    global PORT
-    PORT += 4   # a fresh port for each run: a server just stopped may still hold the last one
-    tools = os.path.join(TOOLS, "build", "bin")
+    prints; with `split`, instead each device's compute buffer at these settings (MiB, as its log prints them); with
+    `load`, the same from a real load (llama-batched-bench, one short prompt and one token, --fit off). llama.cpp
+    logs from a thread of its own: on a busy machine its last lines may be lost as it exits, so a run that lacks them
+    is run again (three tries)."""
     path = os.path.join(folder, f"{model}.gguf")
     if not os.path.exists(path):
         _benchmark("llamacpp_cpu_run").write_gguf(path, **MODELS[model])
+    tool = ["llama-batched-bench", "-npp", "8", "-ntg", "1", "-npl", "1", "-fit", "off", "-lv", "4"] if load \
+        else ["llama-fit-params", *(["-lv", "5", "-fitp", "on"] if split else ["-lv", "4"])]
+    for attempt in range(3):
+        done = _run_on_fake_gpus(tool + ["-m", path, *arguments.split()], free_mib)
+        if done.returncode != 0:
+            raise SystemExit(f"{tool[0]} failed on {model} {free_mib} {arguments}:\n{done.stderr[-3000:]}")
+        if split or load:
+            compute = {}
+            for device, mib in re.findall(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB",
+                                          done.stderr):
+                compute[_device_name(device, len(free_mib))] = float(mib)
+            if compute or attempt == 2:
+                return {"model": model, "free_mib": free_mib, "arguments": arguments, "compute_mib": compute}
+            continue
+        lines = done.stdout.strip().splitlines()
+        projected = re.search(r"projected to use (\d+) MiB", done.stderr)
+        if (lines and projected) or attempt == 2:
+            fitted = lines[-1] if lines else ""
+            for index in range(len(free_mib)):
+                fitted = fitted.replace(f"RPC0[127.0.0.1:{PORT + index}]", f"GPU{index}")
+            return {"model": model, "free_mib": free_mib, "arguments": arguments, "fitted": fitted,
+                    "projected_mib": int(projected.group(1)) if projected else None}
+    raise AssertionError("unreachable")
+
+
+def _run_on_fake_gpus(command: list[str], free_mib: list[int]) -> subprocess.CompletedProcess:
+    """One of llama.cpp's tools with an RPC server per fake GPU of `free_mib` MiB (`--rpc` added)."""
+    global PORT
+    PORT += 4   # a fresh port for each run: a server just stopped may still hold the last one
+    tools = os.path.join(TOOLS, "build", "bin")
     servers = []
     try:
         for index, mib in enumerate(free_mib):
@@ -120,26 +166,12 @@ def run_case(folder: str, model: str, free_mib: list[int], arguments: str, *, sp
                                             stderr=subprocess.DEVNULL))
             _wait_for(PORT + index)
         endpoints = ",".join(f"127.0.0.1:{PORT + i}" for i in range(len(free_mib)))
-        done = subprocess.run([os.path.join(tools, "llama-fit-params"), "-m", path, "--rpc", endpoints,
-                               *(["-lv", "5", "-fitp", "on"] if split else ["-lv", "4"]), *arguments.split()],
+        return subprocess.run([os.path.join(tools, command[0]), *command[1:], "--rpc", endpoints],
                               capture_output=True, text=True, timeout=300)
     finally:
         for server in servers:
             server.kill()
             server.wait()
-    if done.returncode != 0:
-        raise SystemExit(f"llama-fit-params failed on {model} {free_mib} {arguments}:\n{done.stderr[-3000:]}")
-    if split:
-        compute = {}
-        for device, mib in re.findall(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB", done.stderr):
-            compute[_device_name(device, len(free_mib))] = float(mib)
-        return {"model": model, "free_mib": free_mib, "arguments": arguments, "compute_mib": compute}
-    fitted = done.stdout.strip().splitlines()[-1]
-    for index in range(len(free_mib)):
-        fitted = fitted.replace(f"RPC0[127.0.0.1:{PORT + index}]", f"GPU{index}")
-    projected = re.search(r"projected to use (\d+) MiB", done.stderr)
-    return {"model": model, "free_mib": free_mib, "arguments": arguments, "fitted": fitted,
-            "projected_mib": int(projected.group(1)) if projected else None}
 
 
 def _device_name(buffer: str, gpus: int) -> str:
@@ -150,9 +182,9 @@ def _device_name(buffer: str, gpus: int) -> str:
     return buffer
 
 
-def record() -> tuple[list[dict], list[dict]]:
+def record() -> tuple[list[dict], list[dict], list[dict]]:
     with tempfile.TemporaryDirectory() as folder:
-        results, splits = [], []
+        results, splits, loads = [], [], []
         for model, free_mib, arguments in CASES:
             results.append(run_case(folder, model, free_mib, arguments))
             print(f"{model:<6} {'+'.join(map(str, free_mib)):>7} MiB  {arguments:<38} -> {results[-1]['fitted']}",
@@ -160,7 +192,10 @@ def record() -> tuple[list[dict], list[dict]]:
         for model, free_mib, arguments in SPLITS:
             splits.append(run_case(folder, model, free_mib, arguments, split=True))
             print(f"{model:<6} {arguments:<60} -> {splits[-1]['compute_mib']}", file=sys.stderr)
-    return results, splits
+        for model, free_mib, arguments in LOADS:
+            loads.append(run_case(folder, model, free_mib, arguments, load=True))
+            print(f"{model:<6} {arguments:<60} -> {loads[-1]['compute_mib']} (a real load)", file=sys.stderr)
+    return results, splits, loads
 
 
 def _case_settings(case: dict):
@@ -230,15 +265,17 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help=f"run llama.cpp's fit on every case: {RESULT}")
     args = parser.parse_args()
     if args.record:
-        cases, splits = record()
+        cases, splits, loads = record()
         with open(RESULT, "w") as fh:
-            json.dump({"llama_cpp": "llama-cpp-python 0.3.36's vendored llama.cpp: llama-fit-params, ggml-rpc-server",
-                       "cases": cases, "splits": splits}, fh, indent=1)
+            json.dump({"llama_cpp": "llama-cpp-python 0.3.36's vendored llama.cpp: llama-fit-params, "
+                       "llama-batched-bench, ggml-rpc-server", "cases": cases, "splits": splits, "loads": loads},
+                      fh, indent=1)
             fh.write("\n")
     with open(RESULT) as fh:
         recorded = json.load(fh)
     rows = [compare(case) for case in recorded["cases"]]
     splits = [compare_split(case) for case in recorded["splits"]]
+    loads = [compare_split(case) for case in recorded.get("loads", [])]
     lines = ["llama.cpp's --fit (llama-fit-params, llama-cpp-python 0.3.36's llama.cpp) on fake GPUs here, and "
              "memfit's replay of it;",
              "proj.: the MiB the GPUs would use with the settings given (the fit's first projection)",
@@ -259,6 +296,11 @@ def main() -> None:
         shown = "  ".join(f"{name} {mib:.2f}/{row['memfit_mib'][name]:.2f}" for name, mib in row["compute_mib"].items())
         lines.append(f"{row['model']:<6} {row['arguments'][:64]:<64} {shown}{'' if row['same'] else '  (differs)'}")
     lines.append(f"equal in {sum(r['same'] for r in splits)} of {len(splits)} settings, every device")
+    lines += ["", "each device's compute buffer (MiB) in a real load (llama-batched-bench): llama.cpp's / memfit's"]
+    for row in loads:
+        shown = "  ".join(f"{name} {mib:.2f}/{row['memfit_mib'][name]:.2f}" for name, mib in row["compute_mib"].items())
+        lines.append(f"{row['model']:<6} {row['arguments'][:64]:<64} {shown}{'' if row['same'] else '  (differs)'}")
+    lines.append(f"equal in {sum(r['same'] for r in loads)} of {len(loads)} loads, every device")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     with open(TEXT, "w") as fh:

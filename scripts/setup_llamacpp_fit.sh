@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds ./.llamacpp-tools/: llama.cpp's own llama-fit-params and ggml-rpc-server (the release llama-cpp-python
-# 0.3.36 vendors, CPU and RPC backends) and a preloaded shim that sets the memory an RPC server's device reports:
+# Builds ./.llamacpp-tools/: llama.cpp's own llama-fit-params, llama-batched-bench and ggml-rpc-server (the release
+# llama-cpp-python 0.3.36 vendors, CPU and RPC backends) and a preloaded shim that sets the memory an RPC server's
+# device reports:
 # for running llama.cpp's --fit against fake GPUs here (benchmarks/llamacpp_fit_run.py --record). About 10 minutes
 # on 2 cores; needs cmake, ninja and a C++ compiler. Safe to run again: it only rebuilds when this script changed.
 set -euo pipefail
@@ -22,6 +23,6 @@ fi
 cmake -S "$TOOLS/src" -B "$TOOLS/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_RPC=ON \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF > "$TOOLS/cmake.log"
-ninja -C "$TOOLS/build" -j"$(nproc)" llama-fit-params ggml-rpc-server > "$TOOLS/build.log"
+ninja -C "$TOOLS/build" -j"$(nproc)" llama-fit-params llama-batched-bench ggml-rpc-server > "$TOOLS/build.log"
 gcc -O2 -Wall -shared -fPIC -o "$TOOLS/fake_device_memory.so" benchmarks/native/fake_device_memory.c -ldl
 echo "$wanted" > "$stamp"

@@ -177,13 +177,18 @@ def test_fits_and_split_graphs_recorded_from_real_llamacpp_runs_here():
     splits = [bench.compare_split(case) for case in recorded["splits"]]
     assert len(splits) >= 16 and all(split["same"] for split in splits), [s for s in splits if not s["same"]]
     assert {name for split in splits for name in split["compute_mib"]} == {"CPU", "GPU0", "GPU1"}
+    # real loads (llama-batched-bench) with --no-kv-offload: the attention's output set to the CPU (without flash
+    # attention the scores stay there; with it the GPU copies the cache in), each device as allocated
+    loads = [bench.compare_split(case) for case in recorded["loads"]]
+    assert len(loads) >= 8 and all(load["same"] for load in loads), [s for s in loads if not s["same"]]
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(_fit_run().TOOLS, "build", "bin", "llama-fit-params")),
+@pytest.mark.skipif(not os.path.exists(os.path.join(_fit_run().TOOLS, "build", "bin", "llama-batched-bench")),
                     reason="llama.cpp's fit tools are not built: bash scripts/setup_llamacpp_fit.sh (CI builds them)")
 def test_llamacpp_fits_here_as_memfit_replays_it(tmp_path):
     """Live: llama.cpp's own fit on fake GPUs now (a shrunk context, layers moved, a mixture's experts sent to the
-    CPU, two GPUs) gives the arguments memfit's replay gives, and a split graph the compute buffers memfit gives."""
+    CPU, two GPUs) gives the arguments memfit's replay gives, a split graph the compute buffers memfit gives, and a
+    real load with --no-kv-offload the buffers memfit gives."""
     bench = _fit_run()
     for model, free_mib, arguments in (("dense", [100], "-fitt 1 -fitc 256"), ("dense", [40], "-c 4096 -fitt 1"),
                                        ("moe", [90], "-c 4096 -fitt 1"), ("dense", [20, 30], "-c 4096 -fitt 1")):
@@ -191,3 +196,5 @@ def test_llamacpp_fits_here_as_memfit_replays_it(tmp_path):
         assert row["same"], row
     split = bench.compare_split(bench.run_case(str(tmp_path), "moe", [400], "-c 4096 -ncmoe 3", split=True))
     assert split["same"] and set(split["compute_mib"]) == {"CPU", "GPU0"}, split
+    load = bench.compare_split(bench.run_case(str(tmp_path), "dense", [400], "-c 2048 -ngl 3 -nkvo -fa off", load=True))
+    assert load["same"] and set(load["compute_mib"]) == {"CPU", "GPU0"}, load

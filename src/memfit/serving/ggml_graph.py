@@ -225,12 +225,11 @@ def _inputs(model: GGUFModel, tokens: int, kv: KVCache, flash_attn: bool, settin
     return out + ([("out_ids", tokens * 4)] if settings.release.has("output_per_sequence") else [])
 
 
-def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: bool, settings: LlamaCppSettings,
-                  on_gpu: bool = False) -> Graph:
+def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: bool, settings: LlamaCppSettings
+                  ) -> Graph:
     """The worst-case graph llama.cpp reserves for an attention decoder (llama, qwen2, mistral, qwen3, Gemma 3):
     `tokens` in the ubatch, every one an output, against every cell of each cache, as the settings' release builds
-    it. `on_gpu`: the part a GPU holding every layer runs, whose inputs are copies of the host's (ggml's scheduler
-    keeps inputs, and the lookup in the host's token embedding, on the CPU): the embeddings come in as an input."""
+    it."""
     graph = Graph()
     release = settings.release
     outputs = tokens
@@ -238,16 +237,12 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
     embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
     gemma, oss = model.arch == "gemma3", model.arch == "gpt-oss"
     kinds = cache_kinds(model, kv)
-    if on_gpu:
-        x = graph.input("embd", embd * tokens * f32)
-    else:
-        inp_tokens = graph.input("inp_tokens", tokens * 4)
-        if release.has("embd_input"):
-            graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: unread
+    inp_tokens = graph.input("inp_tokens", tokens * 4)
+    if release.has("embd_input"):
+        graph.input("inp_embd", embd * tokens * f32)   # embeddings a batch may give instead of tokens: unread
     inputs = {name: graph.input(name, size) for name, size in _inputs(model, tokens, kv, flash_attn, settings)}
     inp_pos, out_ids = inputs["inp_pos"], inputs.get("out_ids")
-    if not on_gpu:
-        x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
+    x = graph.op("GET_ROWS", "embd", embd * tokens * f32, graph.external("token_embd.weight"), inp_tokens)
     if gemma:   # the embeddings scaled by sqrt(n_embd), in place
         x = graph.op("SCALE", "inp_scaled", x.nbytes, x)
     masks = {}
@@ -410,28 +405,16 @@ def graph_key(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: K
             rotations(model, settings))
 
 
-def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool,
-                         on_gpu: bool = False) -> int:
-    """The compute buffer llama.cpp reserves on the device that runs the layers: the larger of its prompt graph (a
-    full ubatch) and its one-token graph. It depends on the model's shapes, not on its tensors' types: a planner
-    asking for many quantizations replays each graph once."""
-    key = (graph_key(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash_attn), on_gpu)
+def compute_buffer_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool
+                         ) -> int:
+    """The compute buffer llama.cpp reserves on the CPU running every layer: the larger of its prompt graph (a full
+    ubatch) and its one-token graph. It depends on the model's shapes, not on its tensors' types: a planner asking
+    for many quantizations replays each graph once."""
+    key = graph_key(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash_attn)
     if key not in _REPLAYED:
-        alignment = GPU_ALIGNMENT if on_gpu else CPU_ALIGNMENT
-        _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, kv=kv, flash_attn=flash_attn,
-                                                    settings=settings, on_gpu=on_gpu), alignment)
-                             for tokens in (settings.n_ubatch_at(n_ctx), 1))
+        _REPLAYED[key] = max(allocate(decoder_graph(model, tokens, kv=kv, flash_attn=flash_attn, settings=settings),
+                                      CPU_ALIGNMENT) for tokens in (settings.n_ubatch_at(n_ctx), 1))
     return _REPLAYED[key]
 
 
 _REPLAYED: dict[tuple, int] = {}   # compute buffers by the graph's shapes and settings (and split: by placement)
-
-
-def host_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int, kv: KVCache, flash_attn: bool
-                       ) -> int:
-    """With every layer on a GPU, the host's compute buffer: the graph's inputs (the tokens, the unused embeddings
-    input, positions, cache rows, mask, output rows) and the embedding lookup's result, which the GPU copies."""
-    tokens, release = settings.n_ubatch_at(n_ctx), settings.release
-    sizes = [tokens * 4] + ([model.n_embd * tokens * 4] if release.has("embd_input") else [])
-    sizes += [size for _, size in _inputs(model, tokens, kv, flash_attn, settings)] + [model.n_embd * tokens * 4]
-    return sum(-(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT for size in sizes)

@@ -43,11 +43,13 @@ def home(tensor: Tensor) -> str:
     return (tensor.view_of or tensor).name
 
 
-def _device_of_node(node: Tensor, device_of: Callable[[str], str], op_offload: str | None, tokens: int
-                    ) -> str | None:
+def _device_of_node(node: Tensor, device_of: Callable[[str], str], op_offload: str | None, tokens: int,
+                    attention_on_cpu: bool) -> str | None:
     """Pass 1: the device a node must run on, if any."""
     if node.external:   # written into the cache (a view of it)
         return device_of(home(node.srcs[0]))
+    if attention_on_cpu and node.name == "kqv_out":   # --no-kv-offload: llama.cpp sets its backend to the CPU
+        return "CPU"
     for src in node.srcs:
         if node.op == "ROPE" or not src.external or home(src).startswith("cache_"):
             continue
@@ -58,12 +60,13 @@ def _device_of_node(node: Tensor, device_of: Callable[[str], str], op_offload: s
     return None
 
 
-def assign(graph: Graph, device_of: Callable[[str], str], *, op_offload: str | None, tokens: int
-           ) -> dict[Tensor, str]:
-    """Each node's device (views: their source's)."""
+def assign(graph: Graph, device_of: Callable[[str], str], *, op_offload: str | None, tokens: int,
+           attention_on_cpu: bool = False) -> dict[Tensor, str]:
+    """Each node's device (views: their source's). `attention_on_cpu`: the attention's output (without flash
+    attention) set to the CPU, as llama.cpp does with --no-kv-offload."""
     assigned: dict[Tensor, str] = {tensor: "CPU" for tensor in graph.inputs}
     for node in graph.nodes:
-        device = _device_of_node(node, device_of, op_offload, tokens)
+        device = _device_of_node(node, device_of, op_offload, tokens, attention_on_cpu)
         if device is not None:
             assigned[node] = device
     computing = [node for node in graph.nodes if node.view_of is None]   # views are skipped
@@ -163,7 +166,7 @@ def split_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: 
     `n_copies`: pipeline parallelism's). `placement`: what else the result depends on (where each weight and cache
     is, the copied weights' sizes): with it, a repeated question is answered once."""
     key = (graph_key(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash_attn), settings.cache_type_k,
-           settings.cache_type_v, tuple(devices), op_offload, n_copies, placement)
+           settings.cache_type_v, settings.no_kv_offload, tuple(devices), op_offload, n_copies, placement)
     if placement and key in _SPLIT:
         return dict(_SPLIT[key])
     device_of = functools.lru_cache(maxsize=None)(device_of)
@@ -174,7 +177,8 @@ def split_compute_bytes(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: 
             for src in node.srcs:
                 if src.external and not src.nbytes and not home(src).startswith("cache_"):
                     src.nbytes = weight_bytes(home(src))
-        assigned = assign(graph, device_of, op_offload=op_offload, tokens=tokens)
+        assigned = assign(graph, device_of, op_offload=op_offload, tokens=tokens,
+                          attention_on_cpu=settings.no_kv_offload and not flash_attn)
         for device, part in device_parts(graph, assigned, devices, device_of, n_copies).items():
             sizes[device] = max(sizes[device], allocate(part, CPU_ALIGNMENT if device == "CPU" else GPU_ALIGNMENT))
     if placement:

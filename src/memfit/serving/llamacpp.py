@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from memfit.core.errors import MemfitError
-from memfit.serving.ggml_graph import compute_buffer_bytes, host_compute_bytes
+from memfit.serving.ggml_graph import compute_buffer_bytes
 from memfit.serving.ggml_sched import split_compute_bytes
 from memfit.serving.gguf_file import WINDOWED, GGUFModel, GGUFTensor, read_gguf, row_bytes, type_size
 from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
@@ -326,20 +326,13 @@ def _compute_buffers(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int
     """Each device's compute buffer, set in `buffers`; the notes on how it was found."""
     notes: list[str] = []
     on_cpu = [t for t in model.tensors if t.layer is not None and placed[t.name] == "CPU"]
-    if gpus and not on_cpu and settings.no_kv_offload:   # the cache on the host: the attention there too
-        graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
-        for name in holding:
-            buffers[name].compute = graph
-        buffers["CPU"].compute = host_compute_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
-        notes.append("--no-kv-offload: each GPU's compute buffer shown as its graph with every layer (the attention "
-                     "runs on the CPU: not modelled); the CUDA context and driver pools are not included")
-    elif holding and not settings.no_kv_offload:   # a graph split between the GPUs and the CPU
+    if holding:   # a graph split between the GPUs and the CPU
         by_name = {tensor.name: tensor for tensor in model.tensors}
         head = device_of(model.n_layer)
 
         def where(name: str) -> str:
-            if name.startswith("cache_"):
-                return device_of(int(name.rsplit("_l", 1)[1]))
+            if name.startswith("cache_"):   # --no-kv-offload: every cache on the host
+                return "CPU" if settings.no_kv_offload else device_of(int(name.rsplit("_l", 1)[1]))
             return placed.get(name, head)   # a tied model's head: its own copy of the embedding
 
         def copy_bytes(name: str) -> int:
@@ -347,7 +340,7 @@ def _compute_buffers(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int
 
         # llama_context's pipeline parallelism: several GPUs, every layer slot on them, no tensor override
         pipelined = settings.pipeline and gpus > 1 and not on_cpu and on_gpu == model.n_layer + 1 \
-            and not settings.override_tensor and not settings.n_cpu_moe
+            and not settings.override_tensor and not settings.n_cpu_moe and not settings.no_kv_offload
         op_offload = None if settings.no_op_offload else "GPU0"
         # what the parts depend on besides the graph: each weight's and cache's device, and with op offload the
         # sizes of the CPU's weights GPU0 would copy (the embedding's only lookup is never offloaded)
@@ -373,18 +366,4 @@ def _compute_buffers(model: GGUFModel, settings: LlamaCppSettings, *, n_ctx: int
         notes.append("the CUDA context and driver pools are not included")
     else:
         buffers["CPU"].compute = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash)
-        if holding:   # --no-kv-offload: an upper bound, each device's buffer as if it ran every layer
-            copied = 0 if settings.no_op_offload else max((gpu_tensor_bytes(t) for t in on_cpu), default=0)
-            graph = compute_buffer_bytes(model, settings, n_ctx=n_ctx, kv=kv, flash_attn=flash, on_gpu=True)
-            for name in holding:
-                buffers[name].compute = copied + graph
-            held = f"{on_gpu} of {model.n_layer + 1} layer slots on the GPU"
-            if cpu_moe and model.n_expert:
-                held += f", the experts of {min(cpu_moe, model.n_layer)} layers on the CPU"
-            if settings.override_tensor:
-                held += f", {len(settings.override_tensor)} tensor override(s)"
-            copies = "" if settings.no_op_offload else ("; the GPU's also holds the largest CPU-held weight, which it "
-                                                        "copies to run a prompt's matrix products")
-            notes.append(f"{held}: each compute buffer is bounded from above (as if its device ran every layer"
-                         f"{copies})")
     return notes
