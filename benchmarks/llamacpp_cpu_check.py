@@ -44,7 +44,8 @@ def settings_of(run: dict) -> LlamaCppSettings:
     return LlamaCppSettings(ctx_size=s["n_ctx"], n_batch=s.get("n_batch", 2048), n_ubatch=s.get("n_ubatch", 512),
                             cache_type_k=s.get("type_k", "f16"), cache_type_v=s.get("type_v", "f16"),
                             flash_attn=s.get("flash_attn", "off"), parallel=s.get("n_seq_max", 1),
-                            kv_unified=s.get("kv_unified", False), swa_full=s.get("swa_full", False), n_gpu_layers=0)
+                            kv_unified=s.get("kv_unified", False), swa_full=s.get("swa_full", False), n_gpu_layers=0,
+                            cpu_avx512=run.get("cpu_avx512", False))
 
 
 def compare(run: dict) -> dict:

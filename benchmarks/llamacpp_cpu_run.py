@@ -37,6 +37,9 @@ MODELS = {
     # Gemma 3: heads of 128 beside an embedding of 256, five sliding-window layers (window 256) in six
     "gemma3": dict(arch="gemma3", n_embd=256, n_layer=7, n_head=4, n_head_kv=2, n_ff=512, n_vocab=900, tied=True,
                    head_dim=128, n_swa=256),
+    # Gemma 2: heads of 128, every other layer over a window of 256, its attention's and output's logits soft-capped
+    "gemma2": dict(arch="gemma2", n_embd=256, n_layer=6, n_head=4, n_head_kv=2, n_ff=512, n_vocab=1100, tied=True,
+                   head_dim=128, n_swa=256),
     # gpt-oss: every other layer over a window of 128, attention sinks, biases everywhere, 8 experts, 2 a token
     "gptoss": dict(arch="gpt-oss", n_embd=256, n_layer=4, n_head=4, n_head_kv=2, n_ff=256, n_vocab=900, head_dim=64,
                    n_swa=128, n_expert=8, n_expert_used=2, n_ff_exp=256),
@@ -80,6 +83,9 @@ CASES += [
     ("gemma3", "Q6_K", dict(n_ctx=4096, n_seq_max=2, flash_attn="on", type_k="q8_0", type_v="q8_0")),
     ("gemma3", "Q4_0", dict(n_ctx=640)),
     ("gemma3", "Q4_K_M", dict(n_ctx=2048, swa_full=True)),
+    ("gemma2", "Q4_K_M", dict(n_ctx=2048)),
+    ("gemma2", "Q8_0", dict(n_ctx=4096, flash_attn="on", n_seq_max=2)),
+    ("gemma2", "Q6_K", dict(n_ctx=4096, flash_attn="on", type_k="q8_0", type_v="q8_0", n_ubatch=256)),
     ("gptoss", "MXFP4_MOE", dict(n_ctx=2048)),
     ("gptoss", "MXFP4_MOE", dict(n_ctx=4096, flash_attn="on", n_ubatch=256)),
     ("gptoss", "Q8_0", dict(n_ctx=4096, n_seq_max=4, kv_unified=True, flash_attn="on")),
@@ -99,7 +105,7 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
                head_dim: int = 0, n_swa: int = 0, n_ctx_train: int = 4096) -> None:
     """A float32 model with llama.cpp's tensor names for `arch` (random weights: only the sizes matter); with
     `n_expert`, each layer's FFN a mixture of experts (the router and 3-D expert tensors, as the converter writes);
-    Gemma 3's with its post-norms and, with `n_swa`, sliding-window layers (five in six)."""
+    Gemma 2's and 3's with their post-norms and, with `n_swa`, sliding-window layers (every other one; five in six)."""
     import gguf
     import numpy as np
 
@@ -118,6 +124,9 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
         writer.add_value_length(head_dim)
     if n_swa:
         writer.add_sliding_window(n_swa)
+    if arch == "gemma2":   # the converter writes Gemma 2's soft caps
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     writer.add_vocab_size(n_vocab)
     writer.add_tokenizer_model("no_vocab")
     writer.add_file_type(0)
@@ -152,7 +161,7 @@ def write_gguf(path: str, arch: str, n_embd: int, n_layer: int, n_head: int, n_h
             tensor(f"blk.{i}.attn_output.bias", n_embd)
             tensor(f"blk.{i}.attn_sinks.weight", n_head)
             tensor(f"blk.{i}.post_attention_norm.weight", n_embd)
-        if arch == "gemma3":   # RMS norms after the attention and after the FFN
+        if arch in ("gemma2", "gemma3"):   # RMS norms after the attention and after the FFN
             tensor(f"blk.{i}.post_attention_norm.weight", n_embd)
             tensor(f"blk.{i}.post_ffw_norm.weight", n_embd)
         if arch != "gpt-oss":
@@ -285,9 +294,18 @@ def run_case(folder: str, model: str, quant: str, settings: dict, *, resident: b
                             *(["--resident"] if resident else [])], capture_output=True, text=True, timeout=600)
     if child.returncode != 0:
         raise SystemExit(f"llama.cpp failed to load {path} with {settings}:\n{child.stderr[-3000:]}")
-    return {"model": model, "quant": quant, "settings": settings, "hparams": hparams,
+    return {"model": model, "quant": quant, "settings": settings, "hparams": hparams, "cpu_avx512": cpu_avx512(),
             "tensors": tensor_table(path), **json.loads(child.stdout.strip().splitlines()[-1]),
             **parse(child.stderr)}
+
+
+def cpu_avx512() -> bool:
+    """Whether this CPU has AVX-512 (ggml then repacks Q2_K weights too)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return " avx512f" in fh.read()
+    except OSError:
+        return False
 
 
 def compact(result: dict) -> dict:

@@ -97,6 +97,10 @@ ROWS = [
      ("Apple M5 (Metal: its host buffer, 1064.59 MiB, is not llama.cpp's CUDA one and is not compared)",)),
     ("R38", "gpt-oss-120b", "Q8_0", dict(ctx_size=65535, parallel=4, kv_unified=True), {}, {"kv": 2340.00},
      ("4 slots in one cache: the window cache holds 4 x 128 + 512 cells, padded to 1024",)),
+    ("R43", "gemma-2-9b", "Q4_K_M", dict(ctx_size=8192, flash_attn="off", engine_version="2024-09"), {},
+     {"kv": 2688.00, "gpu_compute": 507.00, "host_compute": 39.01, "output": 0.98},
+     ("SYCL, b3805 (2024-09): before the window layers' own cache, every layer holds the whole context; the file "
+      "type is not stated (its weights are not compared)",)),
     ("R45", "gpt-oss-20b", "MXFP4_MOE", dict(ctx_size=131072, n_gpu_layers=0, flash_attn="on"), {},
      {"cpu_model": 11536.18}, ("LM Studio 0.3.23: every layer on the CPU (0/25), the whole file mapped",)),
     ("R32", "mistral-small-24b", "Q8_0", dict(ctx_size=4096), {}, {"cpu_model": 680.0},
@@ -122,7 +126,7 @@ MISSES = [
 
     ("R39", "Qwen3-Coder-Next (hybrid, experts): not modelled"), ("R40", "Qwen3-Coder-Next: not modelled"),
     ("R41", "Qwen3-Coder-Next: not modelled"), ("R42", "Gemma 4: not modelled"),
-    ("R43", "Gemma 2 (SYCL): no recipe for gemma2"), ("R44", "Qwen2-14B distill: no config bundled"),
+    ("R44", "Qwen2-14B distill: no config bundled"),
     ("R46", "Qwen3.6 MoE with MTP: not modelled"),
     ("R47", "Qwen3.5 MoE: not modelled"),
 ]

@@ -204,7 +204,7 @@ def test_published_load_logs_are_reproduced_within_the_targets():
     assert ollama["fields"] >= 45 and ollama["as_printed"] == ollama["fields"]
     exact = {(r["id"], r["metric"]) for r in records if r["metric"] != "-" and r["error"] == 0}
     assert {("R01", "gpu_compute"), ("R01", "host_compute"), ("R06", "gpu_compute"), ("R11", "gpu_compute"),
-            ("R35", "gpu_compute")} <= exact
+            ("R35", "gpu_compute"), ("R43", "kv"), ("R43", "gpu_compute")} <= exact   # R43: Gemma 2 (2024-09)
     # several devices: each one's weights and KV as llama.cpp splits the layers (RPC workers first)
     assert {("R22", f"gpu{i}_model") for i in range(4)} | {("R24", "gpu1_kv"), ("R25", "gpu0_model")} <= exact
 
@@ -272,13 +272,13 @@ def test_ollama_is_llamacpp_with_its_runners_settings(capsys):
 
 
 def test_a_model_whose_graph_is_not_replayed_is_refused_with_its_weights():
-    """A GGUF of a sliding-window model other than Gemma 3 and gpt-oss, or another architecture: its weights come
+    """A GGUF of a sliding-window model other than Gemma 2 and 3 and gpt-oss, or another architecture: its weights come
     from the header, but its KV cache and compute graph are not those memfit replays; it says so rather than print
     the wrong buffers."""
     from dataclasses import replace as changed
 
     model = model_of(RUNS[0])
-    for different in (changed(model, n_swa=1024), changed(model, arch="gemma2"), changed(model, arch="deepseek2")):
+    for different in (changed(model, n_swa=1024), changed(model, arch="cohere2"), changed(model, arch="deepseek2")):
         with pytest.raises(MemfitError, match=r"not modelled.*its weights alone"):
             estimate_llamacpp(different, LlamaCppSettings(ctx_size=1024))
 

@@ -309,8 +309,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  {verdict}: free on the GPU(s) {free}"
                       + (f"; host RAM {format_bytes(machine.host_ram)}" if machine.host_ram else ""))
     if result.buffers["CPU"].repack:
-        console.print("note: repack: of the CPU's model bytes, the Q4_0/Q4_K/Q2_K/IQ4_NL/MXFP4 weights it "
-                      "multiplies, copied into its own layout (llama.cpp's CPU_REPACK buffer on an x86 CPU with AVX2); "
+        console.print("note: repack: of the CPU's model bytes, the Q4_0/Q4_K/IQ4_NL/MXFP4 weights it multiplies, "
+                      "copied into its own layout (llama.cpp's CPU_REPACK buffer on an x86 CPU with AVX2); "
                       "their mapped pages stay as page cache, which the resident size shows until the system needs "
                       "the memory: the total counts them once")
     for note in result.notes:

@@ -235,7 +235,7 @@ def decoder_graph(model: GGUFModel, tokens: int, *, kv: KVCache, flash_attn: boo
     outputs = tokens
     f32 = 4
     embd, heads, head_dim, ffn = model.n_embd, model.n_head, model.head_dim_k, model.n_ff
-    gemma, oss = model.arch == "gemma3", model.arch == "gpt-oss"
+    gemma, oss = model.arch in ("gemma2", "gemma3"), model.arch == "gpt-oss"
     kinds = cache_kinds(model, kv)
     inp_tokens = graph.input("inp_tokens", tokens * 4)
     if release.has("embd_input"):

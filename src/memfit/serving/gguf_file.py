@@ -144,7 +144,7 @@ def read_gguf(path: str) -> GGUFModel:
 
 # the sliding-window pattern an architecture's loader assumes when the file names none (load_swa_pattern's default)
 SWA_PATTERNS = {"gemma3": 6, "gemma2": 2, "gpt-oss": 2}
-WINDOWED = ("gemma3", "gpt-oss")   # the architectures whose sliding-window cache and graph memfit models
+WINDOWED = ("gemma2", "gemma3", "gpt-oss")   # the architectures whose sliding-window cache and graph memfit models
 
 
 def swa_pattern(value, arch: str, n_layer: int) -> list[bool]:

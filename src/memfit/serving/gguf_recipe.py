@@ -143,7 +143,8 @@ def _recipe(tensor: GGUFTensor, kind: str, file_type: str, *, tied: bool, gqa: i
 
 # Hugging Face model types whose GGUF memfit writes: llama.cpp's architecture for each
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
+                 "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
+                 "gpt_oss": "gpt-oss"}
 
 
 def _sliding_window(config: dict, arch: str, n_layer: int) -> dict:
@@ -205,7 +206,7 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
             tensors += [GGUFTensor(blk + "attn_output.bias", "F32", (embd,)),
                         GGUFTensor(blk + "attn_sinks.weight", "F32", (heads,)),
                         GGUFTensor(blk + "post_attention_norm.weight", "F32", (embd,))]
-        if arch == "gemma3":   # RMS norms after the attention and after the FFN
+        if arch in ("gemma2", "gemma3"):   # RMS norms after the attention and after the FFN
             tensors += [GGUFTensor(blk + f"{name}.weight", "F32", (embd,))
                         for name in ("post_attention_norm", "post_ffw_norm")]
         if arch != "gpt-oss":

@@ -11,12 +11,12 @@ Rules, as llama.cpp's sources (llama-model.cpp, llama-context.cpp, llama-kv-cach
   streams unless unified (each stream n_ctx / streams, rounded up); per layer cells x (n_head_kv x head_dim_k in
   type_k's bytes + the same for V), on the layer's device unless --no-kv-offload.
 - output buffer: n_vocab floats per sequence slot (the logits of the last token of each), in host memory.
-- the CPU's repacked weights: an x86 CPU with AVX2 copies the Q4_0, Q4_K, Q2_K, IQ4_NL and MXFP4 weights it
-  multiplies into its own layout (the CPU_REPACK buffer, as large as they are; their mapped pages stay as page cache,
-  which the process's resident size shows until the system needs the memory).
+- the CPU's repacked weights: an x86 CPU with AVX2 copies the Q4_0, Q4_K, IQ4_NL and MXFP4 weights it multiplies
+  (with AVX-512 the Q2_K ones too) into its own layout (the CPU_REPACK buffer, as large as they are; their mapped
+  pages stay as page cache, which the process's resident size shows until the system needs the memory).
 - compute buffer: ggml's graph allocator replayed on the worst-case ubatch graph (serving/ggml_graph.py); with
   several devices, on each device's part of it as ggml's scheduler splits it (serving/ggml_sched.py).
-- sliding-window layers (Gemma 3, gpt-oss): their own cache of each slot's window plus a ubatch (swa_cells).
+- sliding-window layers (Gemma 2 and 3, gpt-oss): their own cache of each slot's window plus a ubatch (swa_cells).
 """
 from __future__ import annotations
 
@@ -31,12 +31,14 @@ from memfit.serving.gguf_recipe import FILE_TYPES, from_config, quantize
 from memfit.serving.llamacpp_releases import Release
 
 # llama.cpp architectures whose graph memfit replays (mistral's and Mixtral's are llama's)
-GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
+GRAPHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "gpt-oss")
 # the ggml types llama.cpp's --cache-type-k/-v take (common/arg.cpp), by ggml's names; the flags take them lowercase
 CACHE_TYPES = tuple(name.lower() for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
 FLASH_ATTN = ("on", "off", "auto")
-# the types ggml's CPU backend repacks for its x86 AVX2 kernels (ggml-cpu/repack.cpp), a weight of rows in eights
-REPACKED = ("Q4_0", "Q4_K", "Q2_K", "IQ4_NL", "MXFP4")
+# the types ggml's CPU backend repacks for its x86 AVX2 kernels (ggml-cpu/repack.cpp), a weight of rows in eights;
+# with AVX-512 Q2_K too
+REPACKED = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
+REPACKED_AVX512 = ("Q2_K",)
 CUDA_ROW_PADDING = 512   # ggml-cuda's MATRIX_ROW_PADDING (elements)
 CUDA_ALIGNMENT = 128     # ggml-cuda's buffer alignment
 PIPELINE_COPIES = 4      # ggml-backend's GGML_SCHED_MAX_COPIES: the copies a pipelined graph keeps of its inputs
@@ -60,6 +62,7 @@ class LlamaCppSettings:
     # servers of 2024-2025 builds did not): not a flag of llama.cpp's
     pipeline: bool = True
     embeddings: bool = False         # --embeddings: the output buffer holds each slot's embedding too (Ollama's runner)
+    cpu_avx512: bool = False         # the host CPU has AVX-512 (ggml repacks Q2_K weights too): not a llama.cpp flag
     n_cpu_moe: int = 0               # the experts of the first N layers kept on the CPU (-1: every layer's, --cpu-moe)
     swa_full: bool = False           # --swa-full: the sliding-window layers' cache as large as the others
     tensor_split: tuple[float, ...] | None = None   # --tensor-split: each GPU's share of the layers (None: equal)
@@ -292,7 +295,8 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     for tensor in model.tensors:
         device = placed[tensor.name]
         buffers[device].model += gpu_tensor_bytes(tensor) if device != "CPU" else tensor.nbytes
-        if device == "CPU" and tensor.type in REPACKED and len(tensor.shape) > 1 and tensor.shape[1] % 8 == 0 \
+        repacked = REPACKED + (REPACKED_AVX512 if settings.cpu_avx512 else ())
+        if device == "CPU" and tensor.type in repacked and len(tensor.shape) > 1 and tensor.shape[1] % 8 == 0 \
                 and tensor.name != "token_embd.weight":   # a lookup table, not multiplied
             buffers["CPU"].repack += tensor.nbytes
     if model.tied_embeddings and device_of(model.n_layer) != "CPU":
@@ -305,6 +309,11 @@ def estimate_llamacpp(model: GGUFModel, settings: LlamaCppSettings | None = None
     buffers["CPU"].output = (model.n_vocab + (model.n_embd if settings.embeddings else 0)) * rows * 4
     notes = ["--n-cpu-moe: the model has no experts; it moves nothing"] if settings.n_cpu_moe and not model.n_expert \
         else []
+    q2k = sum(t.nbytes for t in model.tensors if placed[t.name] == "CPU" and t.type in REPACKED_AVX512
+              and len(t.shape) > 1 and t.shape[1] % 8 == 0)
+    if q2k and not settings.cpu_avx512:
+        notes.append(f"an x86 CPU with AVX-512 also repacks the CPU's Q2_K weights: {q2k / 2**20:.2f} MiB more host "
+                     "memory (cpu_avx512=True)")
     if engine == "ollama" and model.arch == "gemma3":
         notes.append("Ollama runs Gemma 3 on its own engine, not llama.cpp's runner: these are llama.cpp's buffers")
     holding = [name for name in buffers if name != "CPU" and any(placed[t.name] == name for t in model.tensors)]
