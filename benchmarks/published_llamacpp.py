@@ -160,12 +160,13 @@ OLLAMA_ROWS = [
       "memory.weights.nonrepeating": "308.2 MiB", "memory.graph.full": "424.0 MiB",
       "memory.graph.partial": "570.7 MiB"}, ()),
     ("R31", "gemma-3-12b", "Q4_K_M", {"vocab_size": 262144}, "2025-08-22", [11.1], 8192,
-     {"memory.required.kv": "992.0 MiB", "memory.weights.total": "6.8 GiB", "memory.weights.repeating": "6.0 GiB",
+     {"layers.offload": "48", "memory.required.full": "11.4 GiB", "memory.required.partial": "8.9 GiB",
+      "memory.required.kv": "992.0 MiB", "memory.required.allocations": "[8.9 GiB]",
+      "memory.weights.total": "6.8 GiB", "memory.weights.repeating": "6.0 GiB",
       "memory.weights.nonrepeating": "787.5 MiB", "memory.graph.full": "519.5 MiB",
-      "memory.graph.partial": "1.3 GiB"},
-     ("Ollama's gemma3 file: 262144 tokens (its tokenizer's; the Hugging Face config pads to 262208)",
-      "the vision tower in the same file (projector 795.9 MiB + graph 1.0 GiB, which Ollama adds to the output "
-      "layer) is not modelled: layers.offload (48) and required.* not compared")),
+      "memory.graph.partial": "1.3 GiB", "projector.weights": "795.9 MiB", "projector.graph": "1.0 GiB"},
+     ("Ollama's gemma3 file: 262144 tokens (its tokenizer's; the Hugging Face config pads to 262208), and its "
+      "image encoder (the v.* tensors, with the output layer: one layer slot short of all)",)),
 ]
 # Ollama's layout (0.12.11 to 0.2x; R32 is its own engine's, which lays out the same way on the tensors' bytes): id,
 # model, file type, release, each GPU's free GiB, num_ctx, {log line's device: as logged}, notes
@@ -208,7 +209,8 @@ def ollama_records() -> list[dict]:
     for row_id, model, quant, changes, version, free, num_ctx, logged, notes in OLLAMA_ROWS:
         found = find_config(model)
         assert found is not None, model
-        gguf = quantize(from_config(found.name, {**found.hf_config, **changes}, found.where), quant)
+        vision = {"vision_config": found.doc["vision_config"]} if "vision_config" in found.doc else {}
+        gguf = quantize(from_config(found.name, {**found.hf_config, **vision, **changes}, found.where), quant)
         release = OllamaRelease.at(version) if "-" in version else OllamaRelease.parse(version)
         estimate, _, _ = schedule_ollama(gguf, [OllamaGPU(int(g * 1024 * MiB)) for g in free], release=release,
                                          num_ctx=num_ctx)

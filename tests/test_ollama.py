@@ -16,6 +16,7 @@ from memfit.serving.ollama import (
     graph_sizes,
     human_bytes,
     layout_ollama,
+    projector,
     schedule_ollama,
 )
 from tests.conftest import run_cli
@@ -266,3 +267,25 @@ def test_explain_oom_replays_ollamas_system_memory_check(tmp_path, capsys):
     context = next(f for f in data["fixes"] if f["change"].startswith("PARAMETER num_ctx"))
     assert int(context["change"].split()[-1]) < 16384 and context["system_bytes"] <= data["available_bytes"]
     assert any(f["change"].startswith("a ") for f in data["fixes"])
+
+
+def test_gemma3s_image_encoder_is_counted_as_ollama_counts_it():
+    """Gemma 3's SigLIP encoder (the catalog's vision_config): with the multimodal projection its parameters are the
+    checkpoints' published figure for 4B, 12B and 27B; Ollama's estimate counts its v.* tensors (795.9 MiB for
+    12B, R31's log) and its graph (1.0 GiB), from 0.7.1 with the output layer, which then leaves one slot off an
+    11.1 GiB GPU (R31: 48 of 49)."""
+    from memfit.specs.model_configs import find_config
+
+    for name in ("gemma-3-4b", "gemma-3-12b", "gemma-3-27b"):
+        found, vision = find_config(name), gguf_model(name, "Q4_K_M").vision
+        embd, ff = vision.n_embd, vision.n_ff
+        encoder = vision.n_layer * (4 * embd * embd + 2 * embd * ff + 4 * embd + 4 * embd + ff + embd) \
+            + vision.channels * vision.patch_size ** 2 * embd + embd + (vision.image_size // vision.patch_size) ** 2 \
+            * embd + 2 * embd
+        projection = embd * found.hf_config["hidden_size"] + embd   # mm input projection and its norm
+        assert encoder + projection == found.doc["published_includes"]["vision tower and projector"], name
+    release = OllamaRelease.parse("0.11.7")
+    weights, graph = projector(gguf_model("gemma-3-12b", "Q4_K_M"), release)
+    assert (human_bytes(weights), human_bytes(graph)) == ("795.9 MiB", "1.0 GiB")
+    assert projector(gguf_model("gemma-3-12b", "Q4_K_M"), OllamaRelease.parse("0.6.0")) == (0, 0)
+    assert projector(gguf_model("qwen2.5-7b", "Q4_K_M"), release) == (0, 0)

@@ -50,6 +50,19 @@ class GGUFTensor:
         return int(match.group(1)) if match else None
 
 
+@dataclass(frozen=True)
+class VisionTower:
+    """A multimodal model's image encoder (a SigLIP tower: Gemma 3's), as its Hugging Face vision_config gives it:
+    what Ollama's estimate counts beside the text model (its projector)."""
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    image_size: int
+    patch_size: int
+    channels: int = 3
+
+
 @dataclass
 class GGUFModel:
     """What llama.cpp's buffers depend on (KV heads per layer, where a model varies them; which layers attend over a
@@ -72,6 +85,7 @@ class GGUFModel:
     n_expert_used: int = 0       # the experts each token is routed to
     n_ff_exp: int = 0            # an expert's FFN width
     source: str = ""             # the file, or the recipe that wrote the tensor list
+    vision: VisionTower | None = None   # the image encoder beside it (a multimodal model's), not in the tensors
 
     @property
     def weights_bytes(self) -> int:

@@ -13,7 +13,7 @@ the file's order, layer by layer (memfit assumes the converter's numeric layer o
 from __future__ import annotations
 
 from memfit.core.errors import MemfitError
-from memfit.serving.gguf_file import WINDOWED, GGUFModel, GGUFTensor, swa_pattern, type_size
+from memfit.serving.gguf_file import WINDOWED, GGUFModel, GGUFTensor, VisionTower, swa_pattern, type_size
 
 # llama.cpp's file types (llama-quantize's names) memfit writes, and the type each starts every tensor from
 FILE_TYPES = {
@@ -169,10 +169,22 @@ def _experts(name: str, config: dict) -> tuple[int, int, int]:
             int(config.get("moe_intermediate_size") or config["intermediate_size"]))
 
 
+def vision_tower(config: dict) -> VisionTower | None:
+    """A SigLIP image encoder's shape from a vision_config (Gemma 3's); None for none or another kind."""
+    vision = config.get("vision_config") or {}
+    if vision.get("model_type") != "siglip_vision_model":
+        return None
+    return VisionTower(n_layer=int(vision["num_hidden_layers"]), n_embd=int(vision["hidden_size"]),
+                       n_ff=int(vision["intermediate_size"]), n_head=int(vision["num_attention_heads"]),
+                       image_size=int(vision["image_size"]), patch_size=int(vision["patch_size"]),
+                       channels=int(vision.get("num_channels", 3)))
+
+
 def from_config(name: str, config: dict, source: str) -> GGUFModel:
     """The tensors llama.cpp's converter writes for a Hugging Face decoder (2-D weights in F16, 1-D in F32), named
     and shaped as llama.cpp loads them (ggml order: the row dimension first), layer by layer."""
     model_type = config.get("model_type", "")
+    vision = vision_tower(config)
     config = config.get("text_config", config) if model_type not in ARCHITECTURES else config
     model_type = config.get("model_type", model_type)
     if model_type not in ARCHITECTURES:
@@ -231,5 +243,5 @@ def from_config(name: str, config: dict, source: str) -> GGUFModel:
                      head_dim_k=head_dim, head_dim_v=head_dim, n_ff=ffn, n_vocab=vocab,
                      n_ctx_train=int(config.get("max_position_embeddings", 0)), tensors=tensors,
                      n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=ffn_exp,
-                     **_sliding_window(config, arch, layers),
+                     **_sliding_window(config, arch, layers), vision=vision,
                      source=f"{source}, as llama.cpp's converter writes it")

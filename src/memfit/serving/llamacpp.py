@@ -185,7 +185,8 @@ def gguf_model(model, quant: str | None = None) -> GGUFModel:
     found = find_config(model)
     if found is None:
         raise MemfitError(f"{model!r}: not a .gguf file, a catalog name (memfit models), a config.json or a hub id.")
-    return quantize(from_config(found.name, found.hf_config, found.where), quant)
+    vision = {"vision_config": found.doc["vision_config"]} if "vision_config" in found.doc else {}
+    return quantize(from_config(found.name, {**found.hf_config, **vision}, found.where), quant)
 
 
 def gpu_tensor_bytes(tensor: GGUFTensor) -> int:

@@ -58,6 +58,10 @@ CHANGES = {
                                                      "blk.0 (3fe74fba4 went back)"),
     "output_always_counted": ((0, 7, 1), None, "a2cc8571c: an output layer left off the GPU counted in "
                                                "required.full even where num_gpu stopped the layers"),
+    "gemma3_projector": ((0, 6, 1), None, "033cec232: Gemma 3's image encoder counted (its v.* weights and a "
+                                          "graph) on the first GPU"),
+    "projector_with_output": ((0, 7, 1), None, "d75557747: its own engine's projector placed with the output layer "
+                                               "(num_ctx at least 2048)"),
     "gpt_oss": ((0, 11, 1), None, "fa7776fd2: gpt-oss's window layers and graph"),
     "measured_ollama_engine": ((0, 12, 0), None, "the models Ollama's own engine runs laid out on their measured "
                                                  "allocations"),
@@ -155,6 +159,8 @@ class OllamaEstimate:
     weights_nonrepeating: int
     graph_full: int
     graph_partial: int
+    projector_weights: int = 0
+    projector_graph: int = 0
     notes: list[str] = field(default_factory=list)
 
     def fields(self) -> dict[str, str]:
@@ -170,7 +176,9 @@ class OllamaEstimate:
                 "memory.weights.repeating": human_bytes(self.weights_repeating),
                 "memory.weights.nonrepeating": human_bytes(self.weights_nonrepeating),
                 "memory.graph.full": human_bytes(self.graph_full),
-                "memory.graph.partial": human_bytes(self.graph_partial)}
+                "memory.graph.partial": human_bytes(self.graph_partial)} | ({
+                    "projector.weights": human_bytes(self.projector_weights),
+                    "projector.graph": human_bytes(self.projector_graph)} if self.projector_weights else {})
 
     def log_line(self) -> str:
         return f"offload to {self.library} " + " ".join(f'{k}="{v}"' if " " in v or not v else f"{k}={v}"
@@ -193,6 +201,22 @@ def _groups(model: GGUFModel) -> dict[str, int]:
         key = ".".join(parts[:2]) if parts[0] in ("blk", "mm") and len(parts) > 2 else parts[0]
         groups[key] = groups.get(key, 0) + tensor.nbytes
     return groups
+
+
+def projector(model: GGUFModel, release: OllamaRelease) -> tuple[int, int]:
+    """VisionGraphSize: a multimodal model's image encoder as Ollama's file holds it (the v.* tensors: matrices in
+    F16, vectors in F32, as its converter writes them; the mm.* projection is not counted) and its graph (Gemma 3's
+    formula: 4 x (image_size^2 x channels + n_embd x patch_size + patches^2 x heads)); (0, 0) without one."""
+    vision = model.vision
+    if vision is None or model.arch != "gemma3" or not release.has("gemma3_projector"):
+        return 0, 0
+    embd, ff, patches = vision.n_embd, vision.n_ff, (vision.image_size // vision.patch_size) ** 2
+    matrices = vision.n_layer * (4 * embd * embd + 2 * embd * ff) + vision.channels * vision.patch_size ** 2 * embd \
+        + patches * embd   # attention, MLP, patch and position embeddings
+    vectors = vision.n_layer * (4 * embd + 4 * embd + ff + embd) + embd + 2 * embd   # biases and norms
+    graph = 4 * (vision.image_size ** 2 * vision.channels + embd * vision.patch_size
+                 + patches * patches * vision.n_head)
+    return 2 * matrices + 4 * vectors, graph
 
 
 def kv_per_layer(model: GGUFModel, release: OllamaRelease, context: int, batch: int, slots: int,
@@ -276,6 +300,9 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
                           + ("llama.cpp's --fit" if release.sizing == "fit" else "its layout (layout_ollama)")
                           + ", not by its estimate.")
     library = gpus[0].library
+    projector_weights, projector_graph = projector(model, release)
+    if projector_weights and release.has("projector_with_output"):
+        num_ctx = max(num_ctx, 2048)   # multimodal models need at least 2048 (per slot, as the caller gives it)
     context, batch = num_ctx * parallel, min(num_ctx * parallel, num_batch)
     groups = _groups(model)
     n_layer = model.n_layer
@@ -299,17 +326,26 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
         reserve = groups.get("blk.0", 0)
     reserve += kv[0]
     output = groups.get("output_norm", 0) + groups.get("output", groups.get("token_embd", 0))
+    # the projector: with the output layer from 0.7.1 (its own engine's), before on the first GPU with room
+    zero_overhead = 0 if release.has("projector_with_output") else projector_weights + projector_graph
+    last_layer = output + (projector_weights + projector_graph if release.has("projector_with_output") else 0)
 
     allocations = [0] * len(gpus)
     counts = [0] * len(gpus)
-    with_space = []
+    with_space: list[int] = []
     for i, gpu in enumerate(gpus):
-        if gpu.free < overhead + graph + gpu.minimum + 2 * reserve:
+        zero = zero_overhead if not with_space else 0
+        if gpu.free < overhead + zero + graph + gpu.minimum + 2 * reserve:
             continue   # too little memory for any layer
         with_space.append(i)
         allocations[i] += gpu.minimum + reserve
+    overflow = 0
+    if with_space:
+        allocations[with_space[0]] += zero_overhead
+    elif release.has("output_always_counted"):
+        overflow += zero_overhead
 
-    placed, overflow, weights = 0, 0, 0
+    placed, weights = 0, 0
     layer_size = reserve
     order = range(n_layer - 1, -1, -1) if release.has("last_layer_first") else range(n_layer)
     for i in order:
@@ -335,21 +371,21 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
     fully = placed >= n_layer
     if not fully and not release.has("last_layer_first"):
         overflow += (n_layer - placed) * layer_size
-    if output:
+    if last_layer:
         if num_gpu < 0 or placed < num_gpu:
             for j in range(len(with_space), 0, -1):
                 g = with_space[placed % j]
-                if gpus[g].free > overhead + allocations[g] + graph + output:
-                    allocations[g] += output
+                if gpus[g].free > overhead + allocations[g] + graph + last_layer:
+                    allocations[g] += last_layer
                     counts[g] += 1
                     placed += 1
                     break
             if placed < n_layer + 1:
                 fully = False
-                overflow += output
+                overflow += last_layer
         elif release.has("output_always_counted") and placed < n_layer + 1:
             fully = False
-            overflow += output
+            overflow += last_layer
     for i in range(len(gpus)):
         if counts[i] > 0:
             allocations[i] += full if fully else partial
@@ -362,7 +398,8 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
         required_partial=vram, kv=kv_total,
         allocations=allocations, weights_total=weights + output if with_output else weights,
         weights_repeating=weights if release.has("weights_without_kv") else weights - output,
-        weights_nonrepeating=output, graph_full=full, graph_partial=partial, notes=notes)
+        weights_nonrepeating=output, graph_full=full, graph_partial=partial, projector_weights=projector_weights,
+        projector_graph=projector_graph, notes=notes)
 
 
 def default_num_ctx(release: OllamaRelease, total_vram: int) -> int:
