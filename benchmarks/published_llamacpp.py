@@ -204,13 +204,18 @@ def as_mib(text: str) -> float:
     return float(sum(int(n) for n in text.split(",")))
 
 
+def catalog_gguf(model: str, quant: str, changes: dict):
+    """The catalog model's GGUF in `quant` (its image encoder too, where it has one), with config changes."""
+    found = find_config(model)
+    assert found is not None, model
+    vision = {"vision_config": found.doc["vision_config"]} if "vision_config" in found.doc else {}
+    return quantize(from_config(found.name, {**found.hf_config, **vision, **changes}, found.where), quant)
+
+
 def ollama_records() -> list[dict]:
     records = []
     for row_id, model, quant, changes, version, free, num_ctx, logged, notes in OLLAMA_ROWS:
-        found = find_config(model)
-        assert found is not None, model
-        vision = {"vision_config": found.doc["vision_config"]} if "vision_config" in found.doc else {}
-        gguf = quantize(from_config(found.name, {**found.hf_config, **vision, **changes}, found.where), quant)
+        gguf = catalog_gguf(model, quant, changes)
         release = OllamaRelease.at(version) if "-" in version else OllamaRelease.parse(version)
         estimate, _, _ = schedule_ollama(gguf, [OllamaGPU(int(g * 1024 * MiB)) for g in free], release=release,
                                          num_ctx=num_ctx)
@@ -226,9 +231,7 @@ def ollama_records() -> list[dict]:
 def layout_records() -> list[dict]:
     records = []
     for row_id, model, quant, version, free, num_ctx, logged, notes in LAYOUT_ROWS:
-        found = find_config(model)
-        assert found is not None, model
-        gguf = quantize(from_config(found.name, found.hf_config, found.where), quant)
+        gguf = catalog_gguf(model, quant, {})
         lines = layout_ollama(gguf, [OllamaGPU(int(g * 1024 * MiB)) for g in free],
                               release=OllamaRelease.parse(version), num_ctx=num_ctx).log_lines()
         for i, (name, text) in enumerate(logged.items()):

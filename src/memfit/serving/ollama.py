@@ -345,6 +345,19 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
     elif release.has("output_always_counted"):
         overflow += zero_overhead
 
+    def on_a_gpu(size: int, index: int, *, drop: bool) -> bool:
+        """A layer of `size` onto the GPU `index` mod the GPUs left, or the next one with room; a GPU without room
+        is dropped for the layers after (`drop`)."""
+        for j in range(len(with_space), 0, -1):
+            g = with_space[index % j]
+            if gpus[g].free > overhead + allocations[g] + graph + size:
+                allocations[g] += size
+                counts[g] += 1
+                return True
+            if drop:
+                del with_space[index % j]
+        return False
+
     placed, weights = 0, 0
     layer_size = reserve
     order = range(n_layer - 1, -1, -1) if release.has("last_layer_first") else range(n_layer)
@@ -358,14 +371,7 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
             if release.has("last_layer_first"):
                 overflow += layer_size
             continue
-        for j in range(len(with_space), 0, -1):
-            g = with_space[i % j]
-            if gpus[g].free > overhead + allocations[g] + graph + layer_size:
-                allocations[g] += layer_size
-                counts[g] += 1
-                placed += 1
-                break
-            del with_space[i % j]
+        placed += on_a_gpu(layer_size, i, drop=True)
         if release.has("last_layer_first") and not with_space:
             overflow += layer_size
     fully = placed >= n_layer
@@ -373,13 +379,7 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
         overflow += (n_layer - placed) * layer_size
     if last_layer:
         if num_gpu < 0 or placed < num_gpu:
-            for j in range(len(with_space), 0, -1):
-                g = with_space[placed % j]
-                if gpus[g].free > overhead + allocations[g] + graph + last_layer:
-                    allocations[g] += last_layer
-                    counts[g] += 1
-                    placed += 1
-                    break
+            placed += on_a_gpu(last_layer, placed, drop=False)
             if placed < n_layer + 1:
                 fully = False
                 overflow += last_layer
