@@ -20,7 +20,8 @@ from pathlib import Path
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_recipe import from_config, quantize
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
-from memfit.serving.ollama import OllamaGPU, OllamaRelease, layout_ollama, schedule_ollama
+from memfit.serving.ollama import OllamaGPU, OllamaRelease, schedule_ollama
+from memfit.serving.ollama_layout import layout_ollama
 from memfit.specs.model_configs import find_config
 
 sys.path.insert(0, str(Path(__file__).parent))

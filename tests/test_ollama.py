@@ -10,15 +10,15 @@ from memfit.serving.llamacpp import gguf_model
 from memfit.serving.ollama import (
     OllamaGPU,
     OllamaRelease,
-    _groups,
     default_num_ctx,
     estimate_ollama,
     graph_sizes,
     human_bytes,
-    layout_ollama,
+    layer_groups,
     projector,
     schedule_ollama,
 )
+from memfit.serving.ollama_layout import layout_ollama
 from tests.conftest import run_cli
 
 GiB = 1 << 30
@@ -70,7 +70,7 @@ def test_the_rules_that_changed_by_release():
     assert old.weights_total - new.weights_repeating == old.kv   # 0.5.4: blocks + KV; 0.7.1: blocks alone
     assert new.weights_total == new.weights_repeating + new.weights_nonrepeating
     assert old.layers == new.layers == 27   # 27 of 32 blocks; the output layer is left off too
-    groups, kv = _groups(model), old.kv // 32
+    groups, kv = layer_groups(model), old.kv // 32
     # required.full is what the GPU holds plus what was left off it: 0.5.4 counts the 5 blocks left as 5 of the
     # last one it looked at (blk.31, which Q4_K_M gives more bits); 0.7.1, going last first, each of blk.0-4
     assert old.required_full - old.required_partial == 5 * (groups["blk.31"] + kv) + old.weights_nonrepeating
@@ -246,7 +246,7 @@ def test_explain_oom_replays_ollamas_system_memory_check(tmp_path, capsys):
     """"model requires more system memory (X) than is available (Y)": X is what Ollama's estimate leaves off the GPU
     (required.full less required.partial); memfit replays it and finds the longest num_ctx and the best file type
     whose X is within Y."""
-    from memfit.serving.ollama import place, runner_settings
+    from memfit.serving.ollama_load import place, runner_settings
     from memfit.serving.ollama_oom import system_bytes
     from memfit.specs.hardware import get_gpu
 

@@ -14,7 +14,7 @@ from memfit.core.units import GiB
 from memfit.serving.gguf_recipe import FILE_TYPES
 from memfit.serving.llamacpp import estimate_llamacpp, gguf_model
 from memfit.serving.llamacpp_oom import LlamaCppFailure, fixes, gpu_budget, parse_failure, with_log_settings
-from memfit.serving.ollama import place
+from memfit.serving.ollama_load import place
 from memfit.serving.ollama_oom import (
     available_in_log,
     gpu_bytes_expected,

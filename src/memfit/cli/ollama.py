@@ -13,14 +13,13 @@ from memfit.serving.ollama import (
     LIBRARIES,
     OllamaEstimate,
     OllamaGPU,
-    OllamaLayout,
     OllamaRelease,
     default_num_ctx,
     default_parallel,
     newest_release,
-    place,
-    runner_settings,
 )
+from memfit.serving.ollama_layout import OllamaLayout
+from memfit.serving.ollama_load import place, runner_settings
 
 _DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 

@@ -8,8 +8,8 @@ Ollama has sized a load in three ways:
   memory.weights.*, memory.graph.*). It is what chooses num_gpu when the Modelfile does not;
 - from 0.12.11 (0.12.0 for its own engine's models): a layout, layer by layer, that packs the GPUs evenly on as few
   of them as hold the most layers: for its llama.cpp runner on memory synthesized from the same GraphSize
-  (layout_ollama), for its own engine on the allocations a trial load measures (memfit has no figures of its own
-  engine's);
+  (serving/ollama_layout.py), for its own engine on the allocations a trial load measures (memfit has no figures
+  of its own engine's);
 - from 0.30: llama-server with llama.cpp's --fit (the context it is given, -np its slots, no -ngl unless num_gpu is
   set): serving/llamacpp_fit.py replays that fit.
 
@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
-from memfit.serving.llamacpp import LlamaCppSettings
 
 MiB, GiB = 1 << 20, 1 << 30
 LIBRARIES = {"nvidia": "cuda", "amd": "rocm"}   # a catalog GPU's vendor: the library Ollama's log names
@@ -193,7 +192,7 @@ def human_bytes(b: int) -> str:
     return f"{b} B"
 
 
-def _groups(model: GGUFModel) -> dict[str, int]:
+def layer_groups(model: GGUFModel) -> dict[str, int]:
     """Tensors().Layers(): each tensor's bytes under its group, blk.N for a block's, else its name's first part."""
     groups: dict[str, int] = {}
     for tensor in model.tensors:
@@ -304,7 +303,7 @@ def estimate_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
     if projector_weights and release.has("projector_with_output"):
         num_ctx = max(num_ctx, 2048)   # multimodal models need at least 2048 (per slot, as the caller gives it)
     context, batch = num_ctx * parallel, min(num_ctx * parallel, num_batch)
-    groups = _groups(model)
+    groups = layer_groups(model)
     n_layer = model.n_layer
     kv = kv_per_layer(model, release, context, batch, parallel, kv_type)
     kv_total = sum(kv)
@@ -449,196 +448,3 @@ def schedule_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaR
     slots = parallel or 1
     everyone = list(range(len(gpus)))
     return estimate(everyone, slots), slots, everyone
-
-
-@dataclass
-class OllamaLayout:
-    """The layout Ollama's llama runner loads by from 0.12.11 (llm/server.go: llamaServer.Load, buildLayout,
-    assignLayers, findBestFit, greedyFit), on the memory it synthesizes from GraphSize: the layers (n_layer + 1
-    slots, the last the output layer) each GPU takes, and its log's "model weights", "kv cache" and "compute graph"
-    lines per device."""
-    release: OllamaRelease
-    library: str
-    gpu_layers: list[tuple[int, list[int]]]   # (GPU index into the list given, its layer slots), as Ollama lists them
-    layer_weights: list[int]                   # per slot: its weights (the output layer's last)
-    layer_cache: list[int]                     # per slot: its KV cache
-    graph: int                                 # the compute graph each GPU with layers is given
-
-    @property
-    def layers(self) -> int:
-        return sum(len(slots) for _, slots in self.gpu_layers)
-
-    def per_gpu(self, gpus: int) -> list[int]:
-        """Each GPU's layer count, in the order given."""
-        counts = [0] * gpus
-        for g, slots in self.gpu_layers:
-            counts[g] += len(slots)
-        return counts
-
-    def log_lines(self) -> list[str]:
-        name = {"cuda": "CUDA", "rocm": "ROCm", "metal": "Metal"}[self.library]
-        on_gpu = {g: slots for g, slots in self.gpu_layers if slots}
-        graphs = sorted({g for g, _ in self.gpu_layers})   # every GPU listed gets the graph, even one with no layer
-        held = {slot for slots in on_gpu.values() for slot in slots}
-        lines = []
-        for label, per_slot in (("model weights", self.layer_weights), ("kv cache", self.layer_cache)):
-            for g, slots in sorted(on_gpu.items()):
-                lines.append(f'msg="{label}" device={name}{g} size="{human_bytes(sum(per_slot[i] for i in slots))}"')
-            cpu = sum(b for i, b in enumerate(per_slot) if i not in held)
-            if cpu:
-                lines.append(f'msg="{label}" device=CPU size="{human_bytes(cpu)}"')
-        for g in graphs:
-            lines.append(f'msg="compute graph" device={name}{g} size="{human_bytes(self.graph)}"')
-        total = sum(self.layer_weights) + sum(self.layer_cache) + self.graph * len(graphs)
-        lines.append(f'msg="total memory" size="{human_bytes(total)}"')
-        return lines
-
-
-def _f32(x: float) -> float:
-    import numpy as np
-
-    return float(np.float32(x))
-
-
-def _greedy_fit(layers: list[int], free: list[int], capacity: float, requested: int) -> list[tuple[int, list[int]]]:
-    """greedyFit: the last layers to the last GPU (the least free), spilling to the one before; each GPU's room its
-    free memory x capacity (float32, as Go computes it)."""
-    device = len(free) - 1
-    result: list[tuple[int, list[int]]] = [(device, [])]
-    room = int(_f32(_f32(free[device]) * capacity))
-    for i in range(len(layers) - 1, -1, -1):
-        if requested >= 0 and len(layers) - 1 - i >= requested:
-            break
-        while True:
-            if layers[i] <= room:
-                result[0][1].insert(0, i)
-                room -= layers[i]
-                break
-            device -= 1
-            if device < 0:
-                return result
-            result.insert(0, (device, []))
-            room = int(_f32(_f32(free[device]) * capacity))
-    return result
-
-
-def _placed(assignment: list[tuple[int, list[int]]]) -> int:
-    return sum(len(slots) for _, slots in assignment)
-
-
-def _best_fit(layers: list[int], free: list[int], requested: int, force: bool) -> list[tuple[int, list[int]]]:
-    """findBestFit (every GPU discrete: one performance group): the least capacity factor, by bisection in float32,
-    that still places as many layers as the whole of each GPU would, which spreads them evenly."""
-    high, low = _f32(1000.0 if requested >= 0 and force else 1.0), _f32(0.0)
-    best = _greedy_fit(layers, free, high, requested)
-    most = _placed(best)
-    while _f32(high - low) > 1e-6:
-        mid = _f32(_f32(low + high) / 2)
-        assignment = _greedy_fit(layers, free, mid, requested)
-        if _placed(assignment) == most:
-            high, best = mid, assignment
-        else:
-            low = mid
-    return best
-
-
-def _assign_layers(layers: list[int], free: list[int], requested: int, last_used: int
-                   ) -> list[tuple[int, list[int]]]:
-    """assignLayers (requireFull off: the first model loaded): as few GPUs as hold the most layers; failing all of
-    them, once more without the output layer."""
-    assignment: list[tuple[int, list[int]]] = []
-    for _ in range(2):
-        requested = min(len(layers), requested)
-        for i in range(last_used, len(free)):
-            assignment = _best_fit(layers, free[:i + 1], requested, force=i == len(free) - 1)
-            if _placed(assignment) in (len(layers), requested):
-                break
-        if _placed(assignment) == len(layers):
-            return assignment
-        layers = layers[:-1]
-    return assignment
-
-
-def layout_ollama(model: GGUFModel, gpus: list[OllamaGPU], *, release: OllamaRelease, num_ctx: int = 4096,
-                  parallel: int = 1, num_batch: int = 512, num_gpu: int = -1, kv_type: str = "f16",
-                  overhead: int = 0) -> OllamaLayout:
-    """llamaServer.Load's layout for `model` on `gpus`: the memory synthesized from GraphSize (each layer's weights
-    and KV, the output layer's weights, blk.0 and its KV held back on every GPU), then layouts built until the GPUs
-    used stop growing, each GPU used reserving the larger graph."""
-    if release.sizing != "layout":
-        raise MemfitError(f"Ollama {release.name} does not lay out its llama runner's layers this way (0.12.11 to "
-                          "0.2x do).")
-    context, batch = num_ctx * parallel, min(num_batch, num_ctx)
-    groups = _groups(model)
-    kv = kv_per_layer(model, release, context, batch, parallel, kv_type)
-    partial, full = graph_sizes(model, release, context, batch, sum(kv))
-    if not partial:
-        partial = model.n_head // max(min(model.n_head_kv), 1) * sum(kv) // 6
-    full = full or partial
-    if gpus and gpus[0].library == "metal":
-        partial = full
-    weights = [groups.get(f"blk.{i}", 0) for i in range(model.n_layer)]
-    weights.append(groups.get("output_norm", 0) + groups.get("output", groups.get("token_embd", 0)))
-    cache = kv + [0]
-    slots = [w + c for w, c in zip(weights, cache)]
-    buffer = groups.get("blk.0", 0) + kv[0]
-    free = [max(g.free - buffer, 0) for g in gpus]
-    order = sorted(range(len(gpus)), key=lambda i: -free[i])   # buildLayout: the most free first
-    graphs = [0] * len(gpus)
-    assignment: list[tuple[int, list[int]]] = []
-    while True:
-        previous = assignment
-        last_used = max((k for k, g in enumerate(order) if graphs[g]), default=0)
-        room = [max(free[g] - (gpus[g].minimum + overhead + graphs[g]), 0) for g in order]
-        assignment = [(order[k], slots_) for k, slots_ in _assign_layers(slots, room, num_gpu, last_used)]
-        if len(assignment) <= len(previous):
-            break
-        for g, _ in assignment:
-            graphs[g] = max(partial, full)
-    graph = full if _placed(assignment) >= len(slots) else partial
-    return OllamaLayout(release=release, library=gpus[0].library if gpus else "cuda", gpu_layers=assignment,
-                        layer_weights=weights, layer_cache=cache, graph=graph)
-
-
-def runner_settings(release: OllamaRelease, *, num_ctx: int, parallel: int, num_gpu: int = -1,
-                    flash: str | None = None, cache: str = "f16", engine_version: str | None = None
-                    ) -> LlamaCppSettings:
-    """The llama.cpp settings Ollama's runner loads with: llama-server's (-c num_ctx x slots, -np slots, -b 512,
-    --flash-attn auto unless OLLAMA_FLASH_ATTENTION sets it) from 0.30; before that its llama runner's (one cache of
-    num_ctx x slots cells, a 512-token batch, embeddings in the output buffer, flash attention off unless
-    OLLAMA_FLASH_ATTENTION, OLLAMA_KV_CACHE_TYPE only with it)."""
-    if parallel < 1 or num_ctx < 1:
-        raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
-    if release.sizing == "fit":
-        return LlamaCppSettings(ctx_size=num_ctx * parallel, parallel=parallel, n_batch=512, n_gpu_layers=num_gpu,
-                                flash_attn=flash or "auto", cache_type_k=cache, cache_type_v=cache,
-                                engine_version=engine_version)
-    if flash != "on":
-        cache = "f16"
-    return LlamaCppSettings(ctx_size=num_ctx * parallel, parallel=parallel, kv_unified=True, n_batch=512,
-                            embeddings=True, flash_attn=flash or "off", n_gpu_layers=num_gpu, cache_type_k=cache,
-                            cache_type_v=cache, engine_version=engine_version)
-
-
-def place(model: GGUFModel, settings: LlamaCppSettings, release: OllamaRelease, gpus: list[OllamaGPU], *,
-          parallel: int | None = None) -> tuple[LlamaCppSettings, int, OllamaEstimate | OllamaLayout]:
-    """Where a release up to 0.2x puts the layers (its estimate and scheduler, or its layout) and the settings its
-    runner then gives llama.cpp: -ngl (num_gpu where set), the GPUs' shares, the slots its scheduler chose (where
-    `parallel`, OLLAMA_NUM_PARALLEL, is not set), the context capped by the training one. Returns those settings,
-    the GPUs llama.cpp uses and Ollama's estimate or layout."""
-    num_ctx = (settings.ctx_size or model.n_ctx_train) // settings.parallel
-    num_ctx = min(num_ctx, model.n_ctx_train or num_ctx)
-    placed: OllamaEstimate | OllamaLayout
-    if release.sizing == "estimate":
-        placed, slots, _ = schedule_ollama(model, gpus, release=release, num_ctx=num_ctx, parallel=parallel,
-                                           num_gpu=settings.n_gpu_layers, kv_type=settings.cache_type_k)
-        counts = placed.split if placed.layers else []
-    else:
-        slots = settings.parallel
-        placed = layout_ollama(model, gpus, release=release, num_ctx=num_ctx, parallel=slots,
-                               num_gpu=settings.n_gpu_layers, kv_type=settings.cache_type_k)
-        counts = placed.per_gpu(len(gpus)) if placed.layers else []
-    layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 and counts else sum(counts)
-    split = tuple(float(n) for n in counts) if len(counts) > 1 else None
-    return (replace(settings, ctx_size=num_ctx * slots, parallel=slots, n_gpu_layers=layers, tensor_split=split),
-            len(counts), placed)

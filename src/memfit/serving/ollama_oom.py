@@ -18,7 +18,9 @@ from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppSettings
 from memfit.serving.llamacpp_oom import Fix
 from memfit.serving.llamacpp_plan import QUALITY
-from memfit.serving.ollama import OllamaEstimate, OllamaGPU, OllamaLayout, OllamaRelease, place
+from memfit.serving.ollama import OllamaEstimate, OllamaGPU, OllamaRelease
+from memfit.serving.ollama_layout import OllamaLayout
+from memfit.serving.ollama_load import place
 
 _HOST = re.compile(r"model requires more system memory \(([\d.]+) (GiB|MiB)\) than is available \(([\d.]+) (GiB|MiB)\)")
 _OFFLOAD = re.compile(r"layers\.offload=(\d+)")

@@ -16,15 +16,8 @@ from memfit.serving.llamacpp_fit import fit_llamacpp
 from memfit.serving.llamacpp_oom import gpu_budget
 from memfit.serving.llamacpp_plan import HOST_RESERVE, KV_Q8_COST, QUALITY, LlamaCppPlan, LlamaCppPlanResult
 from memfit.serving.llamacpp_speed import HOST_BANDWIDTH_GBPS, speed
-from memfit.serving.ollama import (
-    LIBRARIES,
-    OllamaGPU,
-    OllamaRelease,
-    default_num_ctx,
-    default_parallel,
-    place,
-    runner_settings,
-)
+from memfit.serving.ollama import LIBRARIES, OllamaGPU, OllamaRelease, default_num_ctx, default_parallel
+from memfit.serving.ollama_load import place, runner_settings
 from memfit.specs.hardware import GPU
 
 

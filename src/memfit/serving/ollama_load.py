@@ -1,0 +1,55 @@
+"""What an Ollama release loads: its llama.cpp runner's settings, and where its own sizing (the estimate up to 0.12.10,
+the layout to 0.2x) puts the layers; from 0.30 llama.cpp's --fit does (serving/llamacpp_fit.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memfit.core.errors import MemfitError
+from memfit.serving.gguf_file import GGUFModel
+from memfit.serving.llamacpp import LlamaCppSettings
+from memfit.serving.ollama import OllamaEstimate, OllamaGPU, OllamaRelease, schedule_ollama
+from memfit.serving.ollama_layout import OllamaLayout, layout_ollama
+
+
+def runner_settings(release: OllamaRelease, *, num_ctx: int, parallel: int, num_gpu: int = -1,
+                    flash: str | None = None, cache: str = "f16", engine_version: str | None = None
+                    ) -> LlamaCppSettings:
+    """The llama.cpp settings Ollama's runner loads with: llama-server's (-c num_ctx x slots, -np slots, -b 512,
+    --flash-attn auto unless OLLAMA_FLASH_ATTENTION sets it) from 0.30; before that its llama runner's (one cache of
+    num_ctx x slots cells, a 512-token batch, embeddings in the output buffer, flash attention off unless
+    OLLAMA_FLASH_ATTENTION, OLLAMA_KV_CACHE_TYPE only with it)."""
+    if parallel < 1 or num_ctx < 1:
+        raise MemfitError("--num-ctx and --num-parallel take a whole number of 1 or more.")
+    if release.sizing == "fit":
+        return LlamaCppSettings(ctx_size=num_ctx * parallel, parallel=parallel, n_batch=512, n_gpu_layers=num_gpu,
+                                flash_attn=flash or "auto", cache_type_k=cache, cache_type_v=cache,
+                                engine_version=engine_version)
+    if flash != "on":
+        cache = "f16"
+    return LlamaCppSettings(ctx_size=num_ctx * parallel, parallel=parallel, kv_unified=True, n_batch=512,
+                            embeddings=True, flash_attn=flash or "off", n_gpu_layers=num_gpu, cache_type_k=cache,
+                            cache_type_v=cache, engine_version=engine_version)
+
+
+def place(model: GGUFModel, settings: LlamaCppSettings, release: OllamaRelease, gpus: list[OllamaGPU], *,
+          parallel: int | None = None) -> tuple[LlamaCppSettings, int, OllamaEstimate | OllamaLayout]:
+    """Where a release up to 0.2x puts the layers (its estimate and scheduler, or its layout) and the settings its
+    runner then gives llama.cpp: -ngl (num_gpu where set), the GPUs' shares, the slots its scheduler chose (where
+    `parallel`, OLLAMA_NUM_PARALLEL, is not set), the context capped by the training one. Returns those settings,
+    the GPUs llama.cpp uses and Ollama's estimate or layout."""
+    num_ctx = (settings.ctx_size or model.n_ctx_train) // settings.parallel
+    num_ctx = min(num_ctx, model.n_ctx_train or num_ctx)
+    placed: OllamaEstimate | OllamaLayout
+    if release.sizing == "estimate":
+        placed, slots, _ = schedule_ollama(model, gpus, release=release, num_ctx=num_ctx, parallel=parallel,
+                                           num_gpu=settings.n_gpu_layers, kv_type=settings.cache_type_k)
+        counts = placed.split if placed.layers else []
+    else:
+        slots = settings.parallel
+        placed = layout_ollama(model, gpus, release=release, num_ctx=num_ctx, parallel=slots,
+                               num_gpu=settings.n_gpu_layers, kv_type=settings.cache_type_k)
+        counts = placed.per_gpu(len(gpus)) if placed.layers else []
+    layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 and counts else sum(counts)
+    split = tuple(float(n) for n in counts) if len(counts) > 1 else None
+    return (replace(settings, ctx_size=num_ctx * slots, parallel=slots, n_gpu_layers=layers, tensor_split=split),
+            len(counts), placed)
