@@ -289,3 +289,18 @@ def test_gemma3s_image_encoder_is_counted_as_ollama_counts_it():
     assert (human_bytes(weights), human_bytes(graph)) == ("795.9 MiB", "1.0 GiB")
     assert projector(gguf_model("gemma-3-12b", "Q4_K_M"), OllamaRelease.parse("0.6.0")) == (0, 0)
     assert projector(gguf_model("qwen2.5-7b", "Q4_K_M"), release) == (0, 0)
+
+
+def test_a_notebook_asks_for_ollamas_load():
+    """memfit.serving.estimate_gguf(..., engine="ollama", version=...): Ollama's names, its own choice of layers
+    (its estimate's log line first in the notes), llama.cpp's buffers at it; llama.cpp's names refused there."""
+    from memfit.serving import estimate_gguf
+
+    result = estimate_gguf("llama-3.1-8b", engine="ollama", version="0.5.4", quant="Q4_K_M", gpu="rtx-4090",
+                           num_ctx=2048)
+    assert "memory.required.full=\"6.5 GiB\"" in result.notes[0] and result.n_ctx == 8192
+    assert result.layers_on_gpu == 33 and result.kv.bytes == 1 << 30
+    layout = estimate_gguf("llama-3.1-8b", engine="ollama", version="0.20", quant="Q4_K_M", gpu="rtx-3060")
+    assert layout.notes[0].startswith("Ollama 0.20.0's layout: msg=\"model weights\" device=CUDA0")
+    with pytest.raises(MemfitError, match="unknown Ollama setting"):
+        estimate_gguf("llama-3.1-8b", engine="ollama", quant="Q4_K_M", ctx_size=4096)

@@ -4,7 +4,6 @@ or llama-server with llama.cpp's --fit (from 0.30)."""
 from __future__ import annotations
 
 import argparse
-import re
 
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
@@ -16,12 +15,10 @@ from memfit.serving.ollama import (
     OllamaRelease,
     default_num_ctx,
     default_parallel,
-    newest_release,
+    release_named,
 )
 from memfit.serving.ollama_layout import OllamaLayout
 from memfit.serving.ollama_load import place, runner_settings
-
-_DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 
 
 def add_ollama_settings(group) -> None:
@@ -40,16 +37,7 @@ def add_ollama_settings(group) -> None:
 
 def release_of(args: argparse.Namespace) -> OllamaRelease:
     """--engine-version for Ollama: its release (0.5.4), or a date (the release then, and llama.cpp's build then)."""
-    text = getattr(args, "engine_version", None)
-    if text is None:
-        return newest_release()
-    return OllamaRelease.at(text) if _DATE.match(text) else OllamaRelease.parse(text)
-
-
-def llama_version(args: argparse.Namespace, release: OllamaRelease) -> str | None:
-    """The llama.cpp build the release runs: the date given, else the release's date (None: the newest rules)."""
-    text = getattr(args, "engine_version", None)
-    return None if text is None else text if _DATE.match(text) else release.date
+    return release_named(getattr(args, "engine_version", None))[0]
 
 
 def ollama_settings(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSettings:
@@ -60,7 +48,7 @@ def ollama_settings(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSe
                            num_gpu=-1 if args.num_gpu is None else args.num_gpu,
                            flash=getattr(args, "flash_attention", None),
                            cache=getattr(args, "kv_cache_type", None) or "f16",
-                           engine_version=llama_version(args, release))
+                           engine_version=release_named(getattr(args, "engine_version", None))[1])
 
 
 def ollama_gpus(free: list[int], vendor: str | None) -> list[OllamaGPU]:

@@ -50,28 +50,45 @@ def load_model(model) -> ServedModel:
 
 
 def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None, gpu: GPU | str | None = None,
-                  gpus: int = 1, fit: bool = True, **settings) -> LlamaCppEstimate:
+                  gpus: int = 1, fit: bool = True, version: str | None = None, **settings) -> LlamaCppEstimate:
     """llama.cpp's buffers (a LlamaCppEstimate) for `model`: a .gguf file, or a Hugging Face model (name, config.json,
     hub id, a transformers config or its dict) written as `quant`; with a `gpu`, the layers -ngl puts on `gpus` such
     GPUs (with `fit`, llama.cpp's default --fit first: the context and layers it chooses for the GPUs' memory less the
     CUDA context; its steps in the notes), else the CPU alone; `settings`: LlamaCppSettings' fields (ctx_size=...,
-    n_gpu_layers=..., flash_attn=..., n_cpu_moe=..., tensor_split=(3, 1), override_tensor=(("exps", "CPU"),))."""
+    n_gpu_layers=..., flash_attn=..., n_cpu_moe=..., tensor_split=(3, 1), override_tensor=(("exps", "CPU"),)).
+    engine="ollama": `version` its release (0.5.4, or a date; None: the newest) and `settings` Ollama's names
+    (num_ctx, num_parallel, num_gpu, flash_attention, kv_cache_type): its own choice of layers, its log lines in the
+    notes."""
     from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp, gguf_model
     from memfit.serving.llamacpp_fit import fit_llamacpp
     from memfit.serving.llamacpp_oom import gpu_budget
 
+    if isinstance(gpu, str):
+        gpu = get_gpu(gpu)   # an unknown name: one line
+    if gpus < 1:
+        raise MemfitError(f"gpus={gpus}: 1 or more (gpu=None: the CPU alone).")
+    if engine == "ollama":
+        from memfit.serving.ollama import LIBRARIES, release_named
+        from memfit.serving.ollama_load import OLLAMA_NAMES, ollama_gguf
+
+        unknown = sorted(set(settings) - set(OLLAMA_NAMES))
+        if unknown:
+            raise MemfitError(f"unknown Ollama setting(s) {', '.join(unknown)}; it takes {', '.join(OLLAMA_NAMES)}."
+                              f"{closest(unknown[0], OLLAMA_NAMES)}")
+        release, engine_version = release_named(version)
+        return ollama_gguf(gguf_model(model, quant), release, engine_version=engine_version,
+                           free=None if gpu is None else [gpu_budget(gpu)] * gpus,
+                           library=LIBRARIES.get(gpu.vendor, "cuda") if gpu else "cuda", **settings)
+    if version is not None:
+        settings["engine_version"] = version
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(LlamaCppSettings)})
     if unknown:
         names = [f.name for f in dataclasses.fields(LlamaCppSettings)]
         raise MemfitError(f"unknown llama.cpp setting(s) {', '.join(unknown)}; it takes {', '.join(names)}."
                           f"{closest(unknown[0], names)}")
-    if isinstance(gpu, str):
-        gpu = get_gpu(gpu)   # an unknown name: one line
-    if gpus < 1:
-        raise MemfitError(f"gpus={gpus}: 1 or more (gpu=None: the CPU alone).")
     gguf, chosen = gguf_model(model, quant), LlamaCppSettings(**settings)
     steps = []
-    if gpu is not None and fit and engine == "llama.cpp":
+    if gpu is not None and fit:
         fitted = fit_llamacpp(gguf, chosen, free=[gpu_budget(gpu)] * gpus)
         chosen, steps = fitted.settings, [f"llama.cpp's --fit: {'; '.join(fitted.steps)}"]
     result = estimate_llamacpp(gguf, chosen, engine=engine, gpus=0 if gpu is None else gpus)

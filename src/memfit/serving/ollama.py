@@ -69,6 +69,7 @@ CHANGES = {
     "llama_server_fit": ((0, 30, 0), None, "llama-server run with llama.cpp's --fit"),
 }
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?$")
+_DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 
 
 def _release_dates() -> dict[str, str]:
@@ -127,6 +128,17 @@ NEWEST_ESTIMATE = OllamaRelease((0, 12, 10))
 def newest_release() -> OllamaRelease:
     """The newest release memfit knows the date of."""
     return OllamaRelease(max(tuple(int(n) for n in v.split(".")) for v in _release_dates()))  # type: ignore[arg-type]
+
+
+def release_named(text: str | None) -> tuple[OllamaRelease, str | None]:
+    """An Ollama release named by its version (0.5.4) or a date (the release then), and the llama.cpp build it ran:
+    the date given, else the release's date (None: no release named, the newest rules)."""
+    if text is None:
+        return newest_release(), None
+    if _DATE.match(text):
+        return OllamaRelease.at(text), text
+    release = OllamaRelease.parse(text)
+    return release, release.date
 
 
 @dataclass

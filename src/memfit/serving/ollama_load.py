@@ -6,9 +6,11 @@ from dataclasses import replace
 
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
-from memfit.serving.llamacpp import LlamaCppSettings
+from memfit.serving.llamacpp import LlamaCppEstimate, LlamaCppSettings
 from memfit.serving.ollama import OllamaEstimate, OllamaGPU, OllamaRelease, schedule_ollama
 from memfit.serving.ollama_layout import OllamaLayout, layout_ollama
+
+OLLAMA_NAMES = ("num_ctx", "num_parallel", "num_gpu", "flash_attention", "kv_cache_type")   # what a notebook gives
 
 
 def runner_settings(release: OllamaRelease, *, num_ctx: int, parallel: int, num_gpu: int = -1,
@@ -53,3 +55,33 @@ def place(model: GGUFModel, settings: LlamaCppSettings, release: OllamaRelease, 
     split = tuple(float(n) for n in counts) if len(counts) > 1 else None
     return (replace(settings, ctx_size=num_ctx * slots, parallel=slots, n_gpu_layers=layers, tensor_split=split),
             len(counts), placed)
+
+
+def ollama_gguf(gguf: GGUFModel, release: OllamaRelease, *, engine_version: str | None, free: list[int] | None,
+                library: str = "cuda", num_ctx: int | None = None, num_parallel: int | None = None,
+                num_gpu: int | None = None, flash_attention: str | None = None, kv_cache_type: str | None = None
+                ) -> LlamaCppEstimate:
+    """llama.cpp's buffers as Ollama `release` loads `gguf` on GPUs with `free` bytes each (None: the CPU alone):
+    its defaults where a setting is not given, its own choice of the slots and layers (its estimate or layout, their
+    log lines first in the notes), or from 0.30 llama.cpp's --fit."""
+    from memfit.serving.llamacpp import estimate_llamacpp
+    from memfit.serving.llamacpp_fit import fit_llamacpp
+    from memfit.serving.ollama import default_num_ctx, default_parallel
+
+    total = sum(free or [])
+    settings = runner_settings(release, num_ctx=num_ctx or default_num_ctx(release, total),
+                               parallel=num_parallel or default_parallel(release),
+                               num_gpu=-1 if num_gpu is None else num_gpu, flash=flash_attention,
+                               cache=kv_cache_type or "f16", engine_version=engine_version)
+    notes, gpus = [], len(free or [])
+    if free and release.sizing == "fit":
+        fit = fit_llamacpp(gguf, settings, free=free)
+        settings, notes = fit.settings, [f"llama.cpp's --fit: {'; '.join(fit.steps)}"]
+    elif free:
+        settings, gpus, placed = place(gguf, settings, release, [OllamaGPU(f, library) for f in free],
+                                       parallel=num_parallel)
+        notes = [f"Ollama {release.name}'s estimate: {placed.log_line()}"] if isinstance(placed, OllamaEstimate) \
+            else [f"Ollama {release.name}'s layout: " + "; ".join(placed.log_lines())]
+    result = estimate_llamacpp(gguf, settings, engine="ollama", gpus=gpus)
+    result.notes[:0] = notes
+    return result
