@@ -132,7 +132,7 @@ def test_llamacpp_loads_here_as_memfit_predicts():
     """llama.cpp itself, run now: four of the record's cases loaded again (MHA at a small ubatch, split slots, a
     quantized cache with flash attention, Qwen3-MoE's experts with a rotated q8_0 cache) equal memfit's
     prediction."""
-    cases = [14, 8, 7, 41]
+    cases = [14, 8, 7, 54]
     child = subprocess.run([LLAMA_VENV_PYTHON, os.path.join(REPO, "benchmarks", "llamacpp_cpu_run.py"),
                             *[f"--case={i}" for i in cases]], capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
