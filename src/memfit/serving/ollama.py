@@ -62,8 +62,6 @@ CHANGES = {
     "projector_with_output": ((0, 7, 1), None, "d75557747: its own engine's projector placed with the output layer "
                                                "(num_ctx at least 2048)"),
     "gpt_oss": ((0, 11, 1), None, "fa7776fd2: gpt-oss's window layers and graph"),
-    "measured_ollama_engine": ((0, 12, 0), None, "the models Ollama's own engine runs laid out on their measured "
-                                                 "allocations"),
     "layout": ((0, 12, 11), None, "f560bd077: the llama runner's layers laid out as the engine's (on memory "
                                   "synthesized from GraphSize); the estimate gone"),
     "llama_server_fit": ((0, 30, 0), None, "llama-server run with llama.cpp's --fit"),
