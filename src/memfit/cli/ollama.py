@@ -88,15 +88,20 @@ def ollama_json(placed: OllamaEstimate | OllamaLayout | None, args: argparse.Nam
     release = release_of(args)
     source = (f"Ollama's llm/memory.go and fs/ggml GraphSize at {release.name}, replayed (checked on the estimates "
               "of five published Ollama logs)") if release.sizing == "estimate" else (
-        f"Ollama's llm/server.go layout at {release.name} on GraphSize's memory, replayed (not checked on a log)")
+        f"Ollama's llm/server.go layout at {release.name} on GraphSize's memory, replayed (checked on one published "
+        "figure)")
+    estimate = layout = None
+    if isinstance(placed, OllamaEstimate):
+        estimate = {**placed.fields(), "layers": placed.layers, "required_full_bytes": placed.required_full,
+                    "required_partial_bytes": placed.required_partial, "kv_bytes": placed.kv,
+                    "allocations_bytes": placed.allocations, "graph_full_bytes": placed.graph_full,
+                    "graph_partial_bytes": placed.graph_partial, "projector_weights_bytes": placed.projector_weights,
+                    "projector_graph_bytes": placed.projector_graph}
+    elif isinstance(placed, OllamaLayout):
+        layout = {"lines": placed.log_lines(), "layers": placed.layers,
+                  "per_gpu": [len(slots) for _, slots in placed.gpu_layers], "graph_bytes": placed.graph}
     return {"release": release.name, "sizing": release.sizing, "source": source if placed else None,
-            "estimate": {**placed.fields(), "layers": placed.layers, "required_full_bytes": placed.required_full,
-                         "required_partial_bytes": placed.required_partial, "kv_bytes": placed.kv,
-                         "allocations_bytes": placed.allocations, "graph_full_bytes": placed.graph_full,
-                         "graph_partial_bytes": placed.graph_partial} if isinstance(placed, OllamaEstimate) else None,
-            "layout": {"lines": placed.log_lines(), "layers": placed.layers, "per_gpu": [
-                len(slots) for _, slots in placed.gpu_layers], "graph_bytes": placed.graph}
-            if isinstance(placed, OllamaLayout) else None}
+            "estimate": estimate, "layout": layout}
 
 
 def ollama_lines(placed: OllamaEstimate | OllamaLayout) -> list[str]:
