@@ -137,9 +137,13 @@ def explain_ollama(args: argparse.Namespace, text: str, failure: LlamaCppFailure
                      f"{gpu.name}: {used / GiB:.2f} GiB of the {gpu_budget(gpu) / GiB:.2f} GiB {room}")
         ollamas = place(model, settings, release, devices, parallel=settings.parallel)[2]   # at llama.cpp's load
         expected = gpu_bytes_expected(ollamas)
+        if ollamas.layers != estimate.layers_on_gpu:   # another count: no like-for-like shortfall to give
+            gap = (f" (not the {estimate.layers_on_gpu} the log loaded: num_gpu was set, or the free memory it found "
+                   "was another)")
+        else:
+            gap = f": {(used - expected) / GiB:.2f} GiB short of llama.cpp's buffers" if used > expected else ""
         lines.append(f"Ollama {release.name}'s own {release.sizing} at these settings: {ollamas.layers} layer slots, "
-                     f"{expected / GiB:.2f} GiB on the GPU"
-                     + (f": {(used - expected) / GiB:.2f} GiB short of llama.cpp's buffers" if used > expected else ""))
+                     f"{expected / GiB:.2f} GiB on the GPU{gap}")
         report.update(ollama_expected_gpu_bytes=expected)
         if used <= gpu_budget(gpu):
             lines.append("  (they fit: what failed is outside them, e.g. another program's memory or the CUDA "

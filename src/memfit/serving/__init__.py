@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from memfit.core.errors import MemfitError, closest
 from memfit.serving.estimate import ServingEstimate, estimate_serving
 from memfit.serving.load import Load
+from memfit.serving.releases import LOCAL_ENGINES
 from memfit.serving.served_model import ServedModel, served_model
 from memfit.serving.settings import ServeSettings
 from memfit.specs.hardware import GPU, get_gpu
@@ -67,6 +68,9 @@ def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None,
         gpu = get_gpu(gpu)   # an unknown name: one line
     if gpus < 1:
         raise MemfitError(f"gpus={gpus}: 1 or more (gpu=None: the CPU alone).")
+    if engine not in LOCAL_ENGINES:
+        raise MemfitError(f"engine={engine!r}: a GGUF model runs in {' or '.join(LOCAL_ENGINES)}."
+                          f"{closest(str(engine), LOCAL_ENGINES)}")
     if engine == "ollama":
         from memfit.serving.ollama import LIBRARIES, release_named
         from memfit.serving.ollama_load import OLLAMA_NAMES, ollama_gguf
