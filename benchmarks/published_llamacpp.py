@@ -20,8 +20,9 @@ from pathlib import Path
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_recipe import from_config, quantize
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
-from memfit.serving.ollama import OllamaGPU, OllamaRelease, schedule_ollama
+from memfit.serving.ollama import OllamaGPU, schedule_ollama
 from memfit.serving.ollama_layout import layout_ollama
+from memfit.serving.ollama_releases import OllamaRelease
 from memfit.specs.model_configs import find_config
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -107,6 +107,17 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1)
 
 
+def benchmark(name: str):
+    """A script of benchmarks/ loaded as a module (its record readers and comparisons)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """`memfit ARGV`'s exit code, standard output and standard error (argparse's refusals exit by SystemExit)."""
     from memfit.cli.main import main

@@ -1,6 +1,5 @@
 """llama.cpp's buffers: memfit against real llama.cpp loads here (benchmarks/llamacpp_cpu_run.py's record, and live
 where ./.venv-llama holds the build), a GGUF file read from its header, and the command line."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,19 +10,12 @@ from memfit.cli.main import main
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import read_gguf
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp
-from tests.conftest import LLAMA_FLAGS, run_cli
+from tests.conftest import LLAMA_FLAGS, benchmark, run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-check, recorder = _benchmark("llamacpp_cpu_check"), _benchmark("llamacpp_cpu_run")
+check, recorder = benchmark("llamacpp_cpu_check"), benchmark("llamacpp_cpu_run")
 compare, model_of, settings_of, write_gguf = check.compare, check.model_of, check.settings_of, recorder.write_gguf
 
 LLAMA_VENV_PYTHON = os.path.join(REPO, ".venv-llama", "bin", "python")
@@ -194,7 +186,7 @@ def test_published_load_logs_are_reproduced_within_the_targets():
     """benchmarks/published_llamacpp.py: every row of the calibration set memfit can express, at its release's rules
     (the KV padding, the output buffer, set_rows' index inputs, the F32 mask cast for flash attention, the
     embeddings input): the weights and KV to the hundredth of a MiB, the compute buffers within the target."""
-    bench = _benchmark("published_llamacpp")
+    bench = benchmark("published_llamacpp")
     records = bench.run()
     totals = bench.summary(records)
     assert totals["weights_and_kv"]["figures"] >= 40 and totals["weights_and_kv"]["mean_abs_error"] <= 0.005
@@ -467,7 +459,7 @@ def test_the_process_grows_by_the_host_figure():
     types with its context filled, grew its resident size by memfit's host buffers plus the repacked weights' pages
     within 10 % each; for a repacked type (Q4_0) the pages the repacking copied from stay resident (without them
     memfit would be over 15 % short)."""
-    rss = _benchmark("llamacpp_cpu_rss")
+    rss = benchmark("llamacpp_cpu_rss")
     with open(rss.RESULTS + ".json") as fh:
         rows = rss.rows(json.load(fh)["runs"])
     assert len(rows) >= 5 and all(abs(row["error"]) <= 0.10 for row in rows), rows

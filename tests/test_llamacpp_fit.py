@@ -10,7 +10,7 @@ from memfit.core.errors import MemfitError
 from memfit.core.units import MiB
 from memfit.serving.llamacpp import LlamaCppSettings, estimate_llamacpp, gguf_model
 from memfit.serving.llamacpp_fit import FIT_TARGET, _step, fit_llamacpp, parse_overrides
-from tests.conftest import LLAMA_FLAGS, run_cli
+from tests.conftest import LLAMA_FLAGS, benchmark, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +154,7 @@ def test_the_command_line_shows_the_fit(capsys):
 
 
 def _fit_run():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("llamacpp_fit_run", "benchmarks/llamacpp_fit_run.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return benchmark("llamacpp_fit_run")
 
 
 def test_fits_and_split_graphs_recorded_from_real_llamacpp_runs_here():

@@ -1,19 +1,8 @@
 """memfit's llama.cpp planner (`memfit plan MODEL --engine llama.cpp`): the file type, KV cache and split that fit a
 card and the host, each with its speed, and the commands it exports."""
-import importlib.util
 import json
-import os
 
-from tests.conftest import LLAMA_FLAGS, run_cli
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import LLAMA_FLAGS, benchmark, run_cli
 
 
 def test_a_32b_on_a_12_gb_card_plans_a_partial_offload_with_its_speed(capsys):
@@ -59,7 +48,7 @@ def test_the_planners_stated_speed_errors_are_the_ones_it_computes():
     model. Generating is held to the calibration's own rows, and to the held-out ones within a third."""
     from memfit.serving.llamacpp_plan import SPEED_SOURCE
 
-    bench = _benchmark("published_llamabench")
+    bench = benchmark("published_llamabench")
     totals = bench.summary(bench.run())
     calibrated, held_out = totals["tg_calibrated"], totals["tg_held_out"]
     prompt, prompt_held_out = totals["pp_calibrated"], totals["pp_held_out"]

@@ -9,8 +9,6 @@ from memfit.core.errors import MemfitError
 from memfit.serving.llamacpp import gguf_model
 from memfit.serving.ollama import (
     OllamaGPU,
-    OllamaRelease,
-    default_num_ctx,
     estimate_ollama,
     graph_sizes,
     human_bytes,
@@ -19,6 +17,7 @@ from memfit.serving.ollama import (
     schedule_ollama,
 )
 from memfit.serving.ollama_layout import layout_ollama
+from memfit.serving.ollama_releases import OllamaRelease, default_num_ctx
 from tests.conftest import run_cli
 
 GiB = 1 << 30
@@ -109,8 +108,8 @@ def test_each_release_sizes_the_load_its_own_way(capsys):
 
 @pytest.mark.parametrize("version", ["0.5", "v0.5.4", "2024-12"])
 def test_a_release_is_named_by_version_or_date(version):
-    assert OllamaRelease.parse(version).version[:2] == (0, 5) if "-" not in version else (
-        OllamaRelease.at(version).version[:2] == (0, 5))
+    release = OllamaRelease.at(version) if "-" in version else OllamaRelease.parse(version)
+    assert release.version[:2] == (0, 5)
 
 
 def test_bad_releases_and_sizes_are_refused_plainly(capsys):

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppSettings
-from memfit.serving.ollama import (
-    LIBRARIES,
-    OllamaEstimate,
-    OllamaGPU,
-    OllamaRelease,
-    default_num_ctx,
-    default_parallel,
-    release_named,
-)
+from memfit.serving.ollama import OllamaEstimate, ollama_gpus
 from memfit.serving.ollama_layout import OllamaLayout
-from memfit.serving.ollama_load import place, runner_settings
+from memfit.serving.ollama_load import place, placement_notes, runner_settings
+from memfit.serving.ollama_releases import OllamaRelease, default_num_ctx, default_parallel, release_named
 
 
 def add_ollama_settings(group) -> None:
@@ -51,13 +43,6 @@ def ollama_settings(args: argparse.Namespace, total_vram: int = 0) -> LlamaCppSe
                            engine_version=release_named(getattr(args, "engine_version", None))[1])
 
 
-def ollama_gpus(free: list[int], vendor: str | None) -> list[OllamaGPU]:
-    library = LIBRARIES.get(vendor or "nvidia")
-    if library is None:
-        raise MemfitError(f"Ollama's estimate knows CUDA, ROCm and Metal GPUs, not {vendor}'s.")
-    return [OllamaGPU(f, library) for f in free]
-
-
 def ollama_load(model: GGUFModel, settings: LlamaCppSettings, args: argparse.Namespace, free: list[int] | None,
                 vendor: str | None, gpus: int
                 ) -> tuple[LlamaCppSettings, int, OllamaEstimate | OllamaLayout | None, str]:
@@ -71,15 +56,9 @@ def ollama_load(model: GGUFModel, settings: LlamaCppSettings, args: argparse.Nam
     if not free:
         return settings, gpus, None, (f"Ollama {release.name}'s own {release.sizing} chooses num_gpu for the GPUs' "
                                       "free memory: give --gpu NAME or --gpu-free MiB to see its choice")
-    note = ""
-    if getattr(args, "kv_cache_type", None) not in (None, "f16") and settings.cache_type_k == "f16":
-        note = "Ollama's runner ignores OLLAMA_KV_CACHE_TYPE without flash attention (--flash-attention on)"
     changed, used, placed = place(model, settings, release, ollama_gpus(free, vendor), parallel=args.num_parallel)
-    if isinstance(placed, OllamaLayout) and used and all(model.n_layer not in slots for _, slots in placed.gpu_layers):
-        note = (f"Ollama's layout leaves the output layer off the GPUs, but its runner passes llama.cpp -ngl "
-                f"{changed.n_gpu_layers}, the last {changed.n_gpu_layers} layer slots, the output layer among them: "
-                "the buffers below are llama.cpp's")
-    return changed, used, placed, note
+    notes = placement_notes(model, changed, placed, asked_cache=getattr(args, "kv_cache_type", None))
+    return changed, used, placed, "; ".join(notes)
 
 
 def ollama_json(placed: OllamaEstimate | OllamaLayout | None, args: argparse.Namespace) -> dict | None:

@@ -72,8 +72,8 @@ def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None,
         raise MemfitError(f"engine={engine!r}: a GGUF model runs in {' or '.join(LOCAL_ENGINES)}."
                           f"{closest(str(engine), LOCAL_ENGINES)}")
     if engine == "ollama":
-        from memfit.serving.ollama import LIBRARIES, release_named
         from memfit.serving.ollama_load import OLLAMA_NAMES, ollama_gguf
+        from memfit.serving.ollama_releases import release_named
 
         unknown = sorted(set(settings) - set(OLLAMA_NAMES))
         if unknown:
@@ -82,7 +82,7 @@ def estimate_gguf(model, *, engine: str = "llama.cpp", quant: str | None = None,
         release, engine_version = release_named(version)
         return ollama_gguf(gguf_model(model, quant), release, engine_version=engine_version,
                            free=None if gpu is None else [gpu_budget(gpu)] * gpus,
-                           library=LIBRARIES.get(gpu.vendor, "cuda") if gpu else "cuda", **settings)
+                           vendor=gpu.vendor if gpu else None, **settings)
     if version is not None:
         settings["engine_version"] = version
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(LlamaCppSettings)})

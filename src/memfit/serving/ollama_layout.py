@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
-from memfit.serving.ollama import OllamaGPU, OllamaRelease, graph_sizes, human_bytes, kv_per_layer, layer_groups
+from memfit.serving.ollama import OllamaGPU, graph_sizes, human_bytes, kv_per_layer, layer_groups
+from memfit.serving.ollama_releases import OllamaRelease
 
 
 @dataclass

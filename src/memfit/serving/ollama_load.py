@@ -7,8 +7,9 @@ from dataclasses import replace
 from memfit.core.errors import MemfitError
 from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppEstimate, LlamaCppSettings
-from memfit.serving.ollama import OllamaEstimate, OllamaGPU, OllamaRelease, schedule_ollama
+from memfit.serving.ollama import OllamaEstimate, OllamaGPU, ollama_gpus, schedule_ollama
 from memfit.serving.ollama_layout import OllamaLayout, layout_ollama
+from memfit.serving.ollama_releases import OllamaRelease, default_num_ctx, default_parallel
 
 OLLAMA_NAMES = ("num_ctx", "num_parallel", "num_gpu", "flash_attention", "kv_cache_type")   # what a notebook gives
 
@@ -57,8 +58,23 @@ def place(model: GGUFModel, settings: LlamaCppSettings, release: OllamaRelease, 
             len(counts), placed)
 
 
+def placement_notes(model: GGUFModel, settings: LlamaCppSettings, placed: OllamaEstimate | OllamaLayout, *,
+                    asked_cache: str | None = None) -> list[str]:
+    """What to say of a placement beside llama.cpp's buffers: an OLLAMA_KV_CACHE_TYPE the runner ignored (no flash
+    attention), and a layout that left the output layer off while llama.cpp, given -ngl N, loads the last N slots."""
+    notes = []
+    if asked_cache not in (None, "f16") and settings.cache_type_k == "f16":
+        notes.append("Ollama's runner ignores OLLAMA_KV_CACHE_TYPE without flash attention (--flash-attention on)")
+    if isinstance(placed, OllamaLayout) and placed.layers \
+            and all(model.n_layer not in slots for _, slots in placed.gpu_layers):
+        notes.append(f"Ollama's layout leaves the output layer off the GPUs, but its runner passes llama.cpp -ngl "
+                     f"{settings.n_gpu_layers}, the last {settings.n_gpu_layers} layer slots, the output layer among "
+                     "them: the buffers shown are llama.cpp's")
+    return notes
+
+
 def ollama_gguf(gguf: GGUFModel, release: OllamaRelease, *, engine_version: str | None, free: list[int] | None,
-                library: str = "cuda", num_ctx: int | None = None, num_parallel: int | None = None,
+                vendor: str | None = None, num_ctx: int | None = None, num_parallel: int | None = None,
                 num_gpu: int | None = None, flash_attention: str | None = None, kv_cache_type: str | None = None
                 ) -> LlamaCppEstimate:
     """llama.cpp's buffers as Ollama `release` loads `gguf` on GPUs with `free` bytes each (None: the CPU alone):
@@ -66,7 +82,6 @@ def ollama_gguf(gguf: GGUFModel, release: OllamaRelease, *, engine_version: str 
     log lines first in the notes), or from 0.30 llama.cpp's --fit."""
     from memfit.serving.llamacpp import estimate_llamacpp
     from memfit.serving.llamacpp_fit import fit_llamacpp
-    from memfit.serving.ollama import default_num_ctx, default_parallel
 
     total = sum(free or [])
     settings = runner_settings(release, num_ctx=num_ctx or default_num_ctx(release, total),
@@ -78,10 +93,10 @@ def ollama_gguf(gguf: GGUFModel, release: OllamaRelease, *, engine_version: str 
         fit = fit_llamacpp(gguf, settings, free=free)
         settings, notes = fit.settings, [f"llama.cpp's --fit: {'; '.join(fit.steps)}"]
     elif free:
-        settings, gpus, placed = place(gguf, settings, release, [OllamaGPU(f, library) for f in free],
-                                       parallel=num_parallel)
+        settings, gpus, placed = place(gguf, settings, release, ollama_gpus(free, vendor), parallel=num_parallel)
         notes = [f"Ollama {release.name}'s estimate: {placed.log_line()}"] if isinstance(placed, OllamaEstimate) \
             else [f"Ollama {release.name}'s layout: " + "; ".join(placed.log_lines())]
+        notes += placement_notes(gguf, settings, placed, asked_cache=kv_cache_type)
     result = estimate_llamacpp(gguf, settings, engine="ollama", gpus=gpus)
     result.notes[:0] = notes
     return result

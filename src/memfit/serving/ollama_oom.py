@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 
 from memfit.serving.gguf_file import GGUFModel
 from memfit.serving.llamacpp import LlamaCppSettings
-from memfit.serving.llamacpp_oom import Fix
+from memfit.serving.llamacpp_oom import FAILURES, Fix
 from memfit.serving.llamacpp_plan import QUALITY
-from memfit.serving.ollama import OllamaEstimate, OllamaGPU, OllamaRelease
+from memfit.serving.ollama import OllamaEstimate, OllamaGPU
 from memfit.serving.ollama_layout import OllamaLayout
 from memfit.serving.ollama_load import place
+from memfit.serving.ollama_releases import OllamaRelease
 
-_HOST = re.compile(r"model requires more system memory \(([\d.]+) (GiB|MiB)\) than is available \(([\d.]+) (GiB|MiB)\)")
+_HOST = dict(FAILURES)["host"]   # Ollama's refusal, as llama.cpp's failures are read
 _OFFLOAD = re.compile(r"layers\.offload=(\d+)")
 _AVAILABLE = re.compile(r'memory\.available="?\[([\d.]+) (GiB|MiB)')
 _RUNNER = {"parallel": re.compile(r"--parallel (\d+)"), "n_gpu_layers": re.compile(r"--n-gpu-layers (\d+)"),

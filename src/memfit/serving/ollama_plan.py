@@ -16,8 +16,9 @@ from memfit.serving.llamacpp_fit import fit_llamacpp
 from memfit.serving.llamacpp_oom import gpu_budget
 from memfit.serving.llamacpp_plan import HOST_RESERVE, KV_Q8_COST, QUALITY, LlamaCppPlan, LlamaCppPlanResult
 from memfit.serving.llamacpp_speed import HOST_BANDWIDTH_GBPS, speed
-from memfit.serving.ollama import LIBRARIES, OllamaGPU, OllamaRelease, default_num_ctx, default_parallel
+from memfit.serving.ollama import ollama_gpus
 from memfit.serving.ollama_load import place, runner_settings
+from memfit.serving.ollama_releases import OllamaRelease, default_num_ctx, default_parallel
 from memfit.specs.hardware import GPU
 
 
@@ -36,7 +37,7 @@ def plan_ollama(model: str, gpu: GPU, release: OllamaRelease, *, host_ram_bytes:
     """Every searched quantization and environment, at the layers Ollama `release` chooses on `gpus` GPUs of `gpu`
     (their memory less the CUDA context free), where llama.cpp's buffers then fit, ranked."""
     free = [gpu_budget(gpu)] * gpus
-    devices = [OllamaGPU(f, LIBRARIES.get(gpu.vendor, "cuda")) for f in free]
+    devices = ollama_gpus(free, gpu.vendor)
     num_ctx = num_ctx or default_num_ctx(release, gpu.memory_bytes * gpus)
     plans, rejected, least_host = [], [], 0
     for quant in quants:
